@@ -1,0 +1,81 @@
+"""rollart-core: contracts, shared types, configs, registry and the control plane.
+
+Public API, grouped:
+
+- protocols: :class:`InferenceEngine`, :class:`SupportsPause`, :class:`SupportsWeightUpdate`,
+  :class:`Environment`, :class:`RewardFunction`, :class:`Trainer`, :class:`WeightStore`,
+  :class:`ChatFormat`
+- types: :class:`Trajectory`, :class:`Turn`, :class:`Fate`, :class:`SamplingParams`,
+  :class:`GenerateRequest`, :class:`GenerateOutput`, :class:`StepResult`, :class:`RewardResult`
+- config: :class:`RunConfig` (and its sections), :func:`load_config`
+- errors: :class:`RollartError`, :class:`ConfigError`, ...
+- registry: :func:`resolve`, :func:`build`, :func:`available`
+- resource plane: :func:`affinity`, :class:`AffinitySpec`
+- control plane: :class:`SampleBuffer`, :func:`run_trajectory` (``rollart_core.loop.train`` runs a job)
+
+Importing rollart_core never imports torch, vLLM, Ray or any member package.
+"""
+
+from rollart_core.affinity import AffinitySpec, affinity, get_affinity
+from rollart_core.buffer import SampleBuffer
+from rollart_core.config import (
+    ComponentConfig,
+    EngineGroupConfig,
+    ModelConfig,
+    RayConfig,
+    RunConfig,
+    TaskConfig,
+    TrainConfig,
+    load_config,
+)
+from rollart_core.errors import (
+    ConfigError,
+    EngineError,
+    EnvError,
+    MissingExtraError,
+    RegistryError,
+    RewardError,
+    RollartError,
+    TrainerError,
+    WeightSyncError,
+)
+from rollart_core.protocols import (
+    ChatFormat,
+    Environment,
+    InferenceEngine,
+    RewardFunction,
+    SupportsPause,
+    SupportsWeightUpdate,
+    Trainer,
+    WeightStore,
+)
+from rollart_core.registry import available, build, resolve
+from rollart_core.runner import run_trajectory
+from rollart_core.types import (
+    Fate,
+    GenerateOutput,
+    GenerateRequest,
+    RewardResult,
+    SamplingParams,
+    StepResult,
+    Trajectory,
+    Turn,
+)
+
+__all__ = [
+    # protocols
+    "ChatFormat", "Environment", "InferenceEngine", "RewardFunction", "SupportsPause",
+    "SupportsWeightUpdate", "Trainer", "WeightStore",
+    # types
+    "Fate", "GenerateOutput", "GenerateRequest", "RewardResult", "SamplingParams", "StepResult",
+    "Trajectory", "Turn",
+    # config
+    "ComponentConfig", "EngineGroupConfig", "ModelConfig", "RayConfig", "RunConfig", "TaskConfig",
+    "TrainConfig", "load_config",
+    # errors
+    "ConfigError", "EngineError", "EnvError", "MissingExtraError", "RegistryError", "RewardError",
+    "RollartError", "TrainerError", "WeightSyncError",
+    # registry, resource and control planes
+    "AffinitySpec", "SampleBuffer", "affinity", "available", "build", "get_affinity", "resolve",
+    "run_trajectory",
+]

@@ -1,0 +1,66 @@
+"""``rollart`` command line: ``rollart train <config.yaml>``; no arguments prints help."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+
+from rollart_core.errors import RollartError
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rollart", description="rollart: disaggregated agentic RL training.")
+    sub = p.add_subparsers(dest="command")
+    t = sub.add_parser("train", help="run a training job from a YAML config")
+    t.add_argument("config", help="path to the run config (YAML)")
+    t.add_argument("--steps", type=int, help="override train.steps")
+    t.add_argument("--output-dir", help="override output_dir")
+    t.add_argument("-v", "--verbose", action="store_true", help="show INFO logs")
+    c = sub.add_parser("check-config", help="validate a config file and print it resolved")
+    c.add_argument("config")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    from rollart_core.config import load_config
+
+    try:
+        cfg = load_config(args.config)
+        if args.command == "check-config":
+            print(cfg.model_dump_json(indent=2))
+            return 0
+        updates: dict[str, object] = {}
+        if args.steps is not None:
+            cfg.train.steps = args.steps
+        if args.output_dir is not None:
+            from pathlib import Path
+
+            updates["output_dir"] = Path(args.output_dir).resolve()
+        cfg = cfg.model_copy(update=updates)
+        logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        from rollart_core.loop import train
+
+        summary = asyncio.run(train(cfg))
+    except RollartError as exc:
+        print(f"rollart: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    summary.pop("history", None)
+    print(json.dumps(summary, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

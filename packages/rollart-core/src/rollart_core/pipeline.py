@@ -1,0 +1,126 @@
+"""Build a run's components from a :class:`RunConfig`, and tear them down again.
+
+Core imports no member package: implementations are resolved by name through the registry, and
+Ray actors are created here, when the pipeline is built (R1: placement from each class's recorded
+affinity, overridable per engine group in the config).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import AsyncExitStack
+from typing import Any
+
+from rollart_core.affinity import get_affinity, ray_actor_options
+from rollart_core.buffer import SampleBuffer
+from rollart_core.cluster import RayCluster
+from rollart_core.config import RunConfig, TaskConfig
+from rollart_core.errors import ConfigError
+from rollart_core.registry import build, resolve, validate_options
+
+__all__ = ["Pipeline"]
+
+log = logging.getLogger(__name__)
+_ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+class Pipeline:
+    """``async with Pipeline(cfg) as p:`` gives ``p.trainer``, ``p.store``, ``p.proxy``, ``p.chat``,
+    ``p.buffer``, per-task ``p.rewards`` and ``p.make_env(task)``."""
+
+    def __init__(self, config: RunConfig) -> None:
+        self.config = config
+        self._stack = AsyncExitStack()
+        self.actors: list[Any] = []
+        self.timings: dict[str, float] = {}
+
+    async def __aenter__(self) -> Pipeline:
+        cfg = self.config
+        try:
+            await self._build(cfg)
+        except BaseException:
+            await self.__aexit__(None, None, None)
+            raise
+        return self
+
+    async def _build(self, cfg: RunConfig) -> None:
+        t0 = time.perf_counter()
+        self._ensure_model()
+        # validate every component's options before starting anything expensive
+        for i, task in enumerate(cfg.tasks):
+            validate_options(resolve("env", task.env.impl), task.env.options, f"tasks.{i}.env.options")
+            validate_options(resolve("reward", task.reward.impl), task.reward.options, f"tasks.{i}.reward.options")
+        engine_cfgs = [
+            validate_options(resolve("engine", g.impl), g.options, f"engines.{i}.options") for i, g in enumerate(cfg.engines)
+        ]
+        store_opts = dict(cfg.weight_store.options)
+        if cfg.weight_store.impl == "filesystem":
+            store_opts.setdefault("root", str(cfg.output_dir / "weights"))
+        self.store = build("weight_store", cfg.weight_store.impl, store_opts, "weight_store.options")
+        self.trainer = build("trainer", cfg.trainer.impl, cfg.trainer.options, "trainer.options", model_path=cfg.model.path)
+        self.chat = resolve("chat", cfg.model.chat_format)(cfg.model.path)
+        self.rewards = {
+            t.name: resolve("reward_executor", "inline")(
+                build("reward", t.reward.impl, t.reward.options, f"tasks.{i}.reward.options")
+            )
+            for i, t in enumerate(cfg.tasks)
+        }
+        self.buffer = SampleBuffer(cfg.train.alpha)
+        self._stack.enter_context(RayCluster(cfg.ray))
+        self.timings["build_local_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        await self._start_engines(engine_cfgs)
+        self.timings["engines_start_s"] = time.perf_counter() - t0
+
+    def _ensure_model(self) -> None:
+        m = self.config.model
+        is_model_dir = resolve("model", "rollart_train.tiny:is_model_dir")
+        if is_model_dir(m.path):
+            return
+        if not m.create_tiny:
+            raise ConfigError(f"model.path {m.path} is not a Hugging Face model directory (set create_tiny: true "
+                              "to create the tiny random model there)")
+        log.info("creating the tiny model at %s", m.path)
+        resolve("model", "rollart_train.tiny:create_tiny_model")(m.path, dtype=m.dtype)
+
+    async def _start_engines(self, engine_cfgs: list[Any]) -> None:
+        import ray
+
+        proxy_cls = resolve("proxy", "default")
+        members: list[tuple[str, Any, str]] = []
+        for group, ecfg in zip(self.config.engines, engine_cfgs, strict=True):
+            cls = resolve("engine", group.impl)
+            spec = get_affinity(cls, pool=group.pool, num_cpus=group.num_cpus)
+            for r in range(group.count):
+                name = f"{group.name}-{r}"
+                actor = (
+                    ray.remote(cls)
+                    .options(**ray_actor_options(spec), name=f"rollart-{name}", max_concurrency=1024,
+                             runtime_env={"env_vars": _ENGINE_ENV})
+                    .remote(ecfg, model_path=str(self.config.model.path), weight_store=self.store, name=name)
+                )
+                self.actors.append(actor)
+                members.append((name, actor, group.name))
+        await asyncio.gather(*(a.start.remote() for a in self.actors))
+        task_pools = {t.name: t.pool for t in self.config.tasks if t.pool is not None}
+        self.proxy = proxy_cls.from_ray_actors(members, task_pools=task_pools)
+
+    def make_env(self, task: TaskConfig, index: int) -> Any:
+        return build("env", task.env.impl, task.env.options, f"tasks.{index}.env.options")
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.actors:
+            import ray
+        for a in self.actors:
+            try:
+                await asyncio.wait_for(a.shutdown.remote(), timeout=30)
+            except Exception as e:  # the actor may already be dead; kill it regardless
+                log.warning("engine shutdown failed: %r", e)
+            ray.kill(a)
+        self.actors.clear()
+        store = getattr(self, "store", None)
+        if store is not None and hasattr(store, "close"):
+            store.close()
+        await self._stack.aclose()

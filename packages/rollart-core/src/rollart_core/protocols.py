@@ -1,0 +1,172 @@
+"""Cross-package contracts. Each plane's package implements these; core wires them together.
+
+Primitives and who calls them:
+
+``InferenceEngine`` (implemented by rollart-proxy back-ends, called by the LLMProxy)
+    generate(request)        one turn of one trajectory: token ids in, ids + logprobs + versions out
+    abort(request_id)        cancel one in-flight request (stale or redundant trajectories)
+    weight_version()         policy version of the weights the engine serves now
+``SupportsPause`` (optional engine capability, called by the coordinator through the proxy)
+    pause(mode)              stop scheduling; ``keep`` freezes in-flight requests without loss
+    resume()                 continue scheduling
+``SupportsWeightUpdate`` (optional engine capability, called by the coordinator)
+    update_weights(version)  pull ``version`` from the engine's weight store and load it; never
+                             aborts in-flight requests
+``Environment`` (rollart-env, called by the trajectory runner)
+    reset(seed) / step(action_text) / close(); ``action_vocabulary`` and ``system_prompt``
+``RewardFunction`` (rollart-reward, called by a reward executor)
+    score(trajectory)        a finished trajectory's reward; ``stateless`` says it may be offloaded
+``Trainer`` (rollart-train, called by the coordinator)
+    train_step(batch) / named_weights() / save(path) / version
+``WeightStore`` (rollart-weightsync; trainer pushes, inference workers pull)
+    push(version, tensors) / latest_version() / pull(version) / wait_for(version)
+``ChatFormat`` (token-level chat formatting, called by the trajectory runner)
+    first_turn(system, user) / next_turn(user, previous_output) / action_token_ids(actions) / decode(ids)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+from rollart_core.types import GenerateOutput, GenerateRequest, RewardResult, StepResult, Trajectory
+
+if TYPE_CHECKING:  # torch is never imported by core at run time
+    import torch
+
+__all__ = [
+    "ChatFormat",
+    "Environment",
+    "InferenceEngine",
+    "PauseMode",
+    "RewardFunction",
+    "SupportsPause",
+    "SupportsWeightUpdate",
+    "Trainer",
+    "WeightStore",
+]
+
+PauseMode = Literal["keep", "wait", "abort"]
+
+
+@runtime_checkable
+class InferenceEngine(Protocol):
+    """An inference worker: one engine (vLLM, SGLang, ...) serving one copy of the policy."""
+
+    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        """Generate one turn. Raises :class:`~rollart_core.errors.EngineError` on a bad request."""
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Cancel one in-flight request; a no-op if it already finished."""
+        ...
+
+    async def weight_version(self) -> int:
+        """The policy version of the weights served now."""
+        ...
+
+
+@runtime_checkable
+class SupportsPause(Protocol):
+    async def pause(self, mode: PauseMode = "keep") -> None:
+        """Stop scheduling. ``keep``: in-flight requests stay and continue after :meth:`resume`."""
+        ...
+
+    async def resume(self) -> None: ...
+
+
+@runtime_checkable
+class SupportsWeightUpdate(Protocol):
+    async def update_weights(self, version: int) -> float:
+        """Load ``version`` from the weight store; returns seconds generation was blocked."""
+        ...
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """A stateful text environment: text in, text out."""
+
+    action_vocabulary: Sequence[str] | None
+    """Discrete actions, each one token (used for ``allowed_token_ids``); None for free text."""
+    system_prompt: str | None
+
+    async def reset(self, seed: int) -> tuple[str, dict[str, Any]]:
+        """Start an episode; deterministic given ``seed``. Returns observation and info."""
+        ...
+
+    async def step(self, action_text: str) -> StepResult:
+        """Apply an action. An unparsable action yields an observation saying so, not an exception."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+@runtime_checkable
+class RewardFunction(Protocol):
+    stateless: bool
+    """True if the function keeps no state between calls and may run anywhere (serverless)."""
+
+    async def score(self, trajectory: Trajectory) -> RewardResult: ...
+
+
+@runtime_checkable
+class Trainer(Protocol):
+    """Owns the policy's trainable copy. Compute-bound and synchronous: callers run it off-loop."""
+
+    version: int
+    """Policy version of the current weights (0 = initial, +1 per optimizer step)."""
+
+    def train_step(self, batch: Sequence[Trajectory]) -> dict[str, float]:
+        """One policy update on ``batch``; bumps :attr:`version`; returns metrics."""
+        ...
+
+    def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """Full (unsharded) tensors in Hugging Face naming, for the weight store."""
+        ...
+
+    def save(self, path: str) -> None: ...
+
+
+@runtime_checkable
+class WeightStore(Protocol):
+    """Versioned weights: the trainer pushes asynchronously, inference workers pull on demand.
+
+    A version becomes visible only once completely written (atomic commit): a reader never sees
+    a partial version.
+    """
+
+    def push(self, version: int, tensors: Mapping[str, torch.Tensor]) -> Future[None]:
+        """Start writing ``version``; returns at once. The future completes at commit."""
+        ...
+
+    def latest_version(self) -> int | None:
+        """Newest committed version, or None if nothing was committed."""
+        ...
+
+    def pull(self, version: int) -> dict[str, torch.Tensor]:
+        """Read a committed version; raises WeightSyncError if it is not committed."""
+        ...
+
+    def wait_for(self, version: int, timeout: float | None = None) -> int:
+        """Block until ``version`` or newer is committed; returns the newest committed version."""
+        ...
+
+
+@runtime_checkable
+class ChatFormat(Protocol):
+    """Turns text into the exact token ids the policy sees, turn by turn (no re-tokenisation)."""
+
+    def first_turn(self, system: str | None, user: str) -> list[int]: ...
+
+    def next_turn(self, user: str, previous_output: Sequence[int]) -> list[int]:
+        """Tokens that close the previous assistant turn (unless it closed itself) and open the next."""
+        ...
+
+    def action_token_ids(self, actions: Sequence[str]) -> list[int]:
+        """One token id per action; raises ConfigError if an action is not a single token."""
+        ...
+
+    def stop_token_ids(self) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...

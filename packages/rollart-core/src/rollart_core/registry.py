@@ -1,0 +1,78 @@
+"""Find implementations by name (entry points) or by ``"package.module:Class"`` path, lazily.
+
+Groups: ``rollart.engine``, ``rollart.env``, ``rollart.reward``, ``rollart.trainer``,
+``rollart.weight_store``, ``rollart.proxy``. A member package registers its implementations in
+its ``pyproject.toml``; nothing is imported until it is chosen.
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import entry_points
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from rollart_core.errors import ConfigError, MissingExtraError, RegistryError
+
+__all__ = ["GROUPS", "available", "build", "resolve", "validate_options"]
+
+GROUPS = ("engine", "env", "reward", "reward_executor", "trainer", "weight_store", "proxy")
+T = TypeVar("T")
+
+
+def available(group: str) -> list[str]:
+    """Names registered in ``rollart.<group>`` by the installed packages."""
+    return sorted(ep.name for ep in entry_points(group=f"rollart.{group}"))
+
+
+def resolve(group: str, name: str) -> Any:
+    """Return the object named ``name`` in ``group`` (or at the ``module:attr`` path)."""
+    if ":" in name:
+        module_name, _, attr = name.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except MissingExtraError:
+            raise
+        except ImportError as exc:
+            raise RegistryError(f"cannot import {module_name!r} for {group} {name!r}: {exc}") from exc
+        try:
+            return getattr(module, attr)
+        except AttributeError:
+            raise RegistryError(f"module {module_name!r} has no attribute {attr!r}") from None
+    matches = [ep for ep in entry_points(group=f"rollart.{group}") if ep.name == name]
+    if not matches:
+        known = ", ".join(available(group)) or "none installed"
+        raise RegistryError(
+            f"unknown {group} implementation {name!r} (known: {known}; or give 'package.module:Class')"
+        )
+    return matches[0].load()
+
+
+def validate_options(cls: Any, options: dict[str, Any], where: str) -> BaseModel | None:
+    """Validate ``options`` with ``cls.Config`` (a pydantic model) if the class declares one."""
+    config_cls = getattr(cls, "Config", None)
+    if config_cls is None:
+        if options:
+            raise ConfigError(f"{where}: {cls.__name__} takes no options, got {sorted(options)}")
+        return None
+    try:
+        return config_cls.model_validate(options)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation(exc, prefix=where)) from None
+
+
+def build(group: str, impl: str, options: dict[str, Any], where: str, **kwargs: Any) -> Any:
+    """Resolve ``impl`` in ``group``, validate its options, and construct it."""
+    cls = resolve(group, impl)
+    cfg = validate_options(cls, options, where)
+    return cls(cfg, **kwargs) if cfg is not None else cls(**kwargs)
+
+
+def _format_validation(exc: ValidationError, prefix: str = "") -> str:
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        field = f"{prefix}.{loc}" if prefix and loc else (prefix or loc)
+        lines.append(f"  {field}: {err['msg']}")
+    return "invalid configuration:\n" + "\n".join(lines)

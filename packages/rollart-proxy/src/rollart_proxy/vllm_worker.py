@@ -1,0 +1,50 @@
+"""Worker-side extension mixed into vLLM's GPU/CPU worker (``worker_extension_cls``).
+
+These methods run inside the engine's worker process and are called through
+``AsyncLLM.collective_rpc("<name>", args=...)`` with plain, serialisable arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["RollartWorkerExtension", "pack_tensors", "unpack_tensors"]
+
+
+def pack_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, list[int], str, bytes]]:
+    out = []
+    for name, t in named:
+        t = t.detach().to("cpu").contiguous()
+        out.append((name, list(t.shape), str(t.dtype).removeprefix("torch."), t.reshape(-1).view(torch.uint8).numpy().tobytes()))
+    return out
+
+
+def unpack_tensors(packed: Iterable[tuple[str, list[int], str, bytes]]) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, shape, dtype, raw in packed:
+        flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(getattr(torch, dtype))
+        yield name, flat.reshape(shape)
+
+
+class RollartWorkerExtension:
+    """Mixed into ``vllm.v1.worker.*.Worker``: ``self.model_runner`` is the worker's runner."""
+
+    model_runner: Any
+
+    def rollart_load_weights(self, packed: list[tuple[str, list[int], str, bytes]]) -> int:
+        """Load checkpoint-format (Hugging Face named) tensors in place; returns how many.
+
+        Tensors arrive as raw bytes (see :func:`pack_tensors`): vLLM's utility-call encoding
+        does not carry tensors.
+        """
+        self.model_runner.reload_weights(weights_iterator=unpack_tensors(packed), is_checkpoint_format=True)
+        return len(packed)
+
+    def rollart_read_parameter(self, name: str) -> tuple[list[int], str, bytes]:
+        """Exact bytes of one parameter (vLLM naming), for checks against the trainer."""
+        params = dict(self.model_runner.get_model().named_parameters())
+        if name not in params:
+            raise KeyError(f"no parameter {name!r}; have e.g. {sorted(params)[:8]}")
+        return pack_tensors([(name, params[name])])[0][1:]

@@ -1,0 +1,62 @@
+"""MemoryWeightStore: versions held in this process (single-process stacks and tests)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rollart_core.errors import WeightSyncError
+from rollart_weightsync._common import Pusher, snapshot, wait_until
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["MemoryWeightStore", "MemoryWeightStoreConfig"]
+
+
+class MemoryWeightStoreConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    keep_last: int = Field(2, ge=1)
+
+
+class MemoryWeightStore:
+    Config = MemoryWeightStoreConfig
+
+    def __init__(self, config: MemoryWeightStoreConfig | None = None) -> None:
+        self.config = config or MemoryWeightStoreConfig()
+        self._versions: dict[int, dict[str, torch.Tensor]] = {}
+        self._cond = threading.Condition()
+        self._pusher = Pusher("mem-weight-push")
+
+    def push(self, version: int, tensors: Mapping[str, torch.Tensor]) -> Future[None]:
+        snap = snapshot(tensors)
+
+        def commit() -> None:
+            with self._cond:
+                self._versions[version] = snap
+                for v in sorted(self._versions)[: -self.config.keep_last]:
+                    del self._versions[v]
+                self._cond.notify_all()
+
+        return self._pusher.submit(commit)
+
+    def latest_version(self) -> int | None:
+        with self._cond:
+            return max(self._versions) if self._versions else None
+
+    def pull(self, version: int) -> dict[str, torch.Tensor]:
+        with self._cond:
+            if version not in self._versions:
+                raise WeightSyncError(f"version {version} is not committed (have {sorted(self._versions)})")
+            return dict(self._versions[version])
+
+    def wait_for(self, version: int, timeout: float | None = None) -> int:
+        return wait_until(self.latest_version, version, timeout, cond=self._cond)
+
+    def close(self) -> None:
+        self._pusher.close()
