@@ -47,14 +47,14 @@ class Pipeline:
 
     async def _build(self, cfg: RunConfig) -> None:
         t0 = time.perf_counter()
-        self._ensure_model()
-        # validate every component's options before starting anything expensive
+        # validate every component's options before creating or starting anything
         for i, task in enumerate(cfg.tasks):
             validate_options(resolve("env", task.env.impl), task.env.options, f"tasks.{i}.env.options")
             validate_options(resolve("reward", task.reward.impl), task.reward.options, f"tasks.{i}.reward.options")
         engine_cfgs = [
             validate_options(resolve("engine", g.impl), g.options, f"engines.{i}.options") for i, g in enumerate(cfg.engines)
         ]
+        self._ensure_model()
         store_opts = dict(cfg.weight_store.options)
         if cfg.weight_store.impl == "filesystem":
             store_opts.setdefault("root", str(cfg.output_dir / "weights"))

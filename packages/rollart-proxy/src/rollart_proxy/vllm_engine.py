@@ -38,7 +38,8 @@ class VllmEngineConfig(BaseModel):
     max_num_seqs: int = Field(64, ge=1)
     kv_cache_gib: float = Field(1.0, gt=0)
     """KV cache size on CPU (``VLLM_CPU_KVCACHE_SPACE``); ignored on GPU."""
-    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    """Fraction of GPU memory (on vLLM's CPU build: of host memory) to reserve; None = vLLM's default."""
     enforce_eager: bool = True
     seed: int = 0
     engine_args: dict[str, Any] = Field(default_factory=dict)
@@ -89,9 +90,9 @@ class VllmEngine:
             max_num_seqs=c.max_num_seqs,
             enforce_eager=c.enforce_eager,
             seed=c.seed,
-            gpu_memory_utilization=c.gpu_memory_utilization,
             distributed_executor_backend="uni",
             worker_extension_cls="rollart_proxy.vllm_worker.RollartWorkerExtension",
+            **({"gpu_memory_utilization": c.gpu_memory_utilization} if c.gpu_memory_utilization else {}),
             **c.engine_args,
         )
         t0 = time.perf_counter()
@@ -240,8 +241,11 @@ class VllmEngine:
 
     async def read_parameter(self, name: str) -> tuple[list[int], str, bytes]:
         """Exact bytes of one engine parameter (vLLM naming, e.g. fused ``qkv_proj``)."""
+        import base64
+
         out = await self._require_started().collective_rpc("rollart_read_parameter", args=(name,))
-        return out[0]
+        shape, dtype, b64 = out[0]
+        return list(shape), dtype, base64.b64decode(b64)
 
     async def get_stats(self) -> dict[str, Any]:
         return {**self.stats, "inflight": len(self._inflight), "version": self._version}

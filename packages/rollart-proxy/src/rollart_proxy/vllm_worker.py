@@ -6,6 +6,7 @@ These methods run inside the engine's worker process and are called through
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -42,9 +43,13 @@ class RollartWorkerExtension:
         self.model_runner.reload_weights(weights_iterator=unpack_tensors(packed), is_checkpoint_format=True)
         return len(packed)
 
-    def rollart_read_parameter(self, name: str) -> tuple[list[int], str, bytes]:
-        """Exact bytes of one parameter (vLLM naming), for checks against the trainer."""
+    def rollart_read_parameter(self, name: str) -> tuple[list[int], str, str]:
+        """Exact bytes (base64) of one parameter (vLLM naming), for checks against the trainer.
+
+        Base64 because large ``bytes`` return values do not survive vLLM's utility-call path.
+        """
         params = dict(self.model_runner.get_model().named_parameters())
         if name not in params:
             raise KeyError(f"no parameter {name!r}; have e.g. {sorted(params)[:8]}")
-        return pack_tensors([(name, params[name])])[0][1:]
+        _, shape, dtype, raw = pack_tensors([(name, params[name])])[0]
+        return shape, dtype, base64.b64encode(raw).decode("ascii")

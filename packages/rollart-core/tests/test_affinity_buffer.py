@@ -1,0 +1,86 @@
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from rollart_core.affinity import AffinitySpec, affinity, get_affinity, ray_actor_options
+from rollart_core.buffer import SampleBuffer
+from rollart_core.errors import ConfigError
+from rollart_core.types import Fate, Trajectory, Turn
+
+
+def test_affinity_records_only() -> None:
+    @affinity(pool="H800", num_gpus=1, num_cpus=4, count=2)
+    class Worker:
+        def __init__(self, x: int) -> None:
+            self.x = x
+
+    assert Worker(3).x == 3  # the class is unchanged and usable without Ray
+    spec = get_affinity(Worker)
+    assert spec == AffinitySpec(pool="H800", num_cpus=4, num_gpus=1, count=2)
+    assert get_affinity(Worker, pool="H20").pool == "H20"
+    assert ray_actor_options(spec) == {"num_cpus": 4, "num_gpus": 1, "resources": {"H800": 1}}
+
+
+def test_affinity_rejects_bad_values_and_serverless_placement() -> None:
+    with pytest.raises(ConfigError):
+        affinity(count=0)
+    with pytest.raises(ConfigError):
+        ray_actor_options(AffinitySpec(serverless=True))
+
+
+def _traj(tid: str, group: str, version: int, fate: Fate = Fate.FINISHED) -> Trajectory:
+    t = Trajectory(tid, "task", "env", group, 0, version)
+    t.turns.append(Turn([1, 2], [3], [-0.5], [version]))
+    t.fate = fate
+    return t
+
+
+async def test_buffer_waits_for_complete_groups() -> None:
+    buf = SampleBuffer(alpha=0)
+    buf.expect("g0", 2)
+    getter = asyncio.create_task(buf.get_batch(1, version=0))
+    await buf.put(_traj("a", "g0", 0))
+    await asyncio.sleep(0)  # give the getter a chance to (wrongly) return early
+    assert not getter.done()
+    await buf.put(_traj("b", "g0", 0, Fate.ENV_FAILED))
+    batch = await asyncio.wait_for(getter, 5)
+    assert [t.traj_id for t in batch] == ["a"]  # failed members are counted, not trained on
+    assert buf.fates == {"finished": 1, "env_failed": 1}
+
+
+async def test_buffer_staleness_gate() -> None:
+    buf = SampleBuffer(alpha=1)
+    buf.expect("g", 3)
+    await buf.put(_traj("v0", "g", 0))
+    await buf.put(_traj("v1", "g", 1))
+    await buf.put(_traj("v2", "g", 2))
+    batch = await buf.get_batch(1, version=2)
+    assert sorted(t.traj_id for t in batch) == ["v1", "v2"]
+    assert buf.fates["aborted_stale"] == 1
+    assert buf.fates["finished"] == 2
+
+
+async def test_buffer_rejects_unannounced_and_fateless() -> None:
+    buf = SampleBuffer()
+    with pytest.raises(ValueError):
+        await buf.put(_traj("x", "nope", 0))
+    buf.expect("g", 1)
+    t = _traj("y", "g", 0)
+    t.fate = None
+    with pytest.raises(ValueError):
+        await buf.put(t)
+    with pytest.raises(ConfigError):
+        SampleBuffer(alpha=-1)
+
+
+def test_trajectory_flattening() -> None:
+    t = Trajectory("t", "task", "env", "g", 0, 0)
+    t.turns.append(Turn([1, 2, 3], [4, 5], [-0.1, -0.2], [0, 0]))
+    t.turns.append(Turn([6], [7], [-0.3], [1]))
+    assert t.token_ids() == [1, 2, 3, 4, 5, 6, 7]
+    assert t.loss_mask() == [0, 0, 0, 1, 1, 0, 1]
+    assert t.behaviour_logprobs() == [0.0, 0.0, 0.0, -0.1, -0.2, 0.0, -0.3]
+    assert t.token_versions() == [-1, -1, -1, 0, 0, -1, 1]
+    assert t.min_version() == 0 and t.num_generated() == 3
