@@ -32,6 +32,7 @@ from rollart_core.errors import (
     ConfigError,
     EngineError,
     EnvError,
+    EnvTimeoutError,
     MissingExtraError,
     RegistryError,
     RewardError,
@@ -73,7 +74,7 @@ __all__ = [
     "ComponentConfig", "EngineGroupConfig", "ModelConfig", "RayConfig", "RunConfig", "TaskConfig",
     "TrainConfig", "load_config",
     # errors
-    "ConfigError", "EngineError", "EnvError", "MissingExtraError", "RegistryError", "RewardError",
+    "ConfigError", "EngineError", "EnvError", "EnvTimeoutError", "MissingExtraError", "RegistryError", "RewardError",
     "RollartError", "TrainerError", "WeightSyncError",
     # registry, resource and control planes
     "AffinitySpec", "SampleBuffer", "affinity", "available", "build", "get_affinity", "resolve",

@@ -6,6 +6,7 @@ __all__ = [
     "ConfigError",
     "EngineError",
     "EnvError",
+    "EnvTimeoutError",
     "MissingExtraError",
     "RegistryError",
     "RewardError",
@@ -37,6 +38,10 @@ class EngineError(RollartError):
 
 class EnvError(RollartError):
     """An environment failed (raised, hung, or its worker died)."""
+
+
+class EnvTimeoutError(EnvError):
+    """An environment call (reset/step/start-up) exceeded its timeout."""
 
 
 class RewardError(RollartError):

@@ -20,7 +20,7 @@ class JsonlSink:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
+        self._f = open(self.path, "a", encoding="utf-8")
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         self._f.write(json.dumps({"step": step, **metrics}, default=str) + "\n")

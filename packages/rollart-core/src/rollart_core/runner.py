@@ -12,9 +12,17 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from rollart_core.errors import EngineError, RewardError
+from rollart_core.errors import EngineError, EnvTimeoutError, RewardError
 from rollart_core.protocols import ChatFormat, Environment
-from rollart_core.types import Fate, GenerateOutput, GenerateRequest, RewardResult, SamplingParams, Trajectory, Turn
+from rollart_core.types import (
+    Fate,
+    GenerateOutput,
+    GenerateRequest,
+    RewardResult,
+    SamplingParams,
+    Trajectory,
+    Turn,
+)
 
 __all__ = ["Generator", "Scorer", "run_trajectory"]
 
@@ -23,6 +31,8 @@ log = logging.getLogger(__name__)
 
 class Generator(Protocol):
     async def generate(self, request: GenerateRequest) -> GenerateOutput: ...
+
+    async def abort(self, request_id: str) -> None: ...
 
 
 class Scorer(Protocol):
@@ -58,9 +68,15 @@ async def run_trajectory(
             turn = Turn(context_ids=context)
             traj.turns.append(turn)
             t0 = time.perf_counter()
-            out = await generator.generate(
-                GenerateRequest(f"{traj.traj_id}-t{k}", list(history), sampling, traj.traj_id, traj.task)
-            )
+            request_id = f"{traj.traj_id}-t{k}"
+            try:
+                out = await generator.generate(
+                    GenerateRequest(request_id, list(history), sampling, traj.traj_id, traj.task)
+                )
+            except asyncio.CancelledError:
+                # cancelled (redundant or too stale): free the engine's slot, not just our await
+                await asyncio.shield(_abort_quietly(generator, request_id))
+                raise
             traj.add_timing("generate", time.perf_counter() - t0)
             turn.output_ids, turn.output_logprobs, turn.output_versions = out.token_ids, out.logprobs, out.versions
             turn.finish_reason = out.finish_reason
@@ -91,6 +107,8 @@ async def run_trajectory(
         traj.fate, traj.error = Fate.GENERATION_FAILED, str(exc)
     except RewardError as exc:
         traj.fate, traj.error = Fate.REWARD_FAILED, str(exc)
+    except (TimeoutError, EnvTimeoutError) as exc:
+        traj.fate, traj.error = Fate.TIMED_OUT, repr(exc)
     except Exception as exc:  # the environment (or its adapter) failed: the run goes on
         log.warning("trajectory %s: environment failed: %r", traj.traj_id, exc)
         traj.fate, traj.error = Fate.ENV_FAILED, repr(exc)
@@ -103,3 +121,10 @@ async def run_trajectory(
     if on_done is not None:
         await on_done(traj)
     return traj
+
+
+async def _abort_quietly(generator: Generator, request_id: str) -> None:
+    try:
+        await generator.abort(request_id)
+    except Exception as exc:  # the request may have finished in the meantime
+        log.debug("abort of %s failed: %r", request_id, exc)
