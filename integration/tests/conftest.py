@@ -17,7 +17,7 @@ def slice_config(root: Path, *, model_path: Path | None = None, steps: int = 1) 
         "output_dir": str(root / "run"),
         "seed": 1,
         "model": {"path": str(model_path or root / "model"), "create_tiny": True, "dtype": "float32"},
-        "engines": [{"name": "gen", "impl": "vllm", "count": 1, "num_cpus": 1,
+        "engines": [{"name": "gen", "impl": "vllm", "count": 1, "num_cpus": 0.25,
                      "options": {"max_model_len": 512, "dtype": "float32", "max_num_seqs": 32}}],
         "tasks": [{
             "name": "frozenlake",
@@ -40,3 +40,10 @@ async def pipeline(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[ob
     root = tmp_path_factory.mktemp("slice")
     async with Pipeline(slice_config(root)) as p:
         yield p
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from rollart_train.tiny import create_tiny_model
+
+    return create_tiny_model(tmp_path_factory.mktemp("tiny") / "model")

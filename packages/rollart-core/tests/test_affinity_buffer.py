@@ -84,3 +84,31 @@ def test_trajectory_flattening() -> None:
     assert t.behaviour_logprobs() == [0.0, 0.0, 0.0, -0.1, -0.2, 0.0, -0.3]
     assert t.token_versions() == [-1, -1, -1, 0, 0, -1, 1]
     assert t.min_version() == 0 and t.num_generated() == 3
+
+
+async def test_buffer_drops_groups_with_nothing_trainable_and_keeps_waiting() -> None:
+    buf = SampleBuffer(alpha=0)
+    buf.expect("stale", 1)
+    buf.expect("failed", 1)
+    buf.expect("good", 1)
+    await buf.put(_traj("s", "stale", 0))
+    await buf.put(_traj("f", "failed", 1, Fate.ENV_FAILED))
+    getter = asyncio.create_task(buf.get_batch(1, version=1))
+    await asyncio.sleep(0)
+    assert not getter.done()  # two ready groups, but neither has anything to train on
+    await buf.put(_traj("g", "good", 1))
+    batch = await asyncio.wait_for(getter, 5)
+    assert [t.traj_id for t in batch] == ["g"]
+    assert buf.pending_groups() == 0
+    assert buf.fates == {"aborted_stale": 1, "env_failed": 1, "finished": 1}
+
+
+async def test_wait_pending_below_is_released_by_consumption() -> None:
+    buf = SampleBuffer()
+    buf.expect("a", 1)
+    waiter = asyncio.create_task(buf.wait_pending_below(1))
+    await asyncio.sleep(0)
+    assert not waiter.done()
+    await buf.put(_traj("x", "a", 0))
+    await buf.get_batch(1, version=0)
+    await asyncio.wait_for(waiter, 5)

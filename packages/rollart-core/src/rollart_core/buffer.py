@@ -52,25 +52,47 @@ class SampleBuffer:
     def fresh(self, traj: Trajectory, version: int) -> bool:
         return version - traj.min_version() <= self.alpha
 
+    def _trainable(self, group: str, version: int) -> bool:
+        return any(t.fate is Fate.FINISHED and self.fresh(t, version) for t in self._groups[group])
+
     async def get_batch(self, num_groups: int, version: int) -> list[Trajectory]:
-        """Wait for ``num_groups`` ready groups; return their fresh finished trajectories."""
+        """Wait for ``num_groups`` ready groups that hold a fresh finished trajectory; return those
+        trajectories. Ready groups with nothing trainable (all failed or stale) are dropped, counted."""
         async with self._changed:
-            await self._changed.wait_for(lambda: len(self._ready()) >= num_groups)
-            batch: list[Trajectory] = []
-            for g in self._ready()[:num_groups]:
-                for t in self._groups.pop(g):
-                    if t.fate is not Fate.FINISHED:
-                        continue
-                    if not self.fresh(t, version):
-                        t.fate = Fate.ABORTED_STALE
-                        self.fates[Fate.FINISHED.value] -= 1
-                        self.fates[Fate.ABORTED_STALE.value] += 1
-                        continue
-                    batch.append(t)
-                self._order.remove(g)
-                del self._expected[g]
+            while True:
+                await self._changed.wait_for(lambda: len(self._ready()) >= 1)
+                for g in self._ready():
+                    if not self._trainable(g, version):
+                        self._take(g, version)
+                useful = [g for g in self._ready() if self._trainable(g, version)]
+                if len(useful) >= num_groups:
+                    break
+                await self._changed.wait()
+            batch = [t for g in useful[:num_groups] for t in self._take(g, version)]
             self.consumed += len(batch)
+            self._changed.notify_all()
             return batch
+
+    def _take(self, group: str, version: int) -> list[Trajectory]:
+        """Remove a ready group; return its fresh finished trajectories, marking stale ones."""
+        out = []
+        for t in self._groups.pop(group):
+            if t.fate is not Fate.FINISHED:
+                continue
+            if not self.fresh(t, version):
+                t.fate = Fate.ABORTED_STALE
+                self.fates[Fate.FINISHED.value] -= 1
+                self.fates[Fate.ABORTED_STALE.value] += 1
+                continue
+            out.append(t)
+        self._order.remove(group)
+        del self._expected[group]
+        return out
+
+    async def wait_pending_below(self, limit: int) -> None:
+        """Wait until fewer than ``limit`` announced groups are not yet consumed (admission control)."""
+        async with self._changed:
+            await self._changed.wait_for(lambda: len(self._order) < limit)
 
     def pending_groups(self) -> int:
         return len(self._order)

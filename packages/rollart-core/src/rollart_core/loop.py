@@ -1,57 +1,153 @@
-"""The training loop, top to bottom.
+"""The training loop, top to bottom. Three modes share every piece; only the ordering differs.
 
-One step (mode ``sync``, the strengthened synchronous baseline "Sync+"):
+``async`` (RollArt), per step:
 
-1. **Rollout** — launch every group's trajectories at once; each runs env ↔ proxy ↔ reward on
-   its own (no batch barrier inside rollout, continuous batching in the engines).
-2. **Get Batch** — wait until the SampleBuffer holds the step's groups within the staleness bound.
-3. **Train** — one policy update on the batch (the trainer bumps the policy version).
-4. **Push** — the trainer's weights go into the weight store as the new version.
-5. **Update** — every engine pulls that version and loads it (pause-keep → load → re-prefill
-   running requests → resume); the next trajectories carry the new version.
+1. **Get Batch** — wait until the SampleBuffer holds the step's groups within the staleness bound
+   (rollout never stops: a producer keeps launching groups under admission control).
+2. **Suspend** → 3. **Update** → 4. **Resume** → 5. **Recompute KV** — every engine pauses with its
+   in-flight requests kept, loads the newest weights (pulled from the weight store), re-prefills the
+   running requests under them and resumes (``proxy.update_weights``; nothing is aborted).
+6. **Train** — one policy update on the batch while rollout continues; then push the new weights
+   to the store asynchronously, and abort in-flight trajectories that can no longer meet ``alpha``.
 
-The ``one_off`` and ``async`` modes (Suspend / Update / Resume / Recompute KV while training
-overlaps rollout) reuse these same pieces.
+``sync`` (Sync+): launch a step's groups, wait for all of them, train, push, update.
+``one_off``: like sync, but the next step's groups are launched before training on this one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
-from collections import Counter
+from concurrent.futures import Future
 from typing import Any
 
 from rollart_core.config import RunConfig
 from rollart_core.metrics import ConsoleSink, JsonlSink, MetricsSink, MultiSink
 from rollart_core.pipeline import Pipeline
+from rollart_core.rollout import Rollout, derive_seed
 from rollart_core.runner import run_trajectory
 from rollart_core.types import Trajectory, fate_counts
 
 __all__ = ["evaluate", "rollout_step", "train"]
 
 log = logging.getLogger(__name__)
-CONSOLE_KEYS = ["reward_mean", "success_rate", "eval_success", "traj_per_s", "gen_tok_per_s", "rollout_s",
-                "train_s", "sync_s", "loss", "version", "fates"]
+CONSOLE_KEYS = ["reward_mean", "success_rate", "eval_success", "traj_per_s", "gen_tok_per_s", "wait_s",
+                "train_s", "sync_s", "lag_max", "loss", "version", "fates"]
 
 
-def _seed(*parts: object) -> int:
-    return random.Random(":".join(map(str, parts))).randrange(2**31)
+async def train(cfg: RunConfig, sink: MetricsSink | None = None) -> dict[str, Any]:
+    """Run ``cfg.train.steps`` steps in ``cfg.train.mode``; returns a summary."""
+    sink = sink or MultiSink(JsonlSink(cfg.output_dir / "metrics.jsonl"), ConsoleSink(CONSOLE_KEYS))
+    mode, alpha = cfg.train.mode, cfg.train.alpha
+    num_groups = sum(t.groups_per_step for t in cfg.tasks)
+    history: list[dict[str, Any]] = []
+    async with Pipeline(cfg) as p:
+        ro = Rollout(p)
+        producer = None
+        if cfg.train.eval_every:
+            sink.log(0, {**await evaluate(p, cfg.train.eval_episodes), "version": 0})
+        t_start = time.perf_counter()
+        if mode == "async":
+            producer = asyncio.create_task(_produce(ro, num_groups * (cfg.train.max_pending_steps or max(alpha, 1))))
+        elif mode == "one_off":
+            ro.launch_step()
+        pushed: Future[None] | None = None
+        for step in range(1, cfg.train.steps + 1):
+            t_step = time.perf_counter()
+            if mode == "sync":
+                ro.launch_step()
+            # 1. Get Batch (behind the staleness gate)
+            batch = await p.buffer.get_batch(num_groups, version=p.trainer.version)
+            wait_s = time.perf_counter() - t_step
+            if mode == "one_off":
+                ro.launch_step()  # the next step's rollout overlaps this step's training
+            # 2-5. Suspend, Update, Resume, Recompute KV (sync/one_off already updated after training)
+            t_sync = time.perf_counter()
+            if pushed is not None:
+                await asyncio.wrap_future(pushed)
+                pauses = await p.proxy.update_weights(p.trainer.version)
+                ro.served_version = p.trainer.version
+                pushed = None
+            else:
+                pauses = {}
+            sync_s = time.perf_counter() - t_sync
+            if not batch:
+                log.warning("step %d: no trainable trajectory in the batch (fates %s)", step, dict(ro.fates))
+                continue
+            # 6. Train (rollout goes on meanwhile), push the new weights asynchronously
+            inflight_at_train = len(ro.inflight)
+            m = await asyncio.to_thread(p.trainer.train_step, batch)
+            pushed = p.store.push(p.trainer.version, dict(p.trainer.named_weights()))
+            aborted = ro.abort_stale(p.trainer.version, alpha) if mode != "sync" else 0
+            if mode != "async":  # Sync+ / One-off update right after training
+                t_sync = time.perf_counter()
+                await asyncio.wrap_future(pushed)
+                pauses = await p.proxy.update_weights(p.trainer.version)
+                ro.served_version, pushed = p.trainer.version, None
+                sync_s += time.perf_counter() - t_sync
+            metrics = _step_metrics(ro, batch, m, step_s=time.perf_counter() - t_step, wait_s=wait_s, sync_s=sync_s,
+                                    pauses=pauses, aborted=aborted, elapsed=time.perf_counter() - t_start,
+                                    inflight_at_train=inflight_at_train)
+            if cfg.train.eval_every and step % cfg.train.eval_every == 0:
+                metrics.update(await evaluate(p, cfg.train.eval_episodes))
+            if cfg.train.save_every and step % cfg.train.save_every == 0:
+                await asyncio.to_thread(p.trainer.save, str(cfg.output_dir / f"checkpoint-{step}"))
+            sink.log(step, metrics)
+            history.append(metrics)
+        if producer is not None:
+            producer.cancel()
+            await asyncio.gather(producer, return_exceptions=True)
+        await ro.cancel_all()
+        summary = {"mode": mode, "alpha": alpha, "steps": len(history), "final_version": p.trainer.version,
+                   "launched": ro.launched, "fates": dict(ro.fates), "wall_s": time.perf_counter() - t_start,
+                   "history": history, **p.timings}
+    sink.close()
+    return summary
+
+
+async def _produce(ro: Rollout, max_pending_groups: int) -> None:
+    """Async mode's producer: keep launching groups (round-robin over tasks) under admission control."""
+    tasks = ro.p.config.tasks
+    i = 0
+    while True:
+        await ro.p.buffer.wait_pending_below(max_pending_groups)
+        ro.launch_group(i % len(tasks))
+        i += 1
+
+
+def _step_metrics(ro: Rollout, batch: list[Trajectory], m: dict[str, float], **extra: Any) -> dict[str, Any]:
+    done = ro.drain_finished()
+    pauses = extra.pop("pauses")
+    step_s = extra["step_s"]
+    lags = [m["version"] - 1 - t.min_version() for t in batch]
+    return {
+        **m,
+        **extra,
+        "version": int(m["version"]),
+        "success_rate": sum(bool(t.info.get("success")) for t in batch) / len(batch),
+        "traj_per_s": sum(t.fate is not None and t.fate.value == "finished" for t in done) / step_s,
+        "gen_tok_per_s": sum(t.num_generated() for t in done) / step_s,
+        "update_pause_s": max(pauses.values(), default=0.0),
+        "lag_max": max(lags, default=0),
+        "lag_mean": sum(lags) / max(len(lags), 1),
+        "batch_size": len(batch),
+        "fates": dict(fate_counts(done)),
+    }
 
 
 async def rollout_step(p: Pipeline, step: int, *, launch_tag: str = "s") -> list[Trajectory]:
-    """Launch all groups of every task for ``step``; return when every trajectory has a fate."""
+    """Launch one step's groups of every task and wait for all of them (used by tests and tools)."""
     cfg = p.config
     version = p.trainer.version
     jobs = []
     for ti, task in enumerate(cfg.tasks):
         for gi in range(task.groups_per_step):
             group_id = f"{launch_tag}{step}-{task.name}-g{gi}"
-            seed = _seed(cfg.seed, launch_tag, step, ti, gi)
+            seed = derive_seed(cfg.seed, launch_tag, step, ti, gi)
             p.buffer.expect(group_id, task.group_size)
             for k in range(task.group_size):
-                traj = Trajectory(f"{group_id}-{k}", task.name, f"{task.env.impl}", group_id, seed, version)
+                traj = Trajectory(f"{group_id}-{k}", task.name, task.env.impl, group_id, seed, version)
                 jobs.append(run_trajectory(traj, env=p.make_env(task, ti), generator=p.proxy, chat=p.chat,
                                            scorer=p.rewards[task.name], sampling=task.sampling,
                                            max_turns=task.max_turns, on_done=p.buffer.put))
@@ -60,12 +156,11 @@ async def rollout_step(p: Pipeline, step: int, *, launch_tag: str = "s") -> list
 
 async def evaluate(p: Pipeline, episodes: int, *, tag: str = "eval") -> dict[str, float]:
     """Success rate and mean reward on held-out seeds (never used for training)."""
-    cfg = p.config
     jobs = []
-    for ti, task in enumerate(cfg.tasks):
+    for ti, task in enumerate(p.config.tasks):
         for e in range(episodes):
             traj = Trajectory(f"{tag}-{task.name}-{e}", task.name, task.env.impl, f"{tag}-{e}",
-                              _seed("heldout", ti, e), p.trainer.version)
+                              derive_seed("heldout", ti, e), p.trainer.version)
             jobs.append(run_trajectory(traj, env=p.make_env(task, ti), generator=p.proxy, chat=p.chat,
                                        scorer=p.rewards[task.name], sampling=task.sampling, max_turns=task.max_turns))
     done = await asyncio.gather(*jobs)
@@ -74,56 +169,3 @@ async def evaluate(p: Pipeline, episodes: int, *, tag: str = "eval") -> dict[str
         "eval_success": sum(bool(t.info.get("success")) for t in ok) / max(len(done), 1),
         "eval_reward": sum(t.reward for t in ok) / max(len(ok), 1),
     }
-
-
-async def train(cfg: RunConfig, sink: MetricsSink | None = None) -> dict[str, Any]:
-    """Run ``cfg.train.steps`` steps; returns a summary (per-step metrics are sent to ``sink``)."""
-    out_dir = cfg.output_dir
-    sink = sink or MultiSink(JsonlSink(out_dir / "metrics.jsonl"), ConsoleSink(CONSOLE_KEYS))
-    history: list[dict[str, Any]] = []
-    fates: Counter[str] = Counter()
-    async with Pipeline(cfg) as p:
-        if cfg.train.eval_every:
-            sink.log(0, {**await evaluate(p, cfg.train.eval_episodes), "version": p.trainer.version})
-        for step in range(1, cfg.train.steps + 1):
-            t_step = time.perf_counter()
-            # 1. Rollout
-            trajs = await rollout_step(p, step)
-            rollout_s = time.perf_counter() - t_step
-            fates.update(fate_counts(trajs))
-            # 2. Get Batch (behind the staleness gate)
-            num_groups = sum(t.groups_per_step for t in cfg.tasks)
-            batch = await p.buffer.get_batch(num_groups, version=p.trainer.version)
-            if not batch:
-                log.warning("step %d: no finished trajectory to train on (fates %s)", step, fate_counts(trajs))
-                continue
-            # 3. Train
-            m = await asyncio.to_thread(p.trainer.train_step, batch)
-            # 4. Push, 5. Update
-            t_sync = time.perf_counter()
-            await asyncio.wrap_future(p.store.push(p.trainer.version, dict(p.trainer.named_weights())))
-            pauses = await p.proxy.update_weights(p.trainer.version)
-            sync_s = time.perf_counter() - t_sync
-            gen_tokens = sum(t.num_generated() for t in trajs)
-            metrics = {
-                **m,
-                "version": p.trainer.version,
-                "success_rate": sum(bool(t.info.get("success")) for t in trajs) / len(trajs),
-                "traj_per_s": len(trajs) / rollout_s,
-                "gen_tok_per_s": gen_tokens / rollout_s,
-                "rollout_s": rollout_s,
-                "sync_s": sync_s,
-                "update_pause_s": max(pauses.values()),
-                "step_s": time.perf_counter() - t_step,
-                "fates": dict(fate_counts(trajs)),
-            }
-            if cfg.train.eval_every and step % cfg.train.eval_every == 0:
-                metrics.update(await evaluate(p, cfg.train.eval_episodes))
-            if cfg.train.save_every and step % cfg.train.save_every == 0:
-                await asyncio.to_thread(p.trainer.save, str(out_dir / f"checkpoint-{step}"))
-            sink.log(step, metrics)
-            history.append(metrics)
-        summary = {"steps": len(history), "final_version": p.trainer.version, "fates": dict(fates),
-                   "history": history, **p.timings}
-    sink.close()
-    return summary

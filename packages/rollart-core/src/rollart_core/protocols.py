@@ -16,17 +16,24 @@ Primitives and who calls them:
     reset(seed) / step(action_text) / close(); ``action_vocabulary`` and ``system_prompt``
 ``RewardFunction`` (rollart-reward, called by a reward executor)
     score(trajectory)        a finished trajectory's reward; ``stateless`` says it may be offloaded
+``SupportsBatchScore`` (optional reward capability, called by executors that batch)
+    score_batch(trajectories) one result per trajectory, in order
+``RewardExecutor`` (rollart-reward, called by the trajectory runner)
+    score(trajectory)        run a reward function somewhere (inline, Ray, serverless); raises
+                             ``RewardError`` after its retries
+    stats()                  utilisation counters: busy/provisioned seconds, queueing, cold starts
 ``Trainer`` (rollart-train, called by the coordinator)
     train_step(batch) / named_weights() / save(path) / version
 ``WeightStore`` (rollart-weightsync; trainer pushes, inference workers pull)
-    push(version, tensors) / latest_version() / pull(version) / wait_for(version)
+    push(version, tensors) / latest_version() / pull(version, into) / wait_for(version) /
+    subscribe(callback); retention (keep the last N versions) is each back-end's config
 ``ChatFormat`` (token-level chat formatting, called by the trajectory runner)
     first_turn(system, user) / next_turn(user, previous_output) / action_token_ids(actions) / decode(ids)
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
@@ -40,7 +47,9 @@ __all__ = [
     "Environment",
     "InferenceEngine",
     "PauseMode",
+    "RewardExecutor",
     "RewardFunction",
+    "SupportsBatchScore",
     "SupportsPause",
     "SupportsWeightUpdate",
     "Trainer",
@@ -104,10 +113,35 @@ class Environment(Protocol):
 
 @runtime_checkable
 class RewardFunction(Protocol):
+    """Scores a finished trajectory. Registered by name in the ``rollart.reward`` entry-point group."""
+
     stateless: bool
     """True if the function keeps no state between calls and may run anywhere (serverless)."""
 
-    async def score(self, trajectory: Trajectory) -> RewardResult: ...
+    async def score(self, trajectory: Trajectory) -> RewardResult:
+        """The reward and its details. Raising means this attempt failed (executors retry)."""
+        ...
+
+
+@runtime_checkable
+class SupportsBatchScore(Protocol):
+    async def score_batch(self, trajectories: Sequence[Trajectory]) -> list[RewardResult]:
+        """One result per trajectory, in order (e.g. one batched judge call)."""
+        ...
+
+
+@runtime_checkable
+class RewardExecutor(Protocol):
+    """Runs a reward function somewhere. Registered in the ``rollart.reward_executor`` group."""
+
+    async def score(self, trajectory: Trajectory) -> RewardResult:
+        """Score one trajectory; raises :class:`~rollart_core.errors.RewardError` after retries."""
+        ...
+
+    def stats(self) -> dict[str, float]:
+        """Counters: ``calls``, ``failures``, ``busy_s``, ``provisioned_s``, ``utilisation``,
+        ``queue_delay_s_mean``, ``cold_starts`` (those that apply to the executor)."""
+        ...
 
 
 @runtime_checkable
@@ -133,23 +167,38 @@ class WeightStore(Protocol):
     """Versioned weights: the trainer pushes asynchronously, inference workers pull on demand.
 
     A version becomes visible only once completely written (atomic commit): a reader never sees
-    a partial version.
+    a partial version. Each back-end keeps only its last N committed versions (its config's
+    ``keep_last``); older ones are deleted after a newer commit.
     """
 
     def push(self, version: int, tensors: Mapping[str, torch.Tensor]) -> Future[None]:
-        """Start writing ``version``; returns at once. The future completes at commit."""
+        """Start writing ``version``; returns once the tensors are snapshotted (the caller may
+        modify them afterwards). The future completes at commit or carries WeightSyncError."""
         ...
 
     def latest_version(self) -> int | None:
         """Newest committed version, or None if nothing was committed."""
         ...
 
-    def pull(self, version: int) -> dict[str, torch.Tensor]:
-        """Read a committed version; raises WeightSyncError if it is not committed."""
+    def pull(
+        self, version: int, into: Mapping[str, torch.Tensor] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Read a committed version (bucket by bucket); raises WeightSyncError if it is not
+        committed, was deleted by retention, or fails its checksum.
+
+        ``into``: preallocated tensors (same names and shapes) filled in place and returned as
+        the same objects; tensors of the version not named in ``into`` are allocated.
+        """
         ...
 
     def wait_for(self, version: int, timeout: float | None = None) -> int:
-        """Block until ``version`` or newer is committed; returns the newest committed version."""
+        """Block until ``version`` or newer is committed; returns the newest committed version.
+        Raises WeightSyncError on timeout."""
+        ...
+
+    def subscribe(self, callback: Callable[[int], None]) -> Callable[[], None]:
+        """Call ``callback(version)`` (on a store thread) for newly committed versions; a slow
+        subscriber is handed only the newest version. Returns a function that unsubscribes."""
         ...
 
 

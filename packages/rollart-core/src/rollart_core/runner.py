@@ -65,7 +65,8 @@ async def run_trajectory(
         history: list[int] = []
         for k in range(max_turns):
             history += context
-            turn = Turn(context_ids=context)
+            turn = Turn(context_ids=context, allowed_token_ids=sampling.allowed_token_ids,
+                        temperature=sampling.temperature)
             traj.turns.append(turn)
             t0 = time.perf_counter()
             request_id = f"{traj.traj_id}-t{k}"

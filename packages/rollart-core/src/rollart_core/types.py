@@ -131,6 +131,9 @@ class Turn:
     finish_reason: str = ""
     action_text: str = ""
     env_reward: float = 0.0
+    allowed_token_ids: tuple[int, ...] | None = None
+    """The sampling restriction the outputs were drawn under (the trainer can apply the same)."""
+    temperature: float = 1.0
 
 
 @dataclass(slots=True)
@@ -173,6 +176,16 @@ class Trajectory:
         for t in self.turns:
             out += [0.0] * len(t.context_ids)
             out += t.output_logprobs
+        return out
+
+    def sampling_spec(self) -> list[tuple[int, tuple[int, ...] | None, float]]:
+        """``(position, allowed_token_ids, temperature)`` of every generated token."""
+        out: list[tuple[int, tuple[int, ...] | None, float]] = []
+        pos = 0
+        for t in self.turns:
+            pos += len(t.context_ids)
+            out += [(pos + i, t.allowed_token_ids, t.temperature) for i in range(len(t.output_ids))]
+            pos += len(t.output_ids)
         return out
 
     def token_versions(self) -> list[int]:

@@ -38,6 +38,10 @@ class TorchTrainerConfig(BaseModel):
     ppo_epochs: int = Field(1, ge=1)
     micro_batch_size: int = Field(16, ge=1)
     scale_adv_by_std: bool = True
+    match_sampling: bool = False
+    """Compute the policy's logprobs under the same restriction (``allowed_token_ids``) and
+    temperature the tokens were sampled with. Requires behaviour logprobs of the processed
+    distribution (vLLM ``logprobs_mode: processed_logprobs``)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     device: str = "cpu"
     num_threads: int | None = Field(None, ge=1)
@@ -74,11 +78,36 @@ class TorchTrainer:
             out[i, : len(s)] = torch.tensor(list(s), dtype=dtype)
         return out.to(self.device)
 
-    def _forward_logprobs(self, token_seqs: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward_logprobs(
+        self, token_seqs: Sequence[Sequence[int]], specs: Sequence[list[tuple[int, tuple[int, ...] | None, float]]] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = self._pad(token_seqs, self.pad_id, torch.long)
         attn = self._pad([[1] * len(s) for s in token_seqs], 0, torch.long)
         logits = self.model(input_ids=tokens, attention_mask=attn).logits
+        if specs is not None:
+            logits = self._as_sampled(logits, specs)
         return token_logprobs(logits, tokens), attn
+
+    def _as_sampled(self, logits: torch.Tensor, specs: Sequence[list[tuple[int, tuple[int, ...] | None, float]]]) -> torch.Tensor:
+        """Apply each generated token's temperature and allowed-token restriction to the logits
+        that predicted it (position p is predicted by logits at p-1)."""
+        logits = logits.float()
+        scale = torch.ones(logits.shape[:2], device=logits.device)
+        allow: torch.Tensor | None = None
+        for b, spec in enumerate(specs):
+            for pos, allowed, temp in spec:
+                if temp > 0:
+                    scale[b, pos - 1] = 1.0 / temp
+                if allowed is not None:
+                    if allow is None:
+                        allow = torch.ones(logits.shape, dtype=torch.bool, device=logits.device)
+                    row = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+                    row[list(allowed)] = True
+                    allow[b, pos - 1] = row
+        logits = logits * scale.unsqueeze(-1)
+        if allow is not None:
+            logits = logits.masked_fill(~allow, float("-inf"))
+        return logits
 
     @torch.no_grad()
     def logprobs(self, token_ids: Sequence[int]) -> list[float]:
@@ -102,6 +131,7 @@ class TorchTrainer:
         seqs = [t.token_ids() for t in batch]
         masks = [t.loss_mask() for t in batch]
         blps = [t.behaviour_logprobs() for t in batch]
+        specs = [t.sampling_spec() for t in batch] if c.match_sampling else None
         n_tokens = sum(sum(m) for m in masks)
         if n_tokens == 0:
             raise TrainerError("batch has no generated tokens to train on")
@@ -112,7 +142,7 @@ class TorchTrainer:
             self.optimizer.zero_grad(set_to_none=True)
             for start in range(0, len(batch), c.micro_batch_size):
                 sl = slice(start, start + c.micro_batch_size)
-                logp, _ = self._forward_logprobs(seqs[sl])
+                logp, _ = self._forward_logprobs(seqs[sl], specs[sl] if specs is not None else None)
                 mask = self._pad([m[1:] for m in masks[sl]], 0, torch.float32)
                 blp = self._pad([b[1:] for b in blps[sl]], 0.0, torch.float32)
                 a = torch.tensor(adv[sl], dtype=torch.float32, device=self.device).unsqueeze(1)
@@ -120,7 +150,7 @@ class TorchTrainer:
                                            clip_eps=c.clip_eps, clip_eps_high=c.clip_eps_high)
                 # Token-mean over the whole batch: weight each micro-batch by its share of tokens.
                 (loss * mask.sum() / n_tokens).backward()
-                stats["loss"] += float(loss)
+                stats["loss"] += float(loss.detach())
                 stats["clip_frac"] += info["clip_frac"]
                 stats["approx_kl"] += info["approx_kl"]
                 n_micro += 1

@@ -1,0 +1,106 @@
+"""Rollout: launch groups of trajectories, track them in flight, abort the ones that went stale.
+
+Each trajectory is its own asyncio task (R2): it drives env ↔ proxy ↔ reward through
+:func:`run_trajectory` and lands in the SampleBuffer with a fate, whatever happens. The training
+loop decides *when* to launch (all at once for a step, or continuously under admission control)
+and tells this object the trainer's version so that in-flight work that can no longer meet the
+staleness bound is aborted early (fate ``aborted_stale``) instead of being finished and dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from rollart_core.runner import run_trajectory
+from rollart_core.types import Fate, Trajectory
+
+if TYPE_CHECKING:
+    from rollart_core.pipeline import Pipeline
+
+__all__ = ["Rollout", "derive_seed"]
+
+log = logging.getLogger(__name__)
+
+
+def derive_seed(*parts: object) -> int:
+    return random.Random(":".join(map(str, parts))).randrange(2**31)
+
+
+class Rollout:
+    def __init__(self, p: Pipeline) -> None:
+        self.p = p
+        self.served_version = 0
+        """Policy version the engines serve now (new trajectories start at it)."""
+        self.inflight: dict[str, tuple[Trajectory, asyncio.Task[None]]] = {}
+        self.launched = 0
+        self.fates: Counter[str] = Counter()
+        self.finished: list[Trajectory] = []
+        """Trajectories that got a fate since the last :meth:`drain_finished`."""
+        self._groups = 0
+
+    def launch_group(self, task_index: int, tag: str = "g") -> str:
+        """Start ``group_size`` trajectories of one task on a fresh seed; returns the group id."""
+        cfg = self.p.config
+        task = cfg.tasks[task_index]
+        n = self._groups
+        self._groups += 1
+        group_id = f"{tag}{n}-{task.name}"
+        seed = derive_seed(cfg.seed, tag, n, task_index)
+        self.p.buffer.expect(group_id, task.group_size)
+        for k in range(task.group_size):
+            traj = Trajectory(f"{group_id}-{k}", task.name, task.env.impl, group_id, seed, self.served_version)
+            self.inflight[traj.traj_id] = (traj, asyncio.create_task(self._run(traj, task_index)))
+            self.launched += 1
+        return group_id
+
+    def launch_step(self) -> list[str]:
+        """One training step's worth of groups for every task."""
+        return [self.launch_group(ti) for ti, t in enumerate(self.p.config.tasks) for _ in range(t.groups_per_step)]
+
+    async def _run(self, traj: Trajectory, task_index: int) -> None:
+        p = self.p
+        task = p.config.tasks[task_index]
+        try:
+            await run_trajectory(traj, env=p.make_env(task, task_index), generator=p.proxy, chat=p.chat,
+                                 scorer=p.rewards[task.name], sampling=task.sampling, max_turns=task.max_turns)
+        except asyncio.CancelledError:
+            pass  # cancelled by us (stale or shutting down); the fate is already set
+        except Exception as exc:  # the runner records every fate itself; this is a bug guard
+            log.exception("trajectory %s: runner crashed", traj.traj_id)
+            traj.fate, traj.error = Fate.ENV_FAILED, repr(exc)
+        finally:
+            if traj.fate is None:
+                traj.fate = Fate.CANCELLED_REDUNDANT
+            self.inflight.pop(traj.traj_id, None)
+            self.fates[traj.fate.value] += 1
+            self.finished.append(traj)
+            await p.buffer.put(traj)
+
+    def abort_stale(self, trainer_version: int, alpha: int) -> int:
+        """Cancel in-flight trajectories that can no longer be trained within ``alpha``."""
+        n = 0
+        for traj, task in list(self.inflight.values()):
+            if traj.fate is None and trainer_version - traj.min_version() > alpha and not task.done():
+                traj.fate = Fate.ABORTED_STALE
+                task.cancel()
+                n += 1
+        return n
+
+    async def wait_all(self) -> None:
+        tasks = [t for _, t in self.inflight.values()]
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def cancel_all(self) -> None:
+        for traj, task in self.inflight.values():
+            traj.fate = traj.fate or Fate.CANCELLED_REDUNDANT
+            task.cancel()
+        await self.wait_all()
+
+    def drain_finished(self) -> list[Trajectory]:
+        out, self.finished = self.finished, []
+        return out

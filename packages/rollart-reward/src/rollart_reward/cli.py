@@ -1,0 +1,78 @@
+"""``rollart-reward`` console script.
+
+``rollart-reward serve --function math_verify --port 8700 --max-workers 16 --idle-timeout 30``
+serves a registered reward function over HTTP with autoscaling (see :mod:`rollart_reward.runtime`).
+The first line on stdout is ``serving <function> on <url>``; SIGTERM/SIGINT stop it and its workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+
+from rollart_core.errors import ConfigError
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rollart-reward", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve", help="serve a reward function over HTTP with autoscaling")
+    s.add_argument("--function", required=True, help="reward name (rollart.reward entry point) or module:Class")
+    s.add_argument("--options", default="{}", help="the function's config as JSON")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    s.add_argument("--min-workers", type=int, default=0)
+    s.add_argument("--max-workers", type=int, default=8)
+    s.add_argument("--idle-timeout", type=float, default=2.0, help="seconds before an idle worker stops")
+    s.add_argument("--no-adaptive-idle", action="store_true",
+                   help="stop idle workers after exactly --idle-timeout, even if cold starts cost more")
+    s.add_argument("--call-timeout", type=float, default=60.0)
+    s.add_argument("--admin", action="store_true", help="enable /admin/* (fault knobs, stats reset)")
+    s.add_argument("--faults", default="{}", help="fault injection config as JSON (tests)")
+    s.add_argument("--log-level", default="WARNING")
+    return p
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    from rollart_reward.runtime import FaultConfig, FunctionRuntime, RuntimeConfig
+
+    try:
+        cfg = RuntimeConfig(function=args.function, options=json.loads(args.options), host=args.host,
+                            port=args.port, min_workers=args.min_workers, max_workers=args.max_workers,
+                            idle_timeout_s=args.idle_timeout, adaptive_idle=not args.no_adaptive_idle,
+                            call_timeout_s=args.call_timeout,
+                            admin=args.admin, faults=FaultConfig.model_validate(json.loads(args.faults)))
+    except (ValueError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"rollart-reward serve: {exc}") from None
+    from rollart_core.registry import resolve
+
+    resolve("reward", cfg.function)  # fail fast on an unknown name, before any worker starts
+    rt = FunctionRuntime(cfg)
+    url = await rt.start()
+    print(f"serving {cfg.function} on {url}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await rt.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
+    try:
+        asyncio.run(_serve(args))
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,558 @@
+"""Reference function runtime: serve any registered reward function over HTTP, with autoscaling.
+
+A front server (aiohttp, bound to 127.0.0.1 by default) keeps a pool of worker processes
+(:mod:`rollart_reward._worker`), each running one call at a time like a serverless instance. Under
+load it spawns workers on demand (a *cold start*: process start + function load), up to
+``max_workers``; workers idle for ``idle_timeout_s`` are stopped, down to ``min_workers`` (0 =
+scale to zero). Results are cached by idempotency key, and concurrent calls with the same key share
+one execution, so a retried call never runs the function twice.
+
+Invocation shapes served:
+
+- ``POST /invoke``: generic JSON, ``{"key", "trajectory"}`` → ``{"key", "result", "cold_start"}``;
+  or ``{"items": [{"key", "trajectory"}, ...]}`` → ``{"results": [{"key", "result"|"error"}, ...]}``
+- ``POST /2015-03-31/functions/{name}/invocations``: AWS Lambda-style (``X-Amz-Invocation-Type``
+  ``RequestResponse`` or ``Event``; function errors are 200 with ``X-Amz-Function-Error``)
+- ``POST /2023-03-30/functions/{name}/invocations``: Function Compute-style (``x-fc-invocation-type``
+  ``Sync`` | ``Async`` with a caller-chosen ``x-fc-async-task-id``), and
+  ``GET /2023-03-30/functions/{name}/async-tasks/{id}`` to poll an async task.
+- ``GET /stats`` (workers, cold starts, concurrency, busy/provisioned time, faults),
+  ``GET /executions/{key}``, ``GET /healthz``; ``POST /admin/faults`` and ``POST /admin/reset``
+  only with ``admin=True``.
+
+Fault injection (tests): with a seeded RNG, a request gets 503 before running, 503 after running
+(the result is cached, the response lost), a delay before responding, or a malformed JSON body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import os
+import random
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rollart_reward.metrics import UtilisationMeter
+
+__all__ = ["FaultConfig", "FunctionRuntime", "RuntimeConfig"]
+
+log = logging.getLogger(__name__)
+
+
+class FaultConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    seed: int = 0
+    error_before: float = Field(0.0, ge=0, le=1)
+    """Rate of 503 answers before the function runs."""
+    error_after: float = Field(0.0, ge=0, le=1)
+    """Rate of 503 answers after the function ran (its result is cached): tests idempotency."""
+    delay: float = Field(0.0, ge=0, le=1)
+    """Rate of responses held back by ``delay_s`` (client timeouts)."""
+    delay_s: float = Field(2.0, ge=0)
+    malformed: float = Field(0.0, ge=0, le=1)
+    """Rate of 200 answers whose body is not JSON."""
+
+
+class RuntimeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    function: str = "success"
+    """Reward function name (``rollart.reward`` entry point) or ``package.module:Class``."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """The function's own config."""
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, le=65535)
+    """0 picks a free port."""
+    min_workers: int = Field(0, ge=0)
+    max_workers: int = Field(8, ge=1)
+    idle_timeout_s: float = Field(2.0, gt=0)
+    """A worker idle this long is stopped (down to ``min_workers``)."""
+    adaptive_idle: bool = True
+    """Keep idle workers at least as long as a cold start currently costs (moving average): stopping
+    a worker sooner costs more than it saves (ski rental)."""
+    call_timeout_s: float = Field(60.0, gt=0)
+    """A call running longer kills its worker and fails (504)."""
+    max_queue: int = Field(10_000, ge=1)
+    """More waiting calls than this are refused with 429."""
+    cache_size: int = Field(100_000, ge=0)
+    """Idempotency cache entries (results and execution counts by key)."""
+    admin: bool = False
+    """Enable ``/admin/*`` (fault knobs, stats reset): for tests only."""
+    faults: FaultConfig = FaultConfig()
+
+
+class _Worker:
+    def __init__(self, pid: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 spawned: float) -> None:
+        self.pid, self.reader, self.writer = pid, reader, writer
+        self.spawned = spawned
+        self.idle_since = spawned
+        self.calls = 0
+        self.ids = 0
+
+    async def call(self, trajectory: dict[str, Any], timeout: float) -> dict[str, Any]:
+        self.ids += 1
+        self.writer.write((json.dumps({"id": self.ids, "trajectory": trajectory}) + "\n").encode())
+        await self.writer.drain()
+        line = await asyncio.wait_for(self.reader.readline(), timeout)
+        if not line:
+            raise RuntimeError(f"worker {self.pid} exited")
+        return json.loads(line)
+
+    def kill(self) -> None:
+        self.writer.close()
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+class _FunctionError(Exception):
+    """The reward function raised inside a worker."""
+
+
+class FunctionRuntime:
+    """``await rt.start()`` → URL; ``await rt.stop()`` stops the server and every worker."""
+
+    def __init__(self, config: RuntimeConfig | None = None) -> None:
+        self.config = config or RuntimeConfig()
+        if self.config.min_workers > self.config.max_workers:
+            from rollart_core.errors import ConfigError
+
+            raise ConfigError("runtime: min_workers must be <= max_workers")
+        self.meter = UtilisationMeter(slots=None)
+        self.faults = self.config.faults
+        self._rng = random.Random(self.faults.seed)
+        self._workers: list[_Worker] = []
+        self._idle: list[_Worker] = []
+        self._waiters: collections.deque[asyncio.Future[_Worker]] = collections.deque()
+        self._starting = 0
+        self._cache: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
+        self._inflight: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        self._executions: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._async_tasks: dict[str, asyncio.Task[Any]] = {}
+        self.counters = collections.Counter[str]()
+        self.peak_workers = 0
+        self.cold_start_s: list[float] = []
+        self._cold_ewma = 0.0
+        self._runner: Any = None
+        self._reaper: asyncio.Task[None] | None = None
+        self._spawns: set[asyncio.Task[None]] = set()
+        self._hellos: dict[str, asyncio.Future[_Worker]] = {}
+        self._template: asyncio.subprocess.Process | None = None
+        self._sockdir = ""
+        self._unix: asyncio.AbstractServer | None = None
+        self.url = ""
+
+    # ---------------------------------------------------------------- lifecycle
+    async def start(self) -> str:
+        from aiohttp import web
+
+        app = web.Application(client_max_size=64 << 20)
+        r = app.router
+        r.add_post("/invoke", self._h_invoke)
+        r.add_post("/2015-03-31/functions/{name}/invocations", self._h_lambda)
+        r.add_post("/2023-03-30/functions/{name}/invocations", self._h_fc)
+        r.add_get("/2023-03-30/functions/{name}/async-tasks/{task}", self._h_fc_poll)
+        r.add_get("/stats", self._h_stats)
+        r.add_get("/executions/{key}", self._h_executions)
+        r.add_get("/healthz", lambda _: web.json_response({"ok": True}))
+        if self.config.admin:
+            r.add_post("/admin/faults", self._h_faults)
+            r.add_post("/admin/reset", self._h_reset)
+        await self._start_template()
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://{self.config.host}:{port}"
+        self._reaper = asyncio.create_task(self._reap_idle())
+        for _ in range(self.config.min_workers):
+            self._spawn()
+        return self.url
+
+    async def stop(self) -> None:
+        if self._reaper:
+            self._reaper.cancel()
+        for t in list(self._spawns) + list(self._async_tasks.values()):
+            t.cancel()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        for w in list(self._workers):
+            await self._retire(w)
+        if self._template is not None and self._template.returncode is None:
+            self._template.kill()
+            await self._template.wait()
+        if self._unix is not None:
+            self._unix.close()
+        if self._sockdir:
+            import shutil
+
+            shutil.rmtree(self._sockdir, ignore_errors=True)
+
+    async def _start_template(self) -> None:
+        """The process workers are forked from: imports and function loaded once (warm snapshot)."""
+        c = self.config
+        self._sockdir = tempfile.mkdtemp(prefix="rollart-rt-")
+        path = os.path.join(self._sockdir, "workers.sock")
+        self._unix = await asyncio.start_unix_server(self._on_worker, path, limit=64 << 20)
+        t0 = time.monotonic()
+        self._template = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "rollart_reward._worker", c.function, json.dumps(c.options), path,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        )
+        assert self._template.stdout is not None
+        line = await asyncio.wait_for(self._template.stdout.readline(), 120)
+        if not line or not json.loads(line).get("ready"):
+            rc = await self._template.wait()
+            raise RuntimeError(f"function runtime: could not load {c.function!r} (template exited {rc})")
+        self.template_load_s = time.monotonic() - t0
+
+    async def _on_worker(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        hello = json.loads(await reader.readline())
+        fut = self._hellos.pop(hello["hello"], None)
+        if fut is None or fut.done():
+            writer.close()
+            os.kill(hello["pid"], signal.SIGKILL)
+            return
+        fut.set_result(_Worker(hello["pid"], reader, writer, time.monotonic()))
+
+    # ---------------------------------------------------------------- autoscaling
+    def _spawn(self) -> None:
+        self._starting += 1
+        task = asyncio.create_task(self._start_worker())
+        self._spawns.add(task)
+        task.add_done_callback(self._spawns.discard)
+
+    async def _start_worker(self) -> None:
+        t0 = time.monotonic()
+        token = uuid.uuid4().hex
+        fut: asyncio.Future[_Worker] = asyncio.get_running_loop().create_future()
+        self._hellos[token] = fut
+        try:
+            tpl = self._template
+            if tpl is None or tpl.returncode is not None or tpl.stdin is None:
+                raise RuntimeError("the worker template process is gone")
+            tpl.stdin.write((json.dumps({"fork": token}) + "\n").encode())
+            await tpl.stdin.drain()
+            w = await asyncio.wait_for(fut, 30)
+            w.spawned = t0
+        except BaseException as exc:
+            self._starting -= 1
+            self._hellos.pop(token, None)
+            self.meter.add_provisioned(time.monotonic() - t0)
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                fut.result().kill()
+            if not isinstance(exc, Exception):
+                raise
+            log.error("function runtime: worker start failed: %r", exc)
+            self.counters["worker_start_failures"] += 1
+            if self._waiters and not self._workers:  # nothing will ever serve them: fail them
+                while self._waiters:
+                    fut = self._waiters.popleft()
+                    if not fut.done():
+                        fut.set_exception(RuntimeError(f"cannot start a worker: {exc}"))
+            return
+        self._starting -= 1
+        self._workers.append(w)
+        self.peak_workers = max(self.peak_workers, len(self._workers))
+        self.meter.cold_starts += 1
+        self.cold_start_s.append(time.monotonic() - t0)
+        self._cold_ewma = 0.8 * self._cold_ewma + 0.2 * self.cold_start_s[-1] if self._cold_ewma else self.cold_start_s[-1]
+        self._release(w)
+
+    def _release(self, w: _Worker) -> None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(w)
+                return
+        w.idle_since = time.monotonic()
+        self._idle.append(w)
+
+    async def _acquire(self) -> _Worker:
+        if self._idle:
+            return self._idle.pop()  # most recently used: lets the others go idle and scale down
+        if len(self._waiters) >= self.config.max_queue:
+            raise _Overloaded()
+        fut: asyncio.Future[_Worker] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        waiting = sum(1 for f in self._waiters if not f.done())
+        if self._starting < waiting and len(self._workers) + self._starting < self.config.max_workers:
+            self._spawn()
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self._release(fut.result())
+            raise
+
+    async def _retire(self, w: _Worker) -> None:
+        if w in self._workers:
+            self._workers.remove(w)
+            end = time.monotonic()
+            self.meter.add_provisioned(end - max(w.spawned, self.meter.t0))
+        if w in self._idle:
+            self._idle.remove(w)
+        w.kill()
+
+    async def _reap_idle(self) -> None:
+        while True:
+            await asyncio.sleep(min(0.05, self.config.idle_timeout_s / 4))
+            now = time.monotonic()
+            keep = self.config.idle_timeout_s
+            if self.config.adaptive_idle:
+                keep = max(keep, self._cold_ewma)
+            for w in list(self._idle):
+                if len(self._workers) <= self.config.min_workers:
+                    break
+                if now - w.idle_since >= keep:
+                    self._idle.remove(w)
+                    await self._retire(w)
+
+    # ---------------------------------------------------------------- execution
+    async def execute(self, key: str | None, trajectory: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        """Run (or join, or replay) one call → (result dict, served by a fresh worker)."""
+        if key is not None:
+            if key in self._cache:
+                self.counters["cache_hits"] += 1
+                self._cache.move_to_end(key)
+                return self._cache[key], False
+            if key in self._inflight:
+                self.counters["joined_inflight"] += 1
+                return await asyncio.shield(self._inflight[key]), False
+            fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+            self._inflight[key] = fut
+        try:
+            result, cold = await self._run(key, trajectory)
+        except BaseException as exc:
+            if key is not None:
+                self._inflight.pop(key, None)
+                if not fut.done():
+                    fut.set_exception(exc if isinstance(exc, Exception) else RuntimeError("cancelled"))
+                    fut.exception()  # mark retrieved
+            raise
+        if key is not None:
+            self._inflight.pop(key, None)
+            fut.set_result(result)
+            if self.config.cache_size:
+                self._cache[key] = result
+                while len(self._cache) > self.config.cache_size:
+                    self._cache.popitem(last=False)
+        return result, cold
+
+    async def _run(self, key: str | None, trajectory: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        t_enq = time.monotonic()
+        self.meter.enter()
+        try:
+            w = await self._acquire()
+            queue_s = time.monotonic() - t_enq
+            cold = w.calls == 0
+            w.calls += 1
+            if key is not None:
+                self._executions[key] = self._executions.get(key, 0) + 1
+                while len(self._executions) > max(self.config.cache_size, 1):
+                    self._executions.popitem(last=False)
+            self.counters["executions"] += 1
+            t0 = time.monotonic()
+            try:
+                reply = await w.call(trajectory, self.config.call_timeout_s)
+            except BaseException:
+                self.meter.record(busy_s=time.monotonic() - t0, queue_s=queue_s, ok=False, cold=False)
+                await self._retire(w)
+                raise
+            self.meter.record(busy_s=float(reply.get("busy_s", time.monotonic() - t0)), queue_s=queue_s,
+                              ok="error" not in reply)
+            self._release(w)
+        finally:
+            self.meter.leave()
+        if "error" in reply:
+            raise _FunctionError(reply["error"])
+        return reply["result"], cold
+
+    # ---------------------------------------------------------------- faults
+    def _draw(self) -> str | None:
+        f = self.faults
+        x = self._rng.random()
+        for name, rate in (("error_before", f.error_before), ("error_after", f.error_after),
+                           ("delay", f.delay), ("malformed", f.malformed)):
+            if x < rate:
+                self.counters[f"fault_{name}"] += 1
+                return name
+            x -= rate
+        return None
+
+    # ---------------------------------------------------------------- handlers
+    async def _invoke_one(self, key: str | None, traj: Any) -> tuple[int, dict[str, Any], bool]:
+        try:
+            result, cold = await self.execute(key, traj)
+            return 200, {"key": key, "result": result, "cold_start": cold}, cold
+        except _FunctionError as exc:
+            self.counters["function_errors"] += 1
+            return 500, {"key": key, "error": str(exc)}, False
+        except _Overloaded:
+            self.counters["throttled"] += 1
+            return 429, {"key": key, "error": "too many queued calls"}, False
+        except TimeoutError:
+            return 504, {"key": key, "error": "function timed out"}, False
+        except (RuntimeError, ValueError, KeyError) as exc:
+            return 502, {"key": key, "error": f"worker failure: {exc}"}, False
+
+    async def _respond(self, status: int, body: dict[str, Any], cold: bool, fault: str | None,
+                       headers: dict[str, str] | None = None) -> Any:
+        from aiohttp import web
+
+        headers = dict(headers or {})
+        if cold:
+            headers["X-Rollart-Cold-Start"] = "1"
+        if fault == "error_after":
+            return web.json_response({"error": "injected fault (after execution)"}, status=503)
+        if fault == "delay":
+            await asyncio.sleep(self.faults.delay_s)
+        if fault == "malformed" and status == 200:
+            return web.Response(text='{"result": {"score": 1.0, "det', content_type="application/json",
+                                headers=headers)
+        return web.json_response(body, status=status, headers=headers)
+
+    async def _h_invoke(self, request: Any) -> Any:
+        from aiohttp import web
+
+        self.counters["requests"] += 1
+        try:
+            body = await request.json()
+        except ValueError:
+            return web.json_response({"error": "request body is not JSON"}, status=400)
+        fault = self._draw()
+        if fault == "error_before":
+            return web.json_response({"error": "injected fault"}, status=503)
+        if isinstance(body, dict) and isinstance(body.get("items"), list):
+            outs = await asyncio.gather(*(self._invoke_one(i.get("key"), i.get("trajectory"))
+                                          for i in body["items"]))
+            results = [o[1] for o in outs]
+            return await self._respond(200, {"results": results}, any(o[2] for o in outs), fault)
+        if not isinstance(body, dict) or "trajectory" not in body:
+            return web.json_response({"error": "expected {'key', 'trajectory'} or {'items': [...]}"}, status=400)
+        key = body.get("key") or request.headers.get("Idempotency-Key")
+        status, out, cold = await self._invoke_one(key, body["trajectory"])
+        return await self._respond(status, out, cold, fault)
+
+    async def _h_lambda(self, request: Any) -> Any:
+        from aiohttp import web
+
+        self.counters["requests"] += 1
+        body = await request.json()
+        fault = self._draw()
+        if fault == "error_before":
+            return web.json_response({"Type": "Service", "message": "injected fault"}, status=503)
+        key = body.get("key") or request.headers.get("Idempotency-Key")
+        if request.headers.get("X-Amz-Invocation-Type", "RequestResponse") == "Event":
+            if key is None:
+                return web.json_response({"message": "Event invocations need a key"}, status=400)
+            self._async_tasks[key] = asyncio.create_task(self._invoke_one(key, body["trajectory"]))
+            return web.Response(status=202)
+        status, out, cold = await self._invoke_one(key, body["trajectory"])
+        if status == 500:
+            return web.json_response({"errorMessage": out["error"], "errorType": "Unhandled"}, status=200,
+                                     headers={"X-Amz-Function-Error": "Unhandled"})
+        if status != 200:
+            return web.json_response({"message": out["error"]}, status=status)
+        return await self._respond(200, out["result"], cold, fault)
+
+    async def _h_fc(self, request: Any) -> Any:
+        from aiohttp import web
+
+        self.counters["requests"] += 1
+        body = await request.json()
+        fault = self._draw()
+        if fault == "error_before":
+            return web.json_response({"Code": "ServiceUnavailable", "Message": "injected fault"}, status=503)
+        key = body.get("key") or request.headers.get("Idempotency-Key")
+        if request.headers.get("x-fc-invocation-type", "Sync") == "Async":
+            task_id = request.headers.get("x-fc-async-task-id")
+            if not task_id:
+                return web.json_response({"Code": "MissingTaskId", "Message": "x-fc-async-task-id"}, status=400)
+            if task_id not in self._async_tasks:  # re-submitting a task id is a no-op (idempotent)
+                self._async_tasks[task_id] = asyncio.create_task(self._invoke_one(key or task_id, body["trajectory"]))
+            return web.Response(status=202, headers={"x-fc-async-task-id": task_id})
+        status, out, cold = await self._invoke_one(key, body["trajectory"])
+        if status != 200:
+            return web.json_response({"Code": "FunctionError", "Message": out["error"]},
+                                     status=status if status != 500 else 200,
+                                     headers={"x-fc-error-type": "UnhandledInvocationError"} if status == 500 else {})
+        return await self._respond(200, out["result"], cold, fault)
+
+    async def _h_fc_poll(self, request: Any) -> Any:
+        from aiohttp import web
+
+        task_id = request.match_info["task"]
+        task = self._async_tasks.get(task_id)
+        if task is None:
+            return web.json_response({"Code": "AsyncTaskNotFound", "Message": task_id}, status=404)
+        if not task.done():
+            return web.json_response({"taskId": task_id, "status": "Running"})
+        status, out, cold = task.result()
+        if status == 200:
+            return web.json_response({"taskId": task_id, "status": "Succeeded",
+                                      "returnPayload": json.dumps(out["result"]), "coldStart": cold})
+        return web.json_response({"taskId": task_id, "status": "Failed", "errorMessage": out["error"]})
+
+    def stats(self) -> dict[str, Any]:
+        now = time.monotonic()
+        live = sum(now - max(w.spawned, self.meter.t0) for w in self._workers)
+        s: dict[str, Any] = self.meter.stats(provisioned_extra=live)
+        execs = list(self._executions.values())
+        s.update({
+            "workers": len(self._workers), "idle_workers": len(self._idle), "starting": self._starting,
+            "peak_workers": self.peak_workers, "queued": sum(1 for f in self._waiters if not f.done()),
+            "template_load_s": getattr(self, "template_load_s", 0.0),
+            "cold_start_s_mean": sum(self.cold_start_s) / len(self.cold_start_s) if self.cold_start_s else 0.0,
+            "max_executions_per_key": max(execs, default=0),
+            "keys_executed_more_than_once": sum(1 for n in execs if n > 1),
+            **dict(self.counters),
+        })
+        return s
+
+    async def _h_stats(self, request: Any) -> Any:
+        from aiohttp import web
+
+        return web.json_response(self.stats())
+
+    async def _h_executions(self, request: Any) -> Any:
+        from aiohttp import web
+
+        key = request.match_info["key"]
+        return web.json_response({"key": key, "executions": self._executions.get(key, 0)})
+
+    async def _h_faults(self, request: Any) -> Any:
+        from aiohttp import web
+
+        self.faults = FaultConfig.model_validate(await request.json())
+        self._rng = random.Random(self.faults.seed)
+        return web.json_response(self.faults.model_dump())
+
+    async def _h_reset(self, request: Any) -> Any:
+        from aiohttp import web
+
+        self.meter.reset()
+        self.counters.clear()
+        self.peak_workers = len(self._workers)
+        self.cold_start_s.clear()
+        self._cache.clear()
+        self._executions.clear()
+        return web.json_response({"ok": True})
+
+
+class _Overloaded(Exception):
+    pass
