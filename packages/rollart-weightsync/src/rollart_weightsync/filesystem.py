@@ -11,7 +11,7 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollart_core.errors import WeightSyncError
-from rollart_weightsync._common import Pusher, snapshot, wait_until
+from rollart_weightsync._common import Pusher, Subscriptions, fill_into, snapshot, wait_until
 
 if TYPE_CHECKING:
     import torch
@@ -34,6 +34,8 @@ class FilesystemWeightStoreConfig(BaseModel):
     """Directory holding the versions (shared by pusher and pullers)."""
     keep_last: int = Field(2, ge=1)
     """Retention: how many committed versions to keep."""
+    poll_s: float = Field(0.05, gt=0)
+    """Polling period of ``wait_for`` and subscriptions (other processes commit by rename)."""
 
 
 class FilesystemWeightStore:
@@ -44,9 +46,13 @@ class FilesystemWeightStore:
         self.root = Path(root) if root is not None else self.config.root
         self.root.mkdir(parents=True, exist_ok=True)
         self._pusher: Pusher | None = None
+        self._subs = Subscriptions(self.latest_version, self.config.poll_s, "fs-weights")
 
-    def __getstate__(self) -> dict[str, object]:  # travels to other processes without its thread
-        return {"config": self.config, "root": self.root, "_pusher": None}
+    def __getstate__(self) -> dict[str, object]:  # travels to other processes without its threads
+        return {"config": self.config, "root": self.root}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__init__(state["config"], root=state["root"])  # type: ignore[misc,arg-type]
 
     def _dir(self, version: int) -> Path:
         return self.root / f"v{version:08d}"
@@ -73,6 +79,7 @@ class FilesystemWeightStore:
             shutil.rmtree(final)
         os.replace(tmp, final)
         self._retain()
+        self._subs.notify()
 
     def _retain(self) -> None:
         versions = self.committed_versions()
@@ -93,23 +100,29 @@ class FilesystemWeightStore:
         vs = self.committed_versions()
         return vs[-1] if vs else None
 
-    def pull(self, version: int) -> dict[str, torch.Tensor]:
+    def pull(self, version: int, into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         from safetensors.torch import load_file
 
         d = self._dir(version)
         marker = d / "COMMITTED"
         if not marker.is_file():
             raise WeightSyncError(f"version {version} is not committed in {self.root} (latest: {self.latest_version()})")
-        manifest = json.loads(marker.read_text())
-        for attempt in range(2):
-            if _sha256(d / "model.safetensors") == manifest["sha256"]:
-                return load_file(str(d / "model.safetensors"))
-            if attempt == 0:
-                continue  # re-read once: a concurrent retention pass may have raced us
+        try:
+            manifest = json.loads(marker.read_text())
+            for attempt in range(2):
+                if _sha256(d / "model.safetensors") == manifest["sha256"]:
+                    return fill_into(load_file(str(d / "model.safetensors")), into)
+                if attempt == 0:
+                    continue  # re-read once: a concurrent retention pass may have raced us
+        except OSError as exc:  # removed by retention (or a re-push) while we read it
+            raise WeightSyncError(f"version {version} vanished from {d} while pulling: {exc}") from exc
         raise WeightSyncError(f"version {version}: checksum mismatch in {d}")
 
     def wait_for(self, version: int, timeout: float | None = None) -> int:
-        return wait_until(self.latest_version, version, timeout)
+        return wait_until(self.latest_version, version, timeout, poll_s=self.config.poll_s)
+
+    def subscribe(self, callback: Callable[[int], None]) -> Callable[[], None]:
+        return self._subs.subscribe(callback)
 
     def close(self) -> None:
         if self._pusher is not None:

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollart_core.errors import WeightSyncError
-from rollart_weightsync._common import Pusher, snapshot, wait_until
+from rollart_weightsync._common import Pusher, Subscriptions, fill_into, snapshot, wait_until
 
 if TYPE_CHECKING:
     import torch
@@ -22,6 +22,7 @@ class MemoryWeightStoreConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     keep_last: int = Field(2, ge=1)
+    """Retention: how many committed versions to keep."""
 
 
 class MemoryWeightStore:
@@ -32,6 +33,7 @@ class MemoryWeightStore:
         self._versions: dict[int, dict[str, torch.Tensor]] = {}
         self._cond = threading.Condition()
         self._pusher = Pusher("mem-weight-push")
+        self._subs = Subscriptions(self.latest_version, 0.5, "mem-weights")
 
     def push(self, version: int, tensors: Mapping[str, torch.Tensor]) -> Future[None]:
         snap = snapshot(tensors)
@@ -42,6 +44,7 @@ class MemoryWeightStore:
                 for v in sorted(self._versions)[: -self.config.keep_last]:
                     del self._versions[v]
                 self._cond.notify_all()
+            self._subs.notify()
 
         return self._pusher.submit(commit)
 
@@ -49,14 +52,19 @@ class MemoryWeightStore:
         with self._cond:
             return max(self._versions) if self._versions else None
 
-    def pull(self, version: int) -> dict[str, torch.Tensor]:
+    def pull(self, version: int, into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """The stored tensors themselves (shared, do not modify), or copied into ``into``."""
         with self._cond:
             if version not in self._versions:
                 raise WeightSyncError(f"version {version} is not committed (have {sorted(self._versions)})")
-            return dict(self._versions[version])
+            tensors = dict(self._versions[version])
+        return fill_into(tensors, into)
 
     def wait_for(self, version: int, timeout: float | None = None) -> int:
         return wait_until(self.latest_version, version, timeout, cond=self._cond)
+
+    def subscribe(self, callback: Callable[[int], None]) -> Callable[[], None]:
+        return self._subs.subscribe(callback)
 
     def close(self) -> None:
         self._pusher.close()

@@ -1,0 +1,332 @@
+"""MooncakeWeightStore: versioned weights in a Mooncake distributed store (TCP here, RDMA where set).
+
+Keys under ``<prefix>/``::
+
+    v0000000003/b00000 … b000NN   buckets: the version's flat byte stream cut into ``bucket_bytes``
+    v0000000003/manifest          tensor layout + bucket checksums, written LAST (the commit)
+    index                         {"latest", "versions", "garbage"}: what ``latest_version`` reads
+
+A pusher (the trainer) and pullers (inference workers) are Mooncake clients that contribute no
+memory; the store's memory is the global segment of a long-lived holder process
+(:class:`~rollart_weightsync.mooncake_server.MooncakeStoreServer`), because Mooncake drops the
+objects of a client that exits. One writer per ``prefix`` is assumed (the trainer's rank 0).
+
+The object is picklable: a copy sent to a Ray actor or a vLLM worker reconnects lazily.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rollart_core.errors import ConfigError, WeightSyncError
+from rollart_core.extras import require
+from rollart_weightsync import _layout
+from rollart_weightsync._common import Pusher, Subscriptions, check_into, wait_until
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["MooncakeWeightStore", "MooncakeWeightStoreConfig"]
+
+log = logging.getLogger(__name__)
+INSTALL = "pip install 'rollart-weightsync[mooncake]'  (CUDA)  or  'rollart-weightsync[mooncake-cpu]'  (no CUDA)"
+_NOT_FOUND = -704
+
+
+class MooncakeWeightStoreConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    master: str
+    """``host:port`` of ``mooncake_master``'s RPC endpoint (see ``rollart-weightsync serve``)."""
+    metadata_server: str = "P2PHANDSHAKE"
+    """Transfer-engine metadata: ``P2PHANDSHAKE`` or ``http://host:port/metadata``."""
+    protocol: Literal["auto", "tcp", "rdma"] = "auto"
+    """``auto``: RDMA if ``rdma_devices`` is set, else TCP. ``MC_FORCE_TCP=1`` always means TCP."""
+    rdma_devices: str = ""
+    """Comma-separated RDMA NICs (e.g. ``mlx5_0,mlx5_1``); empty for TCP."""
+    local_hostname: str = "127.0.0.1"
+    """Address this client's transfer engine binds and advertises."""
+    local_buffer_bytes: int = Field(16 << 20, ge=1 << 20)
+    """Client staging buffer for manifests and the index (tensor data moves zero-copy)."""
+    prefix: str = Field("rollart/weights", min_length=1, pattern=r"^[A-Za-z0-9_./-]+$")
+    """Key namespace: one store (one writer) per prefix."""
+    bucket_bytes: int = Field(32 << 20, ge=4096)
+    """Size of one stored object; a version is streamed bucket by bucket."""
+    batch_buckets: int = Field(4, ge=1)
+    """Buckets per batched transfer call (pull memory for ``into=``: bucket_bytes × this)."""
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """Convert floating tensors to this dtype on push (None: keep the trainer's dtype)."""
+    checksum: Literal["crc32", "sha256", "none"] = "crc32"
+    """Per-bucket checksum verified on pull (crc32 catches corruption; sha256 if tampering matters)."""
+    keep_last: int = Field(2, ge=1)
+    """Retention: committed versions kept; older ones' keys are deleted after a commit."""
+    poll_s: float = Field(0.05, gt=0)
+    """Polling period of ``wait_for`` and subscriptions."""
+    push_retry_s: float = Field(20.0, ge=0)
+    """How long a push retries failed puts (e.g. while the master notices a restarted holder)."""
+    hard_pin: bool = True
+    """Pin objects so the master's eviction never drops part of a committed version."""
+
+
+_CLIENTS: dict[tuple[Any, ...], Any] = {}
+_CLIENTS_LOCK = threading.Lock()
+
+
+def _resolve_protocol(cfg: MooncakeWeightStoreConfig) -> str:
+    force_tcp = os.environ.get("MC_FORCE_TCP", "").lower() in ("1", "true", "yes", "on")
+    if force_tcp:
+        return "tcp"
+    if cfg.protocol == "auto":
+        return "rdma" if cfg.rdma_devices else "tcp"
+    return cfg.protocol
+
+
+def _client(cfg: MooncakeWeightStoreConfig) -> Any:
+    """One Mooncake client per process and endpoint (pickled copies in one process share it)."""
+    protocol = _resolve_protocol(cfg)
+    key = (cfg.master, cfg.metadata_server, protocol, cfg.rdma_devices, cfg.local_hostname)
+    with _CLIENTS_LOCK:
+        if key in _CLIENTS:
+            return _CLIENTS[key]
+        require("mooncake.store", INSTALL)
+        from mooncake.store import MooncakeDistributedStore
+
+        host, _, port = cfg.master.rpartition(":")
+        try:  # fail fast: setup() against a dead master retries for a long time
+            socket.create_connection((host, int(port)), timeout=3).close()
+        except (OSError, ValueError) as exc:
+            raise WeightSyncError(f"mooncake master {cfg.master!r} is not reachable: {exc}") from None
+        c = MooncakeDistributedStore()
+        rc = c.setup(cfg.local_hostname, cfg.metadata_server, 0, cfg.local_buffer_bytes, protocol,
+                     cfg.rdma_devices, cfg.master)
+        if rc != 0:
+            raise WeightSyncError(f"mooncake client setup failed (code {rc}) for master {cfg.master}")
+        _CLIENTS[key] = c
+        return c
+
+
+class MooncakeWeightStore:
+    """See the module docstring. ``push`` returns at once; ``pull`` streams bucket by bucket."""
+
+    Config = MooncakeWeightStoreConfig
+
+    def __init__(self, config: MooncakeWeightStoreConfig | None = None, **options: Any) -> None:
+        if config is None:
+            config = MooncakeWeightStoreConfig(**options)
+        elif options:
+            raise ConfigError(f"give either a config or options, not both ({sorted(options)})")
+        self.config = config
+        self._pusher: Pusher | None = None
+        self._subs = Subscriptions(self.latest_version, config.poll_s, "mooncake-weights")
+        self._index_lock = threading.Lock()
+        self.stats = {"pushes": 0, "pulls": 0, "refetches": 0, "push_retries": 0}
+
+    def __getstate__(self) -> dict[str, Any]:  # threads and the client stay behind
+        return {"config": self.config}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["config"])  # type: ignore[misc]
+
+    # keys ------------------------------------------------------------------------------------
+
+    def _vkey(self, version: int) -> str:
+        return f"{self.config.prefix}/v{version:010d}"
+
+    def bucket_key(self, version: int, i: int) -> str:
+        return f"{self._vkey(version)}/b{i:05d}"
+
+    def manifest_key(self, version: int) -> str:
+        return f"{self._vkey(version)}/manifest"
+
+    @property
+    def index_key(self) -> str:
+        return f"{self.config.prefix}/index"
+
+    def _rcfg(self) -> Any:
+        from mooncake.store import ReplicateConfig
+
+        r = ReplicateConfig()
+        r.with_hard_pin = self.config.hard_pin
+        return r
+
+    # push ------------------------------------------------------------------------------------
+
+    def push(self, version: int, tensors: Mapping[str, torch.Tensor]) -> Future[None]:
+        if version < 0:
+            raise WeightSyncError(f"version must be >= 0, got {version}")
+        import torch
+
+        dtype = getattr(torch, self.config.dtype) if self.config.dtype else None
+        flat, manifest = _layout.pack(tensors, version, self.config.bucket_bytes, self.config.checksum, dtype)
+        if self._pusher is None:
+            self._pusher = Pusher("mooncake-weight-push")
+        return self._pusher.submit(lambda: self._commit(flat, manifest))
+
+    def _commit(self, flat: torch.Tensor, manifest: _layout.Manifest) -> None:
+        c = _client(self.config)
+        v = manifest.version
+        _layout.seal(flat, manifest)
+        ranges = manifest.ranges() if manifest.total_bytes else []
+        ptr = flat.data_ptr()
+        if ranges:
+            c.register_buffer(ptr, flat.numel())
+        try:
+            rcfg = self._rcfg()
+            step = self.config.batch_buckets
+            for g in range(0, len(ranges), step):
+                idx = range(g, min(g + step, len(ranges)))
+                keys = [self.bucket_key(v, i) for i in idx]
+                self._retry(f"version {v} buckets {idx.start}..{idx.stop - 1}", lambda k=keys, i=idx: c.batch_upsert_from(
+                    k, [ptr + ranges[j][0] for j in i], [ranges[j][1] - ranges[j][0] for j in i], rcfg))
+            raw = manifest.to_bytes()
+            self._retry(f"version {v} manifest", lambda: [c.upsert(self.manifest_key(v), raw, rcfg)])
+        finally:
+            if ranges:
+                c.unregister_buffer(ptr)
+        self._update_index(c, v, len(ranges))
+        self.stats["pushes"] += 1
+        self._subs.notify()
+
+    def _retry(self, what: str, call: Callable[[], list[int]]) -> None:
+        deadline = time.monotonic() + self.config.push_retry_s
+        while True:
+            codes = call()
+            bad = [rc for rc in codes if rc != 0]
+            if not bad:
+                return
+            if time.monotonic() >= deadline:
+                raise WeightSyncError(f"mooncake put of {what} failed (codes {sorted(set(bad))}); "
+                                      "is the store holder running and its segment large enough?")
+            self.stats["push_retries"] += 1
+            time.sleep(0.2)
+
+    # index and retention ---------------------------------------------------------------------
+
+    def _read_index(self, c: Any) -> dict[str, Any]:
+        raw = c.get(self.index_key)
+        if not raw:
+            return {"latest": None, "versions": {}, "garbage": {}}
+        try:
+            return json.loads(raw)
+        except ValueError as exc:
+            raise WeightSyncError(f"unreadable index at {self.index_key!r}: {exc}") from None
+
+    def _update_index(self, c: Any, version: int, n_buckets: int) -> None:
+        rcfg = self._rcfg()
+        with self._index_lock:
+            idx = self._read_index(c)
+            idx["versions"][str(version)] = n_buckets
+            kept = sorted(idx["versions"], key=int)
+            for old in kept[: -self.config.keep_last]:
+                idx["garbage"][old] = idx["versions"].pop(old)
+            idx["latest"] = max(int(k) for k in idx["versions"])
+            self._retry("index", lambda: [c.upsert(self.index_key, json.dumps(idx).encode(), rcfg)])
+            removed = [v for v, n in list(idx["garbage"].items()) if self._delete_version(c, int(v), n)]
+            if removed:
+                for v in removed:
+                    idx["garbage"].pop(v)
+                self._retry("index", lambda: [c.upsert(self.index_key, json.dumps(idx).encode(), rcfg)])
+
+    def _delete_version(self, c: Any, version: int, n_buckets: int) -> bool:
+        """Delete a retired version. The manifest goes first and at once, so the version stops
+        being pullable; a bucket still leased by a reader mid-pull stays until the next commit
+        (False), so that reader finishes intact."""
+        rc = c.remove(self.manifest_key(version), True)
+        codes = c.batch_remove([self.bucket_key(version, i) for i in range(n_buckets)]) if n_buckets else []
+        return all(code in (0, _NOT_FOUND) for code in [rc, *codes])
+
+    def latest_version(self) -> int | None:
+        return self._read_index(_client(self.config))["latest"]
+
+    def committed_versions(self) -> list[int]:
+        return sorted(int(v) for v in self._read_index(_client(self.config))["versions"])
+
+    # pull ------------------------------------------------------------------------------------
+
+    def manifest(self, version: int) -> _layout.Manifest:
+        raw = _client(self.config).get(self.manifest_key(version))
+        if not raw:
+            raise WeightSyncError(f"version {version} is not committed in mooncake store "
+                                  f"{self.config.prefix!r} (latest: {self.latest_version()})")
+        return _layout.Manifest.from_bytes(raw, f"version {version}")
+
+    def pull(self, version: int, into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        import torch
+
+        c = _client(self.config)
+        m = self.manifest(version)
+        check_into(into, m.shapes)
+        ranges = m.ranges() if m.total_bytes else []
+        step = self.config.batch_buckets
+        if into is None:  # zero-copy: buckets land in one buffer that the tensors then view
+            flat = torch.empty(m.total_bytes, dtype=torch.uint8)
+            self._fetch_all(c, m, flat, ranges, step, lambda piece, start: None, whole=True)
+            self.stats["pulls"] += 1
+            return _layout.unpack(flat, m)
+        targets = dict(into)
+        for e in m.tensors:
+            if e["name"] not in targets:
+                targets[e["name"]] = torch.empty(e["shape"], dtype=getattr(torch, e["dtype"]))
+        partial: dict[str, torch.Tensor] = {}
+        staging = torch.empty(min(m.total_bytes, m.bucket_bytes * step), dtype=torch.uint8)
+        self._fetch_all(c, m, staging, ranges, step,
+                        lambda piece, start: _layout.copy_out(piece, start, m, targets, partial), whole=False)
+        self.stats["pulls"] += 1
+        return targets
+
+    def _fetch_all(self, c: Any, m: _layout.Manifest, buf: torch.Tensor, ranges: list[tuple[int, int]],
+                   step: int, consume: Callable[[torch.Tensor, int], None], *, whole: bool) -> None:
+        if not ranges:
+            return
+        ptr = buf.data_ptr()
+        c.register_buffer(ptr, buf.numel())
+        try:
+            for g in range(0, len(ranges), step):
+                idx = list(range(g, min(g + step, len(ranges))))
+                base = 0 if whole else ranges[g][0]
+                views = [buf[ranges[i][0] - base: ranges[i][1] - base] for i in idx]
+                keys = [self.bucket_key(m.version, i) for i in idx]
+                codes = c.batch_get_into(keys, [v.data_ptr() for v in views], [v.numel() for v in views])
+                for i, key, view, rc in zip(idx, keys, views, codes, strict=True):
+                    self._verify(c, m, i, key, view, rc)
+                    consume(view, ranges[i][0])
+        finally:
+            c.unregister_buffer(ptr)
+
+    def _verify(self, c: Any, m: _layout.Manifest, i: int, key: str, view: torch.Tensor, rc: int) -> None:
+        n = view.numel()
+        if rc == n and _layout.checksum(view, m.checksum) == m.bucket_sums[i]:
+            return
+        self.stats["refetches"] += 1
+        log.warning("version %d bucket %d: %s; fetching it again", m.version, i,
+                    f"read failed (code {rc})" if rc != n else "checksum mismatch")
+        rc = c.get_into(key, view.data_ptr(), n)
+        if rc != n:
+            raise WeightSyncError(f"version {m.version}: bucket {key!r} could not be read (code {rc}); "
+                                  "deleted by retention or lost with the store holder")
+        if _layout.checksum(view, m.checksum) != m.bucket_sums[i]:
+            raise WeightSyncError(f"version {m.version}: checksum mismatch in bucket {key!r} after re-fetch")
+
+    # waiting and subscriptions ---------------------------------------------------------------
+
+    def wait_for(self, version: int, timeout: float | None = None) -> int:
+        return wait_until(self.latest_version, version, timeout, poll_s=self.config.poll_s)
+
+    def subscribe(self, callback: Callable[[int], None]) -> Callable[[], None]:
+        return self._subs.subscribe(callback)
+
+    def close(self) -> None:
+        """Finish queued pushes. The process-wide client stays for other store objects."""
+        if self._pusher is not None:
+            self._pusher.close()
+            self._pusher = None
