@@ -112,3 +112,16 @@ async def test_wait_pending_below_is_released_by_consumption() -> None:
     await buf.put(_traj("x", "a", 0))
     await buf.get_batch(1, version=0)
     await asyncio.wait_for(waiter, 5)
+
+
+async def test_dropping_useless_groups_wakes_admission_control() -> None:
+    """A producer waiting for capacity must be woken when get_batch drops a stale group."""
+    buf = SampleBuffer(alpha=0)
+    buf.expect("stale", 1)
+    await buf.put(_traj("s", "stale", 0))
+    producer = asyncio.create_task(buf.wait_pending_below(1))
+    getter = asyncio.create_task(buf.get_batch(1, version=1))
+    await asyncio.wait_for(producer, 5)  # released although nothing was consumed
+    buf.expect("fresh", 1)
+    await buf.put(_traj("f", "fresh", 1))
+    assert [t.traj_id for t in await asyncio.wait_for(getter, 5)] == ["f"]

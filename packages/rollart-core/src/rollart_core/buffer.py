@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from typing import Any
 
 from rollart_core.errors import ConfigError
 from rollart_core.types import Fate, Trajectory
@@ -61,9 +62,11 @@ class SampleBuffer:
         async with self._changed:
             while True:
                 await self._changed.wait_for(lambda: len(self._ready()) >= 1)
-                for g in self._ready():
-                    if not self._trainable(g, version):
-                        self._take(g, version)
+                dropped = [g for g in self._ready() if not self._trainable(g, version)]
+                for g in dropped:
+                    self._take(g, version)
+                if dropped:
+                    self._changed.notify_all()  # admission control may launch replacements now
                 useful = [g for g in self._ready() if self._trainable(g, version)]
                 if len(useful) >= num_groups:
                     break
@@ -93,6 +96,24 @@ class SampleBuffer:
         """Wait until fewer than ``limit`` announced groups are not yet consumed (admission control)."""
         async with self._changed:
             await self._changed.wait_for(lambda: len(self._order) < limit)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Persistable content: every finished trajectory not yet consumed, by group. Members still
+        in flight cannot be saved; a group is restored with the members it had."""
+        groups = []
+        for g in self._order:
+            done = [t for t in self._groups[g] if t.fate is Fate.FINISHED]
+            if done:
+                groups.append({"group_id": g, "trajectories": [t.to_dict() for t in done]})
+        return {"alpha": self.alpha, "groups": groups, "fates": dict(self.fates), "consumed": self.consumed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for g in state["groups"]:
+            trajs = [Trajectory.from_dict(d) for d in g["trajectories"]]
+            self.expect(g["group_id"], len(trajs))
+            self._groups[g["group_id"]].extend(trajs)
+        self.fates.update(state.get("fates", {}))
+        self.consumed = state.get("consumed", 0)
 
     def pending_groups(self) -> int:
         return len(self._order)

@@ -64,6 +64,8 @@ class TaskConfig(_Model):
     name: str
     env: ComponentConfig
     reward: ComponentConfig
+    reward_executor: ComponentConfig = ComponentConfig(impl="inline")
+    """Where the reward runs: ``inline``, ``pool``, ``ray`` or ``http`` (serverless offload)."""
     sampling: SamplingParams = SamplingParams()
     group_size: int = Field(8, ge=1)
     """Trajectories per group (same seed) for group-relative advantages."""
@@ -83,6 +85,8 @@ class TrainConfig(_Model):
     eval_every: int = Field(0, ge=0)
     eval_episodes: int = Field(32, ge=1)
     save_every: int = Field(0, ge=0)
+    resume_from: Path | None = None
+    """A checkpoint directory written by this loop (``checkpoint-<step>``): continue from it."""
     max_pending_steps: int | None = Field(None, ge=1)
     """async: at most this many steps' worth of groups launched but not yet trained on
     (admission control); default ``max(alpha, 1)``: a group admitted while the trainer is at version

@@ -22,8 +22,9 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
+from rollart_core.checkpoint import resume, save_checkpoint
 from rollart_core.config import RunConfig
-from rollart_core.metrics import ConsoleSink, JsonlSink, MetricsSink, MultiSink
+from rollart_core.metrics import MetricsSink, default_sinks
 from rollart_core.pipeline import Pipeline
 from rollart_core.rollout import Rollout, derive_seed
 from rollart_core.runner import run_trajectory
@@ -38,22 +39,23 @@ CONSOLE_KEYS = ["reward_mean", "success_rate", "eval_success", "traj_per_s", "ge
 
 async def train(cfg: RunConfig, sink: MetricsSink | None = None) -> dict[str, Any]:
     """Run ``cfg.train.steps`` steps in ``cfg.train.mode``; returns a summary."""
-    sink = sink or MultiSink(JsonlSink(cfg.output_dir / "metrics.jsonl"), ConsoleSink(CONSOLE_KEYS))
+    sink = sink or default_sinks(cfg.output_dir, CONSOLE_KEYS)
     mode, alpha = cfg.train.mode, cfg.train.alpha
     num_groups = sum(t.groups_per_step for t in cfg.tasks)
     history: list[dict[str, Any]] = []
     async with Pipeline(cfg) as p:
         ro = Rollout(p)
         producer = None
-        if cfg.train.eval_every:
-            sink.log(0, {**await evaluate(p, cfg.train.eval_episodes), "version": 0})
+        first = await resume(p, ro, cfg.train.resume_from) if cfg.train.resume_from else 1
+        if cfg.train.eval_every and first == 1:
+            sink.log(first - 1, {**await evaluate(p, cfg.train.eval_episodes), "version": p.trainer.version})
         t_start = time.perf_counter()
         if mode == "async":
             producer = asyncio.create_task(_produce(ro, num_groups * (cfg.train.max_pending_steps or max(alpha, 1))))
         elif mode == "one_off":
             ro.launch_step()
         pushed: Future[None] | None = None
-        for step in range(1, cfg.train.steps + 1):
+        for step in range(first, cfg.train.steps + 1):
             t_step = time.perf_counter()
             if mode == "sync":
                 ro.launch_step()
@@ -92,7 +94,7 @@ async def train(cfg: RunConfig, sink: MetricsSink | None = None) -> dict[str, An
             if cfg.train.eval_every and step % cfg.train.eval_every == 0:
                 metrics.update(await evaluate(p, cfg.train.eval_episodes))
             if cfg.train.save_every and step % cfg.train.save_every == 0:
-                await asyncio.to_thread(p.trainer.save, str(cfg.output_dir / f"checkpoint-{step}"))
+                await save_checkpoint(p, ro, step, cfg.output_dir / f"checkpoint-{step}")
             sink.log(step, metrics)
             history.append(metrics)
         if producer is not None:

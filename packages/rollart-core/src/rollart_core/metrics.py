@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
-__all__ = ["ConsoleSink", "JsonlSink", "MetricsSink", "MultiSink"]
+__all__ = ["ConsoleSink", "JsonlSink", "MetricsSink", "MultiSink", "TensorBoardSink", "default_sinks"]
 
 
 class MetricsSink(Protocol):
@@ -28,6 +28,40 @@ class JsonlSink:
 
     def close(self) -> None:
         self._f.close()
+
+
+class TensorBoardSink:
+    """Scalars (and nested dicts of scalars, e.g. fates) as TensorBoard events (``tensorboardX``)."""
+
+    def __init__(self, logdir: str | Path) -> None:
+        from rollart_core.extras import require
+
+        tbx = require("tensorboardX", "pip install 'rollart-core[tensorboard]'")
+        self._w = tbx.SummaryWriter(str(logdir))
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        for k, v in metrics.items():
+            if isinstance(v, dict):
+                for kk, vv in v.items():
+                    if isinstance(vv, (int, float)):
+                        self._w.add_scalar(f"{k}/{kk}", vv, step)
+            elif isinstance(v, (int, float)) and not isinstance(v, bool):
+                self._w.add_scalar(k, v, step)
+        self._w.flush()
+
+    def close(self) -> None:
+        self._w.close()
+
+
+def default_sinks(out_dir: Path, console_keys: list[str]) -> MultiSink:
+    """JSON lines + TensorBoard (when ``tensorboardX`` is installed) + a console line per step."""
+    sinks: list[MetricsSink] = [JsonlSink(out_dir / "metrics.jsonl")]
+    try:
+        sinks.append(TensorBoardSink(out_dir / "tensorboard"))
+    except ImportError:
+        pass  # optional extra; the JSON lines carry the same numbers
+    sinks.append(ConsoleSink(console_keys))
+    return MultiSink(*sinks)
 
 
 class ConsoleSink:

@@ -51,6 +51,8 @@ class Pipeline:
         for i, task in enumerate(cfg.tasks):
             validate_options(resolve("env", task.env.impl), task.env.options, f"tasks.{i}.env.options")
             validate_options(resolve("reward", task.reward.impl), task.reward.options, f"tasks.{i}.reward.options")
+            validate_options(resolve("reward_executor", task.reward_executor.impl), task.reward_executor.options,
+                             f"tasks.{i}.reward_executor.options")
         engine_cfgs = [
             validate_options(resolve("engine", g.impl), g.options, f"engines.{i}.options") for i, g in enumerate(cfg.engines)
         ]
@@ -62,9 +64,9 @@ class Pipeline:
         self.trainer = build("trainer", cfg.trainer.impl, cfg.trainer.options, "trainer.options", model_path=cfg.model.path)
         self.chat = resolve("chat", cfg.model.chat_format)(cfg.model.path)
         self.rewards = {
-            t.name: resolve("reward_executor", "inline")(
-                build("reward", t.reward.impl, t.reward.options, f"tasks.{i}.reward.options")
-            )
+            t.name: build("reward_executor", t.reward_executor.impl, t.reward_executor.options,
+                          f"tasks.{i}.reward_executor.options",
+                          fn=build("reward", t.reward.impl, t.reward.options, f"tasks.{i}.reward.options"))
             for i, t in enumerate(cfg.tasks)
         }
         self.buffer = SampleBuffer(cfg.train.alpha)

@@ -51,6 +51,7 @@ __all__ = [
     "RewardFunction",
     "SupportsBatchScore",
     "SupportsPause",
+    "SupportsResume",
     "SupportsWeightUpdate",
     "Trainer",
     "WeightStore",
@@ -160,6 +161,13 @@ class Trainer(Protocol):
         ...
 
     def save(self, path: str) -> None: ...
+
+
+@runtime_checkable
+class SupportsResume(Protocol):
+    def load(self, path: str) -> None:
+        """Restore weights, optimizer state and :attr:`Trainer.version` from ``save(path)``."""
+        ...
 
 
 @runtime_checkable

@@ -40,14 +40,14 @@ class Rollout:
         self.fates: Counter[str] = Counter()
         self.finished: list[Trajectory] = []
         """Trajectories that got a fate since the last :meth:`drain_finished`."""
-        self._groups = 0
+        self.groups_launched = 0
 
     def launch_group(self, task_index: int, tag: str = "g") -> str:
         """Start ``group_size`` trajectories of one task on a fresh seed; returns the group id."""
         cfg = self.p.config
         task = cfg.tasks[task_index]
-        n = self._groups
-        self._groups += 1
+        n = self.groups_launched
+        self.groups_launched += 1
         group_id = f"{tag}{n}-{task.name}"
         seed = derive_seed(cfg.seed, tag, n, task_index)
         self.p.buffer.expect(group_id, task.group_size)

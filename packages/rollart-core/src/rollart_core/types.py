@@ -8,6 +8,7 @@ trajectory always ends with exactly one :class:`Fate`.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -206,6 +207,27 @@ class Trajectory:
 
     def add_timing(self, stage: str, seconds: float) -> None:
         self.timings[stage] = self.timings.get(stage, 0.0) + seconds
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (``info`` must itself be JSON-serialisable)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "turns"}
+        d["turns"] = [dataclasses.asdict(t) for t in self.turns]
+        d["fate"] = self.fate.value if self.fate is not None else None
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Trajectory:
+        d = dict(d)
+        turns = []
+        for t in d.pop("turns", []):
+            t = dict(t)
+            if t.get("allowed_token_ids") is not None:
+                t["allowed_token_ids"] = tuple(t["allowed_token_ids"])
+            turns.append(Turn(**t))
+        fate = d.pop("fate", None)
+        traj = cls(**d, turns=turns)
+        traj.fate = Fate(fate) if fate is not None else None
+        return traj
 
 
 def fate_counts(trajectories: Sequence[Trajectory]) -> dict[str, int]:

@@ -1,0 +1,123 @@
+"""Learning curves on held-out seeds: Sync+ vs async (alpha=1), same machine, same script.
+
+    uv run --no-sync python integration/bench/learning.py --minutes 15 [--config examples/frozenlake_tiny.yaml]
+
+Each mode trains from the same initial tiny model for the same wall-clock budget (run one after
+the other: running both at once would make them fight for the same 2 cores), evaluating success
+on held-out map seeds every ``--eval-every`` steps. Writes ``learning.json`` (both curves, with wall
+time) and ``learning.png`` into ``--out``, and prints when each mode first reached the sync run's
+final success rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+from rollart_core.config import load_config
+from rollart_core.loop import train
+
+
+class _Curve:
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.points: list[dict[str, Any]] = []
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        row = {"step": step, "wall_s": time.perf_counter() - self.t0,
+               **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
+        self.points.append(row)
+        print(f"  step {step:>4}  t={row['wall_s']:7.1f}s  eval={metrics.get('eval_success', float('nan')):.3f}  "
+              f"train_success={metrics.get('success_rate', float('nan')):.3f}", flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+def _run(cfg_path: Path, mode: str, alpha: int, minutes: float, eval_every: int, out: Path) -> list[dict[str, Any]]:
+    cfg = load_config(cfg_path)
+    cfg.train.mode, cfg.train.alpha = mode, alpha  # type: ignore[assignment]
+    cfg.train.steps = 100_000
+    cfg.train.eval_every = eval_every
+    cfg.train.save_every = 0
+    cfg = cfg.model_copy(update={"output_dir": out / f"{mode}-a{alpha}"})
+    curve = _Curve()
+
+    async def main() -> None:
+        task = asyncio.create_task(train(cfg, sink=curve))
+        deadline = time.perf_counter() + minutes * 60
+        while not task.done() and time.perf_counter() < deadline:
+            await asyncio.sleep(1.0)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    print(f"== {mode} alpha={alpha} for {minutes} min")
+    asyncio.run(main())
+    return curve.points
+
+
+def _first_reaching(points: list[dict[str, Any]], target: float) -> float | None:
+    for p in points:
+        if p.get("eval_success", -1) >= target:
+            return p["wall_s"]
+    return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="examples/frozenlake_tiny.yaml")
+    ap.add_argument("--minutes", type=float, default=15.0)
+    ap.add_argument("--eval-every", type=int, default=5)
+    ap.add_argument("--out", default="runs/learning")
+    args = ap.parse_args()
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    curves = {
+        "sync": _run(Path(args.config), "sync", 0, args.minutes, args.eval_every, out),
+        "async_a1": _run(Path(args.config), "async", 1, args.minutes, args.eval_every, out),
+    }
+    evals = {k: [p for p in v if "eval_success" in p] for k, v in curves.items()}
+    sync_final = evals["sync"][-1]["eval_success"] if evals["sync"] else 0.0
+    summary = {
+        "machine": {"platform": platform.platform(), "cpus": __import__("os").cpu_count()},
+        "minutes_per_mode": args.minutes,
+        "sync_final_eval_success": sync_final,
+        "best_eval_success": {k: max((p["eval_success"] for p in v), default=None) for k, v in evals.items()},
+        "seconds_to_sync_final": {k: _first_reaching(v, sync_final) for k, v in evals.items()},
+        "curves": curves,
+    }
+    t_sync, t_async = summary["seconds_to_sync_final"]["sync"], summary["seconds_to_sync_final"]["async_a1"]
+    summary["async_speedup_to_sync_final"] = (t_sync / t_async) if t_sync and t_async else None
+    (out / "learning.json").write_text(json.dumps(summary, indent=2))
+    print(f"\n{'mode':<10} {'best eval':>10} {'s to sync-final':>16}")
+    for k in curves:
+        print(f"{k:<10} {summary['best_eval_success'][k] or 0:>10.3f} {summary['seconds_to_sync_final'][k] or float('nan'):>16.1f}")
+    print(f"async speed-up to the sync run's final success: {summary['async_speedup_to_sync_final']}")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for k, v in evals.items():
+            ax.plot([p["wall_s"] / 60 for p in v], [p["eval_success"] for p in v], marker="o", label=k)
+        ax.set_xlabel("wall time (min)")
+        ax.set_ylabel("held-out success rate")
+        ax.set_title("FrozenLake (random 4x4 maps), tiny Qwen2 on CPU")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "learning.png", dpi=120)
+    except ImportError:
+        print("matplotlib not installed: no PNG")
+    print(f"wrote {out / 'learning.json'}")
+
+
+if __name__ == "__main__":
+    main()
