@@ -149,3 +149,30 @@ async def test_train_step_updates_engine_weights_and_versions(pipeline) -> None:
     assert all(t.fate is Fate.FINISHED for t in nxt)
     assert {v for t in nxt for turn in t.turns for v in turn.output_versions} == {1}
     await p.buffer.get_batch(p.config.tasks[0].groups_per_step, version=1)
+
+
+async def test_redundant_rollouts_cancel_exactly_the_surplus(pipeline) -> None:
+    from rollart_core.rollout import Rollout
+
+    p = pipeline
+    task = p.config.tasks[0]
+    old = task.redundancy, task.max_turns
+    task.redundancy, task.max_turns = 3, 6
+    try:
+        ro = Rollout(p)
+        ro.served_version = max((await p.proxy.weight_versions()).values())
+        gid = ro.launch_group(0, tag="red")
+        await ro.wait_all()
+        mine = [t for t in ro.drain_finished() if t.group_id == gid]
+        assert len(mine) == task.group_size + 3  # every launched trajectory is accounted for
+        fates = [t.fate for t in mine]
+        assert fates.count(Fate.FINISHED) == task.group_size
+        assert fates.count(Fate.CANCELLED_REDUNDANT) == 3 == ro.cancelled_redundant
+        batch = await p.buffer.get_batch(1, version=ro.served_version)
+        assert len(batch) == task.group_size and {t.group_id for t in batch} == {gid}
+        # the cancelled requests are gone from the inference worker, not just from our side
+        engine = next(iter(p.proxy.workers.values())).engine
+        stats = await engine.get_stats()
+        assert stats["inflight"] == 0
+    finally:
+        task.redundancy, task.max_turns = old

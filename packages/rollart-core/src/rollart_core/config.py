@@ -70,6 +70,9 @@ class TaskConfig(_Model):
     group_size: int = Field(8, ge=1)
     """Trajectories per group (same seed) for group-relative advantages."""
     groups_per_step: int = Field(4, ge=1)
+    redundancy: int = Field(0, ge=0)
+    """Redundant rollouts: launch ``group_size + redundancy`` per group and cancel the surplus
+    (fate ``cancelled_redundant``) once ``group_size`` have finished; 0 disables."""
     max_turns: int = Field(8, ge=1)
     pool: str | None = None
     """Engine group (by name) that serves this task; None = any."""

@@ -41,6 +41,8 @@ class Rollout:
         self.finished: list[Trajectory] = []
         """Trajectories that got a fate since the last :meth:`drain_finished`."""
         self.groups_launched = 0
+        self._group_finished: dict[str, int] = {}
+        self.cancelled_redundant = 0
 
     def launch_group(self, task_index: int, tag: str = "g") -> str:
         """Start ``group_size`` trajectories of one task on a fresh seed; returns the group id."""
@@ -50,8 +52,10 @@ class Rollout:
         self.groups_launched += 1
         group_id = f"{tag}{n}-{task.name}"
         seed = derive_seed(cfg.seed, tag, n, task_index)
-        self.p.buffer.expect(group_id, task.group_size)
-        for k in range(task.group_size):
+        n_launch = task.group_size + task.redundancy
+        self.p.buffer.expect(group_id, n_launch)
+        self._group_finished[group_id] = 0
+        for k in range(n_launch):
             traj = Trajectory(f"{group_id}-{k}", task.name, task.env.impl, group_id, seed, self.served_version)
             self.inflight[traj.traj_id] = (traj, asyncio.create_task(self._run(traj, task_index)))
             self.launched += 1
@@ -76,9 +80,27 @@ class Rollout:
             if traj.fate is None:
                 traj.fate = Fate.CANCELLED_REDUNDANT
             self.inflight.pop(traj.traj_id, None)
+            if traj.fate is Fate.FINISHED:
+                if traj.group_id in self._group_finished:
+                    self._group_finished[traj.group_id] += 1
+                    if self._group_finished[traj.group_id] >= task.group_size:
+                        self._cancel_surplus(traj.group_id)
+                elif task.redundancy:  # finished after its group was already complete: surplus
+                    traj.fate = Fate.CANCELLED_REDUNDANT
+                    self.cancelled_redundant += 1
             self.fates[traj.fate.value] += 1
             self.finished.append(traj)
             await p.buffer.put(traj)
+
+    def _cancel_surplus(self, group_id: str) -> None:
+        """The group has its ``group_size`` finished trajectories: cancel the stragglers now
+        (synchronously, so none of them can still slip in as finished)."""
+        del self._group_finished[group_id]
+        for traj, task in list(self.inflight.values()):
+            if traj.group_id == group_id and traj.fate is None and not task.done():
+                traj.fate = Fate.CANCELLED_REDUNDANT
+                task.cancel()
+                self.cancelled_redundant += 1
 
     def abort_stale(self, trainer_version: int, alpha: int) -> int:
         """Cancel in-flight trajectories that can no longer be trained within ``alpha``."""

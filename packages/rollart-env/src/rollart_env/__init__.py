@@ -1,9 +1,23 @@
-"""rollart-env: environments (text in, text out) for agentic RL.
+"""rollart-env: environments (text in, text out) for agentic RL, and the EnvManager.
 
 Public API:
-- :class:`FrozenLakeEnv` — a grid with a fresh solvable random map per seed, discrete actions.
+
+- built-in environments (entry points in ``rollart.env``): :class:`FrozenLakeEnv` (``frozenlake``),
+  :class:`SokobanEnv` (``sokoban``), :class:`CalculatorEnv` (``calculator``, tool use),
+  :class:`CodeTaskEnv` (``code``, tests run in rollart-reward's sandbox)
+- adapters: :class:`GymnasiumEnv` (``gymnasium``), :class:`GemEnv` (``gem``), and environments over
+  HTTP: :class:`EnvServer` / :class:`RemoteEnv` (``remote``)
+- :class:`EnvManager` — environments in Ray actors, timeouts, failure masking and replacement
+- :func:`run_group` — redundant rollouts (launch G + k, keep the first G finished)
+- :class:`FaultyEnv` (``faulty``) — seeded fault injection for tests and benchmarks
+
+Nothing heavy is imported here: gymnasium, aiohttp and Ray load only when used.
 """
 
+from rollart_env.adapters import GemConfig, GemEnv, GymnasiumConfig, GymnasiumEnv, TextWrapper
+from rollart_env.calculator import CalculatorConfig, CalculatorEnv
+from rollart_env.code_task import CodeTaskConfig, CodeTaskEnv
+from rollart_env.faults import FaultSpec, FaultyEnv, FaultyEnvConfig, InjectedCrash, plan_episode
 from rollart_env.frozenlake import (
     ACTIONS,
     FrozenLakeConfig,
@@ -11,5 +25,45 @@ from rollart_env.frozenlake import (
     generate_map,
     shortest_path_length,
 )
+from rollart_env.manager import EnvGroupConfig, EnvManager, EnvManagerConfig, EnvWorker, ManagedEnv
+from rollart_env.redundancy import GroupOutcome, RedundancyConfig, run_group
+from rollart_env.remote import EnvServer, RemoteEnv, RemoteEnvConfig
+from rollart_env.sokoban import SokobanConfig, SokobanEnv
 
-__all__ = ["ACTIONS", "FrozenLakeConfig", "FrozenLakeEnv", "generate_map", "shortest_path_length"]
+__all__ = [
+    # built-in environments
+    "ACTIONS",
+    "CalculatorConfig",
+    "CalculatorEnv",
+    "CodeTaskConfig",
+    "CodeTaskEnv",
+    # manager, redundancy, faults
+    "EnvGroupConfig",
+    "EnvManager",
+    "EnvManagerConfig",
+    # adapters and remote environments
+    "EnvServer",
+    "EnvWorker",
+    "FaultSpec",
+    "FaultyEnv",
+    "FaultyEnvConfig",
+    "FrozenLakeConfig",
+    "FrozenLakeEnv",
+    "GemConfig",
+    "GemEnv",
+    "GroupOutcome",
+    "GymnasiumConfig",
+    "GymnasiumEnv",
+    "InjectedCrash",
+    "ManagedEnv",
+    "RedundancyConfig",
+    "RemoteEnv",
+    "RemoteEnvConfig",
+    "SokobanConfig",
+    "SokobanEnv",
+    "TextWrapper",
+    "generate_map",
+    "plan_episode",
+    "run_group",
+    "shortest_path_length",
+]

