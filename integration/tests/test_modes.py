@@ -40,3 +40,19 @@ async def test_mode_invariants(mode: str, alpha: int, tmp_path: Path, tiny_model
     # rollout overlapped training: trajectories were in flight while the trainer ran
     assert any(h["inflight_at_train"] > 0 for h in hist)
     assert all(h["batch_size"] > 0 for h in hist)
+
+
+async def test_env_manager_and_redundancy_in_the_loop(tmp_path: Path, tiny_model: Path) -> None:
+    """Environments in Ray actors (EnvManager) with redundant rollouts, driven by the loop."""
+    from rollart_core.config import EnvManagerSection
+
+    cfg = slice_config(tmp_path, model_path=tiny_model, steps=2)
+    cfg.env_manager = EnvManagerSection(num_envs=8, options={"pool": None, "envs_per_actor": 8})
+    cfg.tasks[0].redundancy = 2
+    summary = await train(cfg, sink=_Collect())
+    task = cfg.tasks[0]
+    assert summary["final_version"] == 2
+    assert sum(summary["fates"].values()) == summary["launched"]
+    assert summary["launched"] >= 2 * task.groups_per_step * (task.group_size + 2)
+    assert summary["fates"].get("cancelled_redundant", 0) > 0
+    assert all(h["batch_size"] <= task.groups_per_step * task.group_size for h in summary["history"])

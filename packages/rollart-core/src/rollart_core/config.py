@@ -19,6 +19,7 @@ from rollart_core.types import SamplingParams
 __all__ = [
     "ComponentConfig",
     "EngineGroupConfig",
+    "EnvManagerSection",
     "ModelConfig",
     "RayConfig",
     "RunConfig",
@@ -104,6 +105,17 @@ class RayConfig(_Model):
     """Custom resources standing in for pools on a local cluster, e.g. ``{H800: 1, H20: 1}``."""
 
 
+class EnvManagerSection(_Model):
+    """Run environments in Ray actors on the CPU pool (independent lifecycles, timeouts,
+    replacement of failed environments) instead of in the driver process."""
+
+    impl: str = "rollart_env.manager:EnvManager"
+    num_envs: int = Field(16, ge=1)
+    """Environments kept alive per task."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """The manager's own settings (timeouts, envs per actor, pool, ...), validated by it."""
+
+
 class RunConfig(_Model):
     name: str = "rollart"
     output_dir: Path = Path("runs/rollart")
@@ -115,6 +127,8 @@ class RunConfig(_Model):
     weight_store: ComponentConfig = ComponentConfig(impl="filesystem")
     train: TrainConfig = TrainConfig()
     ray: RayConfig = RayConfig()
+    env_manager: EnvManagerSection | None = None
+    """None: environments live in the driver's event loop."""
 
     @model_validator(mode="after")
     def _cross_check(self) -> RunConfig:

@@ -75,6 +75,9 @@ class Pipeline:
         t0 = time.perf_counter()
         await self._start_engines(engine_cfgs)
         self.timings["engines_start_s"] = time.perf_counter() - t0
+        self.env_manager = None
+        if cfg.env_manager is not None:
+            await self._start_env_manager(cfg)
 
     def _ensure_model(self) -> None:
         m = self.config.model
@@ -109,10 +112,39 @@ class Pipeline:
         task_pools = {t.name: t.pool for t in self.config.tasks if t.pool is not None}
         self.proxy = proxy_cls.from_ray_actors(members, task_pools=task_pools)
 
+    async def _start_env_manager(self, cfg: RunConfig) -> None:
+        import ray
+
+        em = cfg.env_manager
+        assert em is not None
+        cls = resolve("env_manager", em.impl)
+        options = {**em.options, "groups": {t.name: {"impl": t.env.impl, "options": t.env.options,
+                                                     "num_envs": em.num_envs} for t in cfg.tasks}}
+        mcfg = validate_options(cls, options, "env_manager.options")
+        pool = getattr(mcfg, "pool", None)
+        if pool is not None and pool not in ray.cluster_resources():
+            raise ConfigError(f"env_manager: environment workers need the Ray resource {pool!r} (their pool), "
+                              f"which no node has (cluster: {sorted(ray.cluster_resources())}); declare it in "
+                              "ray.resources or set env_manager.options.pool: null")
+        self.env_manager = cls(mcfg)
+        await self.env_manager.start()
+
     def make_env(self, task: TaskConfig, index: int) -> Any:
         return build("env", task.env.impl, task.env.options, f"tasks.{index}.env.options")
 
+    async def acquire_env(self, task: TaskConfig, index: int) -> Any:
+        """An environment for one trajectory: leased from the EnvManager, or built in-process."""
+        if self.env_manager is not None:
+            return await self.env_manager.acquire(task.name)
+        return self.make_env(task, index)
+
     async def __aexit__(self, *exc: object) -> None:
+        if getattr(self, "env_manager", None) is not None:
+            try:
+                await self.env_manager.shutdown()
+            except Exception as e:
+                log.warning("env manager shutdown failed: %r", e)
+            self.env_manager = None
         if self.actors:
             import ray
         for a in self.actors:

@@ -17,7 +17,7 @@ from rollart_core.errors import ConfigError, MissingExtraError, RegistryError
 
 __all__ = ["GROUPS", "available", "build", "resolve", "validate_options"]
 
-GROUPS = ("engine", "env", "reward", "reward_executor", "trainer", "weight_store", "proxy")
+GROUPS = ("engine", "env", "env_manager", "reward", "reward_executor", "trainer", "weight_store", "proxy")
 T = TypeVar("T")
 
 

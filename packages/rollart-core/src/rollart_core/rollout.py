@@ -15,6 +15,7 @@ import random
 from collections import Counter
 from typing import TYPE_CHECKING
 
+from rollart_core.errors import EnvError, EnvTimeoutError
 from rollart_core.runner import run_trajectory
 from rollart_core.types import Fate, Trajectory
 
@@ -69,8 +70,15 @@ class Rollout:
         p = self.p
         task = p.config.tasks[task_index]
         try:
-            await run_trajectory(traj, env=p.make_env(task, task_index), generator=p.proxy, chat=p.chat,
-                                 scorer=p.rewards[task.name], sampling=task.sampling, max_turns=task.max_turns)
+            try:
+                env = await p.acquire_env(task, task_index)
+            except EnvTimeoutError as exc:
+                traj.fate, traj.error = Fate.TIMED_OUT, f"no environment: {exc}"
+            except EnvError as exc:
+                traj.fate, traj.error = Fate.ENV_FAILED, f"no environment: {exc}"
+            else:
+                await run_trajectory(traj, env=env, generator=p.proxy, chat=p.chat, scorer=p.rewards[task.name],
+                                     sampling=task.sampling, max_turns=task.max_turns)
         except asyncio.CancelledError:
             pass  # cancelled by us (stale or shutting down); the fate is already set
         except Exception as exc:  # the runner records every fate itself; this is a bug guard
