@@ -1,16 +1,28 @@
 """LLMProxy: per-trajectory dispatch of single turns to inference workers.
 
 Every turn of every trajectory is one request, routed on its own: a slow trajectory never holds
-a batch. Routing, in order: the task's pool (only workers of that pool), session stickiness (the
-worker that served the trajectory's previous turn holds its prefix cache), then the least
-outstanding requests. Each worker has an in-flight limit (back-pressure instead of an unbounded
-queue). A worker that fails a request with a non-request error is retried elsewhere in its pool.
+a batch. Routing, in order:
+
+1. the task's pool: a task is routed only to workers of the pool it declares (``task_pools``);
+2. session stickiness: the worker that served the trajectory's previous turn holds its prefix
+   cache; it is kept unless it is gone (unhealthy) or overloaded (all its in-flight slots taken);
+3. least outstanding requests (in flight + queued, relative to the worker's limit).
+
+Each worker has an in-flight limit (back-pressure: a request waits for a slot instead of piling up
+in the engine). A worker that fails a request (:class:`WorkerUnavailableError`, or any error that
+is not a request error) is marked unhealthy and the request is retried on another worker of its
+pool, at most ``max_retries`` times; then the request fails with :class:`WorkerUnavailableError`
+(an :class:`~rollart_core.errors.EngineError`). A request error (:class:`EngineError`) is raised
+at once. Unhealthy workers are probed again by :meth:`LLMProxy.check_health`.
+
+Suspend/resume and weight updates fan out to every worker; a weight update never aborts requests.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +30,8 @@ from typing import Any
 from rollart_core.errors import EngineError
 from rollart_core.protocols import InferenceEngine, PauseMode
 from rollart_core.types import GenerateOutput, GenerateRequest
+from rollart_proxy.errors import WorkerUnavailableError
+from rollart_proxy.metrics import WorkerMetrics
 
 __all__ = ["LLMProxy", "WorkerHandle"]
 
@@ -33,10 +47,17 @@ class WorkerHandle:
     inflight: int = 0
     healthy: bool = True
     served: int = 0
+    metrics: WorkerMetrics = field(default_factory=WorkerMetrics)
     _slots: asyncio.Semaphore = field(init=False)
 
     def __post_init__(self) -> None:
+        if self.max_inflight < 1:
+            raise EngineError(f"worker {self.name}: max_inflight must be >= 1")
         self._slots = asyncio.Semaphore(self.max_inflight)
+
+    @property
+    def outstanding(self) -> int:
+        return self.inflight + self.metrics.queued
 
 
 class LLMProxy:
@@ -56,85 +77,233 @@ class LLMProxy:
         if not handles:
             raise EngineError("LLMProxy needs at least one worker")
         self.workers = {w.name: w for w in handles}
+        if len(self.workers) != len(handles):
+            raise EngineError("worker names must be unique")
         self.task_pools = dict(task_pools or {})
+        pools = {w.pool for w in handles}
+        unknown = {t: p for t, p in self.task_pools.items() if p not in pools}
+        if unknown:
+            raise EngineError(f"tasks routed to pools without workers: {unknown} (pools: {sorted(pools)})")
         self.max_retries = max_retries
         self._session: dict[str, str] = {}
         self._request_worker: dict[str, str] = {}
+        self._session_requests: dict[str, set[str]] = {}
+        self._aborted: set[str] = set()
+        self.suspended = False
 
     @classmethod
     def from_ray_actors(
-        cls, actors: list[tuple[str, Any, str]], *, task_pools: Mapping[str, str] | None = None, **kwargs: Any
+        cls,
+        actors: list[tuple[str, Any, str]],
+        *,
+        task_pools: Mapping[str, str] | None = None,
+        max_inflight: int = 64,
+        **kwargs: Any,
     ) -> LLMProxy:
         """Proxy over engines living in Ray actors: ``(name, actor handle, pool)`` each."""
         from rollart_proxy.ray_engine import RayActorEngine
 
-        handles = [WorkerHandle(name, RayActorEngine(h, name), pool) for name, h, pool in actors]
+        handles = [WorkerHandle(name, RayActorEngine(h, name), pool, max_inflight) for name, h, pool in actors]
         return cls(handles, task_pools=task_pools, **kwargs)
 
+    # routing ---------------------------------------------------------------------------------
+
+    def pool_of(self, task: str | None) -> str | None:
+        return self.task_pools.get(task) if task else None
+
     def _candidates(self, task: str | None) -> list[WorkerHandle]:
-        pool = self.task_pools.get(task) if task else None
+        pool = self.pool_of(task)
         ws = [w for w in self.workers.values() if w.healthy and (pool is None or w.pool == pool)]
         if not ws:
-            raise EngineError(f"no healthy worker for task {task!r} (pool {pool!r})")
+            raise WorkerUnavailableError(f"no healthy worker for task {task!r} (pool {pool!r})")
         return ws
 
     def _pick(self, request: GenerateRequest, exclude: set[str]) -> WorkerHandle:
         cands = [w for w in self._candidates(request.task) if w.name not in exclude]
         if not cands:
-            raise EngineError(f"request {request.request_id}: every worker of its pool failed")
+            raise WorkerUnavailableError(f"request {request.request_id}: every worker of its pool failed")
         sticky = self._session.get(request.session_id) if request.session_id else None
         for w in cands:
             if w.name == sticky and w.inflight < w.max_inflight:
                 return w
-        return min(cands, key=lambda w: (w.inflight / w.max_inflight, w.served))
+        return min(cands, key=lambda w: (w.outstanding / w.max_inflight, w.outstanding, w.served))
+
+    # generation ------------------------------------------------------------------------------
 
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
         tried: set[str] = set()
-        while True:
-            w = self._pick(request, tried)
-            async with w._slots:
-                w.inflight += 1
-                self._request_worker[request.request_id] = w.name
+        sid = request.session_id
+        if sid:
+            self._session_requests.setdefault(sid, set()).add(request.request_id)
+        try:
+            while True:
                 try:
-                    out = await w.engine.generate(request)
+                    w = self._pick(request, tried)
+                except WorkerUnavailableError:
+                    # Workers marked unhealthy may have come back: probe once before failing.
+                    if not await self.check_health():
+                        raise
+                    w = self._pick(request, tried)
+                try:
+                    out = await self._run_on(w, request)
+                except WorkerUnavailableError as exc:
+                    self._worker_failed(w, request, exc)
                 except EngineError:
                     raise  # the request itself is bad: retrying elsewhere would fail the same way
                 except Exception as exc:
-                    tried.add(w.name)
-                    log.warning("worker %s failed request %s: %r", w.name, request.request_id, exc)
-                    if len(tried) > self.max_retries:
-                        raise EngineError(f"request {request.request_id} failed on {sorted(tried)}: {exc}") from exc
-                    continue
-                finally:
-                    w.inflight -= 1
-                    self._request_worker.pop(request.request_id, None)
-            w.served += 1
-            if request.session_id:
-                self._session[request.session_id] = w.name
-            return out
+                    self._worker_failed(w, request, exc)
+                else:
+                    w.served += 1
+                    if sid:
+                        self._session[sid] = w.name
+                    return out
+                tried.add(w.name)
+                if len(tried) > self.max_retries:
+                    raise WorkerUnavailableError(
+                        f"request {request.request_id} failed on {sorted(tried)} (max_retries={self.max_retries})"
+                    )
+        finally:
+            self._aborted.discard(request.request_id)
+            if sid and sid in self._session_requests:
+                self._session_requests[sid].discard(request.request_id)
 
-    async def abort(self, request_id: str) -> None:
-        name = self._request_worker.get(request_id)
-        if name is not None:
-            await self.workers[name].engine.abort(request_id)
+    async def _run_on(self, w: WorkerHandle, request: GenerateRequest) -> GenerateOutput:
+        self._request_worker[request.request_id] = w.name  # abortable while queued, too
+        w.metrics.queued += 1
+        try:
+            await w._slots.acquire()
+        except BaseException:
+            self._request_worker.pop(request.request_id, None)
+            raise
+        finally:
+            w.metrics.queued -= 1
+        w.inflight += 1
+        try:
+            if request.request_id in self._aborted:  # aborted while it waited for a slot
+                out = GenerateOutput(request.request_id, [], [], [], "abort", w.name)
+            else:
+                try:
+                    out = await w.engine.generate(request)
+                except asyncio.CancelledError:
+                    # The caller gave up (redundant or stale trajectory). Cancelling our await does not
+                    # stop a remote engine (e.g. a Ray actor call): abort it there to free its slot.
+                    await asyncio.shield(self._abort_on(w, request.request_id))
+                    raise
+            w.metrics.record(len(request.prompt_ids), len(out.token_ids), out.finish_reason)
+            return out
+        finally:
+            w.inflight -= 1
+            w._slots.release()
+            self._request_worker.pop(request.request_id, None)
+
+    async def _abort_on(self, w: WorkerHandle, request_id: str) -> None:
+        try:
+            await w.engine.abort(request_id)
+        except Exception as exc:  # it may have finished meanwhile, or the worker is gone
+            log.debug("abort of %s on %s failed: %r", request_id, w.name, exc)
+
+    def _worker_failed(self, w: WorkerHandle, request: GenerateRequest, exc: BaseException) -> None:
+        w.healthy = False
+        w.metrics.failures += 1
+        if request.session_id and self._session.get(request.session_id) == w.name:
+            self._session.pop(request.session_id)
+        log.warning("worker %s failed request %s (marked unhealthy): %r", w.name, request.request_id, exc)
+
+    async def abort(self, request_id: str) -> int:
+        """Abort a request by its id, or every in-flight request of a trajectory by its session id.
+
+        Aborted requests return with ``finish_reason == "abort"`` and the tokens generated so far.
+        Returns how many requests were aborted.
+        """
+        ids = [request_id] if request_id in self._request_worker else sorted(self._session_requests.get(request_id, ()))
+        for rid in ids:
+            self._aborted.add(rid)
+            name = self._request_worker.get(rid)
+            if name is not None:
+                await self.workers[name].engine.abort(rid)
+        return len(ids)
 
     def end_session(self, session_id: str) -> None:
         self._session.pop(session_id, None)
+        self._session_requests.pop(session_id, None)
+
+    def session_worker(self, session_id: str) -> str | None:
+        return self._session.get(session_id)
+
+    # fan-out ---------------------------------------------------------------------------------
+
+    def _engines_with(self, method: str) -> list[WorkerHandle]:
+        return [w for w in self.workers.values() if w.healthy and hasattr(w.engine, method)]
 
     async def _all(self, method: str, *args: object) -> list[object]:
-        return list(await asyncio.gather(*(getattr(w.engine, method)(*args) for w in self.workers.values())))
+        ws = self._engines_with(method)
+        return list(await asyncio.gather(*(getattr(w.engine, method)(*args) for w in ws)))
 
     async def pause(self, mode: PauseMode = "keep") -> None:
         await self._all("pause", mode)
+        self.suspended = True
+        for w in self.workers.values():
+            w.metrics.suspend()
 
     async def resume(self) -> None:
         await self._all("resume")
+        self.suspended = False
+        for w in self.workers.values():
+            w.metrics.unsuspend()
+
+    async def suspend(self) -> None:
+        """Pause every worker, keeping in-flight requests (they continue after :meth:`resume`)."""
+        await self.pause("keep")
 
     async def update_weights(self, version: int) -> dict[str, float]:
-        """Every worker loads ``version``; returns each worker's generation pause in seconds."""
-        paused = await self._all("update_weights", version)
-        return dict(zip(self.workers, (float(p) for p in paused), strict=True))  # type: ignore[arg-type]
+        """Every healthy worker loads ``version``; returns each worker's generation pause in seconds.
+
+        In-flight requests are kept; their KV is recomputed under the new weights.
+        """
+        ws = self._engines_with("update_weights")
+        paused = await asyncio.gather(*(w.engine.update_weights(version) for w in ws))  # type: ignore[attr-defined]
+        out = {}
+        for w, p in zip(ws, paused, strict=True):
+            out[w.name] = float(p)
+            if not self.suspended:  # while suspended, the whole suspension is counted instead
+                w.metrics.add_suspended(float(p))
+        return out
 
     async def weight_versions(self) -> dict[str, int]:
-        vs = await self._all("weight_version")
-        return dict(zip(self.workers, (int(v) for v in vs), strict=True))  # type: ignore[call-overload]
+        ws = [w for w in self.workers.values() if w.healthy]
+        vs = await asyncio.gather(*(w.engine.weight_version() for w in ws))
+        return {w.name: int(v) for w, v in zip(ws, vs, strict=True)}
+
+    async def check_health(self, timeout: float = 10.0) -> int:
+        """Probe unhealthy workers (``weight_version``); mark those that answer healthy again.
+
+        Returns how many workers came back.
+        """
+        back = 0
+        for w in [w for w in self.workers.values() if not w.healthy]:
+            try:
+                await asyncio.wait_for(w.engine.weight_version(), timeout)
+            except Exception as exc:
+                log.debug("worker %s still unavailable: %r", w.name, exc)
+                continue
+            w.healthy = True
+            back += 1
+        return back
+
+    async def metrics(self, engine_stats: bool = True, timeout: float = 5.0) -> dict[str, dict[str, Any]]:
+        """Per worker: pool, health, queue depth, tokens/s, prefill/decode tokens, time suspended."""
+        out: dict[str, dict[str, Any]] = {}
+        for w in self.workers.values():
+            m = {"pool": w.pool, "healthy": w.healthy, "max_inflight": w.max_inflight,
+                 **w.metrics.snapshot(w.inflight)}
+            get_stats = getattr(w.engine, "get_stats", None)
+            if engine_stats and w.healthy and get_stats is not None:
+                try:
+                    m["engine"] = await asyncio.wait_for(get_stats(), timeout)
+                except Exception as exc:
+                    m["engine"] = {"error": repr(exc)}
+            out[w.name] = m
+        out_time = time.time()
+        for m in out.values():
+            m["at"] = out_time
+        return out
