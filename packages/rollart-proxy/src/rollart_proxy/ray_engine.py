@@ -24,8 +24,8 @@ class RayActorEngine:
         try:
             return await getattr(self.handle, method).remote(*args)
         except RayTaskError as exc:
-            if isinstance(exc.cause, EngineError):
-                raise EngineError(str(exc.cause)) from None
+            if isinstance(exc.cause, EngineError):  # keep the type: WorkerUnavailableError is retried
+                raise type(exc.cause)(str(exc.cause)) from None
             raise
 
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
@@ -51,3 +51,6 @@ class RayActorEngine:
 
     async def get_stats(self) -> dict[str, Any]:
         return await self._call("get_stats")
+
+    async def progress(self) -> dict[str, int]:
+        return await self._call("progress")

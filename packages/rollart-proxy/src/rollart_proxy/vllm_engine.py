@@ -23,6 +23,8 @@ from rollart_core.errors import EngineError, WeightSyncError
 from rollart_core.extras import require
 from rollart_core.protocols import PauseMode, WeightStore
 from rollart_core.types import GenerateOutput, GenerateRequest
+from rollart_proxy.errors import WorkerUnavailableError
+from rollart_proxy.metrics import WorkerMetrics
 
 __all__ = ["VllmEngine", "VllmEngineConfig"]
 
@@ -69,8 +71,13 @@ class VllmEngine:
         self._inflight: dict[str, asyncio.Task[Any]] = {}
         self._prefetch: dict[int, Future[dict[str, Any]]] = {}
         self._lock = asyncio.Lock()
+        self._paused = False
+        self._closing = False
+        self._cancel: set[str] = set()
+        self._progress: dict[str, int] = {}
+        self._metrics = WorkerMetrics()
         self.stats = {"requests": 0, "prompt_tokens": 0, "output_tokens": 0, "suspended_s": 0.0,
-                      "updates": 0, "update_pause_s": 0.0}
+                      "updates": 0, "update_pause_s": 0.0, "cached_prompt_tokens": 0}
 
     # lifecycle -------------------------------------------------------------------------------
 
@@ -97,26 +104,46 @@ class VllmEngine:
         )
         t0 = time.perf_counter()
         self._engine = AsyncLLM.from_engine_args(args)
+        self._closing = False
+        # vLLM labels every output token with the engine's weight version (spans over the
+        # output): exact per-token versions even for tokens still queued during an update.
+        await self._engine.update_weight_version(str(self._version))
         log.info("%s: vLLM engine started in %.1f s", self.name, time.perf_counter() - t0)
         return self.name
 
     async def shutdown(self) -> None:
-        if self._engine is not None:
-            self._engine.shutdown()
-            self._engine = None
+        """Stop the engine. In-flight requests fail with :class:`WorkerUnavailableError` (the proxy
+        retries them on another worker) instead of hanging."""
+        if self._engine is None:
+            return
+        self._closing = True
+        engine, rids = self._engine, list(self._inflight)
+        if rids:
+            try:
+                await engine.abort(rids)
+            except Exception as exc:  # already dead: the requests fail below regardless
+                log.warning("%s: abort on shutdown failed: %r", self.name, exc)
+            deadline = time.monotonic() + 5.0
+            while self._inflight and time.monotonic() < deadline:  # let them see their abort
+                await asyncio.sleep(0.01)
+        self._engine = None
+        engine.shutdown()
 
     def _require_started(self) -> Any:
-        if self._engine is None:
-            raise EngineError(f"{self.name}: engine not started (call start() first)")
+        if self._engine is None or self._closing:
+            raise WorkerUnavailableError(f"{self.name}: engine not running (not started or shut down)")
         return self._engine
 
     # generation ------------------------------------------------------------------------------
 
     def _sampling(self, request: GenerateRequest) -> Any:
         from vllm import SamplingParams
+        from vllm.exceptions import VLLMClientError
         from vllm.sampling_params import RequestOutputKind
 
         s = request.sampling
+        if any(not isinstance(x, str) or not x for x in s.stop):
+            raise EngineError(f"invalid sampling parameters: stop strings must be non-empty, got {list(s.stop)}")
         try:
             return SamplingParams(
                 max_tokens=s.max_tokens,
@@ -132,7 +159,7 @@ class VllmEngine:
                 output_kind=RequestOutputKind.DELTA,
                 detokenize=bool(s.stop),
             )
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, VLLMClientError) as exc:
             raise EngineError(f"invalid sampling parameters: {exc}") from None
 
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
@@ -144,50 +171,78 @@ class VllmEngine:
             raise EngineError(
                 f"prompt of {len(request.prompt_ids)} tokens exceeds max_model_len {self.config.max_model_len}"
             )
+        from vllm.exceptions import VLLMClientError
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        rid = request.request_id
         ids: list[int] = []
         lps: list[float] = []
         vers: list[int] = []
+        spans: list[Any] | None = None
         prompt_lps: list[float | None] | None = None
+        cached = 0
         finish = "abort"
-        self._inflight[request.request_id] = asyncio.current_task()  # type: ignore[assignment]
+        self._inflight[rid] = asyncio.current_task()  # type: ignore[assignment]
         try:
-            stream = engine.generate({"prompt_token_ids": list(request.prompt_ids)}, sp, request.request_id)
+            stream = engine.generate({"prompt_token_ids": list(request.prompt_ids)}, sp, rid)
             async for out in stream:
+                if rid in self._cancel:  # aborted before vLLM knew the request: abort again
+                    self._cancel.discard(rid)
+                    await engine.abort(rid)
                 if out.prompt_logprobs is not None and prompt_lps is None and request.prompt_logprobs:
                     prompt_lps = [None if d is None else d[t].logprob
                                   for d, t in zip(out.prompt_logprobs, request.prompt_ids, strict=True)]
+                cached = out.num_cached_tokens or cached
                 comp = out.outputs[0]
                 new = list(comp.token_ids)
                 ids += new
                 lps += [d[t].logprob for d, t in zip(comp.logprobs or [], new, strict=True)]
-                # Tokens are stamped with the version served when they arrived: a request that
-                # spans a weight update carries both versions.
+                # Fallback stamp (the version served when the tokens arrived); replaced below by
+                # vLLM's own per-token version spans when they cover the output.
                 vers += [self._version] * len(new)
+                self._progress[rid] = len(ids)
                 if out.finished:
                     finish = comp.finish_reason or "stop"
-        except (ValueError, TypeError) as exc:
-            raise EngineError(f"{self.name}: request {request.request_id} rejected: {exc}") from None
+                    spans = comp.weight_versions
+        except EngineDeadError as exc:
+            raise WorkerUnavailableError(f"{self.name}: engine died during request {rid}: {exc}") from None
+        except (ValueError, TypeError, VLLMClientError) as exc:
+            raise EngineError(f"{self.name}: request {rid} rejected: {exc}") from None
         finally:
-            self._inflight.pop(request.request_id, None)
+            self._inflight.pop(rid, None)
+            self._progress.pop(rid, None)
+            self._cancel.discard(rid)
+        if self._closing and finish == "abort":
+            raise WorkerUnavailableError(f"{self.name}: shut down while request {rid} was in flight")
+        vers = _versions_from_spans(spans, len(ids)) or vers
         self.stats["requests"] += 1
         self.stats["prompt_tokens"] += len(request.prompt_ids)
         self.stats["output_tokens"] += len(ids)
-        return GenerateOutput(request.request_id, ids, lps, vers, finish, self.name, prompt_lps)
+        self.stats["cached_prompt_tokens"] += cached
+        self._metrics.record(len(request.prompt_ids) - cached, len(ids), finish)
+        return GenerateOutput(rid, ids, lps, vers, finish, self.name, prompt_lps)
 
     async def abort(self, request_id: str) -> None:
         engine = self._require_started()
+        if request_id in self._inflight:
+            self._cancel.add(request_id)
         await engine.abort(request_id)
 
     async def weight_version(self) -> int:
+        self._require_started()
         return self._version
 
     # suspend / update / resume ---------------------------------------------------------------
 
     async def pause(self, mode: PauseMode = "keep") -> None:
         await self._require_started().pause_generation(mode=mode, clear_cache=False)
+        self._paused = True
+        self._metrics.suspend()
 
     async def resume(self) -> None:
         await self._require_started().resume_generation()
+        self._paused = False
+        self._metrics.unsuspend()
 
     def prefetch(self, version: int) -> None:
         """Start pulling ``version`` from the weight store in the background (no pause)."""
@@ -224,17 +279,24 @@ class VllmEngine:
 
             named = await asyncio.to_thread(pack_tensors, tensors.items())
             t0 = time.perf_counter()
-            await engine.pause_generation(mode="keep", clear_cache=False)
+            # Already suspended by the caller (suspend → update → resume): stay suspended.
+            own_pause = not self._paused
+            if own_pause:
+                await engine.pause_generation(mode="keep", clear_cache=False)
             try:
                 await engine.collective_rpc("rollart_load_weights", args=(named,))
                 # KV of running requests was computed by the old weights: recompute it.
                 await engine.reset_prefix_cache(reset_running_requests=True)
+                await engine.update_weight_version(str(version))
                 self._version = version
             finally:
-                await engine.resume_generation()
+                if own_pause:
+                    await engine.resume_generation()
             paused = time.perf_counter() - t0
             self.stats["updates"] += 1
             self.stats["update_pause_s"] += paused
+            if own_pause:
+                self._metrics.add_suspended(paused)
             return paused
 
     # introspection ---------------------------------------------------------------------------
@@ -247,5 +309,27 @@ class VllmEngine:
         shape, dtype, b64 = out[0]
         return list(shape), dtype, base64.b64decode(b64)
 
+    async def progress(self) -> dict[str, int]:
+        """Tokens generated so far by each in-flight request."""
+        return {rid: self._progress.get(rid, 0) for rid in self._inflight}
+
     async def get_stats(self) -> dict[str, Any]:
-        return {**self.stats, "inflight": len(self._inflight), "version": self._version}
+        """Engine-side counters plus queue depth, tokens/s, prefill (cache misses) vs decode tokens."""
+        m = self._metrics.snapshot(len(self._inflight))
+        return {**self.stats, "inflight": len(self._inflight), "version": self._version, "paused": self._paused,
+                "tokens_per_s": m["tokens_per_s"], "prefill_tokens": m["prefill_tokens"],
+                "decode_tokens": m["decode_tokens"], "suspended_s": m["suspended_s"] + self.stats["suspended_s"]}
+
+
+def _versions_from_spans(spans: list[Any] | None, n: int) -> list[int] | None:
+    """Per-token versions from vLLM's ``WeightVersionSpan`` s, or None if they do not cover ``n``."""
+    if not spans or n == 0:
+        return None
+    out: list[int] = []
+    for sp in spans:
+        try:
+            v = int(sp.version)
+        except ValueError:
+            return None
+        out += [v] * (sp.end - sp.start)
+    return out if len(out) == n else None
