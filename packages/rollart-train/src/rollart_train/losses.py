@@ -1,15 +1,32 @@
-"""RL losses and advantage estimators (torch). Every function is checked against float64 references."""
+"""RL losses and advantage estimators (torch). Every function is checked against float64 references.
+
+Notation (per generated token): ``logp`` — current policy (with grad); ``proximal_logp`` — the
+trainer's weights at the start of the step (recomputed, no grad); ``behaviour_logp`` — the engine that
+sampled the token (recorded per token in the trajectory); ``ref_logp`` — a frozen reference policy.
+
+- :func:`ppo_clip_loss` — classic PPO-clip, the old policy is the behaviour policy.
+- :func:`decoupled_ppo_loss` — AReaL's decoupled objective: clip against the proximal policy, and
+  weight each token by the behaviour→proximal importance ratio, truncated (:func:`behaviour_weights`).
+- :func:`kl_penalty` — k1/k2/k3 estimators of KL(π‖π_ref) per token.
+- :func:`entropy_from_logits` — per-token entropy (works on restricted, ``-inf``-masked logits).
+- :func:`masked_mean` and :func:`lag_stats` — aggregation and per-batch policy-lag reporting.
+"""
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 
 from rollart_core.types import Trajectory
 
-__all__ = ["grpo_advantages", "ppo_clip_loss", "token_logprobs"]
+__all__ = ["behaviour_weights", "decoupled_ppo_loss", "entropy_from_logits", "grpo_advantages", "kl_penalty",
+           "lag_stats", "masked_mean", "ppo_clip_loss", "token_logprobs"]
+
+KlEstimator = Literal["k1", "k2", "k3"]
+TisMode = Literal["truncate", "mask"]
 
 
 def grpo_advantages(trajectories: Sequence[Trajectory], *, scale_by_std: bool = True, eps: float = 1e-6) -> list[float]:
@@ -34,6 +51,18 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return logp.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
 
 
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, n: torch.Tensor | float | None = None) -> torch.Tensor:
+    """``sum(x * mask) / n`` with ``n`` the mask's sum by default (0 when the mask is empty)."""
+    denom = mask.sum() if n is None else torch.as_tensor(n, dtype=x.dtype, device=x.device)
+    return (x * mask).sum() / denom.clamp(min=1.0)
+
+
+def _clip_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, clip_eps: float, hi: float) -> torch.Tensor:
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + hi) * advantages
+    return -torch.minimum(unclipped, clipped)
+
+
 def ppo_clip_loss(
     logp: torch.Tensor,
     behaviour_logp: torch.Tensor,
@@ -49,12 +78,99 @@ def ppo_clip_loss(
     """
     hi = clip_eps if clip_eps_high is None else clip_eps_high
     ratio = torch.exp(logp - behaviour_logp)
-    unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + hi) * advantages
-    per_token = -torch.minimum(unclipped, clipped)
+    per_token = _clip_surrogate(ratio, advantages, clip_eps, hi)
     n = mask.sum().clamp(min=1.0)
     loss = (per_token * mask).sum() / n
     with torch.no_grad():
         clip_frac = (((ratio < 1 - clip_eps) | (ratio > 1 + hi)).float() * mask).sum() / n
         approx_kl = ((behaviour_logp - logp) * mask).sum() / n
     return loss, {"clip_frac": float(clip_frac), "approx_kl": float(approx_kl)}
+
+
+def behaviour_weights(
+    proximal_logp: torch.Tensor, behaviour_logp: torch.Tensor, *, cap: float | None, mode: TisMode = "truncate"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Importance weight behaviour → proximal, ``exp(proximal - behaviour)``, without gradient.
+
+    ``mode="truncate"`` (truncated importance sampling): ``min(w, cap)``. ``mode="mask"`` (AReaL's
+    ``behav_imp_weight_cap``): tokens whose weight exceeds ``cap`` get weight 0. ``cap=None``: no cap.
+    Returns ``(weights, capped)`` where ``capped`` flags the tokens the cap changed.
+    """
+    w = torch.exp(proximal_logp.detach() - behaviour_logp.detach())
+    if cap is None:
+        return w, torch.zeros_like(w, dtype=torch.bool)
+    capped = w > cap
+    if mode == "truncate":
+        return torch.clamp(w, max=cap), capped
+    if mode == "mask":
+        return torch.where(capped, torch.zeros_like(w), w), capped
+    raise ValueError(f"unknown TIS mode {mode!r} (truncate | mask)")
+
+
+def decoupled_ppo_loss(
+    logp: torch.Tensor,
+    proximal_logp: torch.Tensor,
+    behaviour_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_eps: float = 0.2,
+    clip_eps_high: float | None = None,
+    tis_cap: float | None = 2.0,
+    tis_mode: TisMode = "truncate",
+    n: torch.Tensor | float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Decoupled PPO (AReaL): ``-w_behav · min(r·A, clip(r)·A)`` with ``r = π/π_prox`` and the
+    behaviour weight ``w_behav = π_prox/π_behav`` capped (:func:`behaviour_weights`).
+
+    Where ``proximal_logp == behaviour_logp`` (tokens generated by the trainer's current version)
+    the weight is 1 and this is plain PPO-clip. Averaged over ``n`` tokens (default: the mask's sum).
+    Returns the loss and per-batch statistics as 0-dim tensors (sums over masked tokens / n).
+    """
+    hi = clip_eps if clip_eps_high is None else clip_eps_high
+    ratio = torch.exp(logp - proximal_logp.detach())
+    w, capped = behaviour_weights(proximal_logp, behaviour_logp, cap=tis_cap, mode=tis_mode)
+    per_token = w * _clip_surrogate(ratio, advantages, clip_eps, hi)
+    loss = masked_mean(per_token, mask, n)
+    with torch.no_grad():
+        stats = {
+            "clip_frac": masked_mean(((ratio < 1 - clip_eps) | (ratio > 1 + hi)).to(mask.dtype), mask, n),
+            "approx_kl": masked_mean(proximal_logp - logp, mask, n),
+            "behav_weight": masked_mean(w, mask, n),
+            "tis_capped_frac": masked_mean(capped.to(mask.dtype), mask, n),
+        }
+    return loss, stats
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: KlEstimator = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(π‖π_ref) from samples of π (Schulman's k1/k2/k3).
+
+    k1 = log π - log π_ref (unbiased, high variance, can be negative); k2 = ½ (log π - log π_ref)²;
+    k3 = π_ref/π - log(π_ref/π) - 1 (unbiased, always ≥ 0). Gradient flows through ``logp`` only.
+    """
+    d = logp - ref_logp.detach()
+    if estimator == "k1":
+        return d
+    if estimator == "k2":
+        return 0.5 * d * d
+    if estimator == "k3":
+        return torch.exp(-d) + d - 1.0
+    raise ValueError(f"unknown KL estimator {estimator!r} (k1 | k2 | k3)")
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of ``softmax(logits)`` along the last axis, in float32; ``-inf`` logits count as p=0."""
+    logits = logits.float()
+    logp = torch.log_softmax(logits, dim=-1)
+    p = logp.exp()
+    return -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
+
+
+def lag_stats(token_versions: torch.Tensor, mask: torch.Tensor, version: int) -> dict[str, float]:
+    """Policy lag of the trained tokens: ``version - token_version`` (0 = generated by the current weights)."""
+    sel = token_versions[mask > 0]
+    if sel.numel() == 0:
+        return {"token_lag_mean": 0.0, "token_lag_max": 0.0, "stale_token_frac": 0.0}
+    lag = (version - sel).double()
+    return {"token_lag_mean": float(lag.mean()), "token_lag_max": float(lag.max()),
+            "stale_token_frac": float((lag > 0).double().mean())}

@@ -1,0 +1,160 @@
+"""Spawned FSDP2 ranks driven over pipes from the process that owns the :class:`TorchTrainer`.
+
+Every rank is a ``spawn``-ed process running :func:`_rank_main`: it joins a process group
+(gloo on CPU, NCCL on GPU; rendezvous on 127.0.0.1 and a free port), builds a
+:class:`~rollart_train.torch_rank.TorchRankWorker`, then executes commands ``(method, args)`` from its
+pipe in order. The driver sends each command to every rank (the methods are collective), waits for all
+answers and returns rank 0's. Tensors come back through torch's shared-memory pickling.
+
+Why processes and pipes rather than Ray actors: the trainer must also work where Ray is not running
+(a user's own RL stack, the unit tests), and the pipeline's default stays one in-process rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import traceback
+import weakref
+from pathlib import Path
+from typing import Any
+
+from rollart_core.errors import TrainerError
+from rollart_train.torch_config import TorchTrainerConfig
+
+__all__ = ["SpawnedRanks", "free_port"]
+
+log = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_main(rank: int, world_size: int, port: int, conn: Any, config: TorchTrainerConfig, model_path: str) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank))
+    try:
+        torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 1) // world_size))
+        backend = "nccl" if config.device == "cuda" else "gloo"
+        if config.device == "cuda":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=config.rank_timeout_s))
+        from rollart_train.torch_rank import TorchRankWorker
+
+        worker = TorchRankWorker(config, model_path, rank=rank, world_size=world_size)
+        conn.send(("ok", worker.state()))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        return
+    try:
+        while True:
+            try:
+                method, args = conn.recv()
+            except EOFError:
+                break
+            if method == "close":
+                conn.send(("ok", None))
+                break
+            try:
+                result = getattr(worker, method)(*args)
+                conn.send(("ok", result if rank == 0 else None))
+            except Exception:
+                conn.send(("error", traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+def _shutdown(procs: list[Any], conns: list[Any]) -> None:
+    for c in conns:
+        try:
+            c.send(("close", ()))
+        except (OSError, ValueError):
+            pass
+    deadline = time.monotonic() + 20
+    for p in procs:
+        p.join(timeout=max(0.1, deadline - time.monotonic()))
+        if p.is_alive():
+            p.terminate()
+            p.join(timeout=5)
+    for c in conns:
+        c.close()
+
+
+class SpawnedRanks:
+    """``world_size`` trainer ranks in child processes; :meth:`call` runs one collective command."""
+
+    def __init__(self, config: TorchTrainerConfig, model_path: str | Path) -> None:
+        import torch.multiprocessing as mp
+
+        self.timeout = config.rank_timeout_s
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self.procs: list[Any] = []
+        self.conns: list[Any] = []
+        for rank in range(config.world_size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_rank_main, name=f"rollart-train-rank{rank}", daemon=True,
+                            args=(rank, config.world_size, port, child, config, str(model_path)))
+            p.start()
+            child.close()
+            self.procs.append(p)
+            self.conns.append(parent)
+        self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns)
+        try:
+            self.initial_state: dict[str, Any] = self._gather("start")
+        except BaseException:
+            self.close()
+            raise
+
+    def call(self, method: str, *args: Any) -> Any:
+        if not self._finalizer.alive:
+            raise TrainerError("the trainer's ranks are closed")
+        for c in self.conns:
+            c.send((method, args))
+        return self._gather(method)
+
+    def _gather(self, what: str) -> Any:
+        """Rank answers in rank order. If some rank fails while others still wait in a collective,
+        the others get a short grace period, then every rank is stopped (their state diverged)."""
+        deadline = time.monotonic() + self.timeout
+        results: dict[int, tuple[str, Any]] = {}
+        failed_at: float | None = None
+        while len(results) < len(self.conns):
+            for rank, (c, p) in enumerate(zip(self.conns, self.procs, strict=True)):
+                if rank in results:
+                    continue
+                if c.poll(0.05):
+                    results[rank] = c.recv()
+                    if results[rank][0] != "ok" and failed_at is None:
+                        failed_at = time.monotonic()
+                elif not p.is_alive():
+                    results[rank] = ("error", f"process died (exit code {p.exitcode})")
+                    failed_at = failed_at or time.monotonic()
+            now = time.monotonic()
+            if len(results) < len(self.conns) and (now > deadline or (failed_at is not None and now - failed_at > 10)):
+                self.close()
+                missing = sorted(set(range(len(self.conns))) - set(results))
+                detail = "\n".join(f"rank {r}:\n{v}" for r, (st, v) in sorted(results.items()) if st != "ok")
+                raise TrainerError(f"{what}: ranks {missing} did not answer; all ranks stopped\n{detail}")
+        errors = [f"rank {r}:\n{payload}" for r, (status, payload) in sorted(results.items()) if status != "ok"]
+        if errors:
+            raise TrainerError(f"{what} failed on {len(errors)} rank(s):\n" + "\n".join(errors))
+        return results[0][1]
+
+    @property
+    def pids(self) -> list[int]:
+        return [int(p.pid) for p in self.procs]
+
+    def close(self) -> None:
+        self._finalizer()

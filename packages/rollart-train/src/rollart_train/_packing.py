@@ -1,0 +1,183 @@
+"""Token-level packing of variable-length trajectories into fixed-token-budget micro-batches.
+
+A packed micro-batch is one row ``[1, T]`` holding several sequences back to back; position ids restart
+at 0 for every sequence and the attention is block-diagonal causal (no token attends across a sequence
+boundary): an explicit 4-D mask for eager/SDPA attention, position ids alone for varlen (flash)
+attention. The padded layout (one sequence per row, right-padded) is kept for comparison.
+
+Only the *selected targets* get logits: token ``j`` of a sequence is predicted by the hidden state at
+``j - 1``; ``select="loss"`` keeps the generated tokens (loss mask 1), ``select="all"`` every token
+after the first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from rollart_core.types import Trajectory
+
+__all__ = ["MicroBatch", "SeqData", "assign_bins", "build_micro_batch", "pack_bins", "seq_data"]
+
+
+@dataclass(slots=True)
+class SeqData:
+    """One trajectory flattened: token ids and per-token annotations (index = token position)."""
+
+    ids: list[int]
+    mask: list[int]
+    behaviour: list[float]
+    versions: list[int]
+    advantage: float
+    spec: dict[int, tuple[tuple[int, ...] | None, float]] | None = None
+    """position → (allowed token ids, temperature) of generated tokens, when matching sampling."""
+
+
+def seq_data(t: Trajectory, advantage: float, match_sampling: bool) -> SeqData:
+    spec = {pos: (allowed, temp) for pos, allowed, temp in t.sampling_spec()} if match_sampling else None
+    return SeqData(t.token_ids(), t.loss_mask(), t.behaviour_logprobs(), t.token_versions(), advantage, spec)
+
+
+@dataclass(slots=True)
+class MicroBatch:
+    """Model inputs plus, for every selected target token, what the loss needs (flat, length n)."""
+
+    input_ids: torch.Tensor  # [B, T]
+    position_ids: torch.Tensor  # [B, T]
+    attention_mask: torch.Tensor | None  # [B, T] (padded), [1, 1, T, T] (packed, eager/SDPA) or None (varlen)
+    pred_index: torch.Tensor  # [n] flat index into B*T of the position that predicts each target
+    targets: torch.Tensor  # [n]
+    seq_index: torch.Tensor  # [n] index of the target's sequence in the whole batch
+    token_pos: torch.Tensor  # [n] position of the target inside its sequence
+    mask: torch.Tensor  # [n] loss mask (float)
+    behaviour: torch.Tensor  # [n]
+    versions: torch.Tensor  # [n]
+    advantages: torch.Tensor  # [n]
+    temperature: torch.Tensor | None  # [n]
+    allowed_id: torch.Tensor | None  # [n], -1 = unrestricted
+    allowed_sets: list[tuple[int, ...]]
+    packed: bool
+
+    @property
+    def num_targets(self) -> int:
+        return int(self.targets.numel())
+
+    def to(self, device: torch.device) -> MicroBatch:
+        for name in self.__slots__:
+            value = getattr(self, name)
+            if isinstance(value, torch.Tensor):
+                setattr(self, name, value.to(device, non_blocking=True))
+        return self
+
+
+def pack_bins(lengths: Sequence[int], token_budget: int, max_seqs: int) -> list[list[int]]:
+    """First-fit decreasing: sequences (by index) into bins of at most ``token_budget`` tokens and
+    ``max_seqs`` sequences; a sequence longer than the budget gets a bin of its own. Deterministic."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in order:
+        for b, load in enumerate(loads):
+            if load + lengths[i] <= token_budget and len(bins[b]) < max_seqs:
+                bins[b].append(i)
+                loads[b] += lengths[i]
+                break
+        else:
+            bins.append([i])
+            loads.append(lengths[i])
+    for b in bins:
+        b.sort()
+    return bins
+
+
+def assign_bins(bins: list[list[int]], lengths: Sequence[int], world_size: int) -> list[list[list[int]]]:
+    """Spread bins over ranks, heaviest first onto the least-loaded rank (deterministic)."""
+    per_rank: list[list[list[int]]] = [[] for _ in range(world_size)]
+    loads = [0] * world_size
+    for b in sorted(bins, key=lambda b: (-sum(lengths[i] for i in b), b[0])):
+        r = min(range(world_size), key=lambda k: (loads[k], k))
+        per_rank[r].append(b)
+        loads[r] += sum(lengths[i] for i in b)
+    return per_rank
+
+
+def _block_causal_mask(lengths: Sequence[int], dtype: torch.dtype, boolean: bool) -> torch.Tensor:
+    total = sum(lengths)
+    seg = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(list(lengths)))
+    allowed = (seg[:, None] == seg[None, :]) & torch.ones(total, total, dtype=torch.bool).tril()
+    if boolean:
+        return allowed[None, None]
+    out = torch.zeros(total, total, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+    return out[None, None]
+
+
+def build_micro_batch(
+    seqs: Sequence[SeqData],
+    indices: Sequence[int],
+    *,
+    select: str,
+    packed: bool,
+    pad_id: int,
+    attn_impl: str,
+    mask_dtype: torch.dtype,
+) -> MicroBatch:
+    """Lay out ``seqs[indices]`` as one packed row (or a padded batch) and collect the selected targets."""
+    lengths = [len(seqs[i].ids) for i in indices]
+    width = sum(lengths) if packed else max(lengths)
+    rows = 1 if packed else len(indices)
+    input_ids = torch.full((rows, width), pad_id, dtype=torch.long)
+    position_ids = torch.zeros((rows, width), dtype=torch.long)
+    pred, tgt, sidx, tpos, mask, beh, ver, adv, temp, allow = ([] for _ in range(10))
+    allowed_sets: dict[tuple[int, ...], int] = {}
+    any_spec = False
+    offset = 0
+    for k, i in enumerate(indices):
+        s = seqs[i]
+        row, base = (0, offset) if packed else (k, 0)
+        n = len(s.ids)
+        input_ids[row, base:base + n] = torch.tensor(s.ids, dtype=torch.long)
+        position_ids[row, base:base + n] = torch.arange(n)
+        for j in range(1, n):
+            if select == "loss" and not s.mask[j]:
+                continue
+            pred.append(row * width + base + j - 1)
+            tgt.append(s.ids[j])
+            sidx.append(i)
+            tpos.append(j)
+            mask.append(float(s.mask[j]))
+            beh.append(s.behaviour[j])
+            ver.append(s.versions[j])
+            adv.append(s.advantage)
+            allowed, t = (s.spec or {}).get(j, (None, 1.0))
+            any_spec = any_spec or s.spec is not None
+            temp.append(t if t > 0 else 1.0)
+            allow.append(-1 if allowed is None else allowed_sets.setdefault(tuple(allowed), len(allowed_sets)))
+        offset += n
+    if packed:
+        if attn_impl.startswith("flash") or attn_impl.endswith("flash_attention_2"):
+            attention_mask = None  # varlen attention splits sequences at position-id resets
+        else:
+            attention_mask = _block_causal_mask(lengths, mask_dtype, boolean=attn_impl == "sdpa")
+    else:
+        attention_mask = torch.zeros((rows, width), dtype=torch.long)
+        for k, n in enumerate(lengths):
+            attention_mask[k, :n] = 1
+    return MicroBatch(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        attention_mask=attention_mask,
+        pred_index=torch.tensor(pred, dtype=torch.long),
+        targets=torch.tensor(tgt, dtype=torch.long),
+        seq_index=torch.tensor(sidx, dtype=torch.long),
+        token_pos=torch.tensor(tpos, dtype=torch.long),
+        mask=torch.tensor(mask, dtype=torch.float32),
+        behaviour=torch.tensor(beh, dtype=torch.float32),
+        versions=torch.tensor(ver, dtype=torch.long),
+        advantages=torch.tensor(adv, dtype=torch.float32),
+        temperature=torch.tensor(temp, dtype=torch.float32) if any_spec else None,
+        allowed_id=torch.tensor(allow, dtype=torch.long) if allowed_sets else None,
+        allowed_sets=list(allowed_sets),
+        packed=packed,
+    )

@@ -1,0 +1,381 @@
+"""One rank of the torch trainer: model, optimiser, packed micro-batches, losses, checkpoints.
+
+With ``world_size == 1`` it is a plain in-process module (no process group). With ``world_size > 1``
+the default process group must already be initialised (``torchrun``, or the spawned ranks of
+:mod:`rollart_train._multirank`); the model is sharded with FSDP2 (``fully_shard`` per decoder layer,
+then the root) on a 1-D device mesh, and every public method is collective: all ranks call it with the
+same arguments. Under torchrun::
+
+    dist.init_process_group("nccl")  # or "gloo"
+    worker = TorchRankWorker(TorchTrainerConfig(world_size=dist.get_world_size(), device="cuda"),
+                             model_path, rank=dist.get_rank(), world_size=dist.get_world_size())
+    metrics = worker.train_step(batch, worker.config)   # the same batch on every rank
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rollart_core.errors import TrainerError
+from rollart_core.types import Trajectory
+from rollart_train._packing import MicroBatch, SeqData, assign_bins, build_micro_batch, pack_bins, seq_data
+from rollart_train.losses import (
+    decoupled_ppo_loss,
+    entropy_from_logits,
+    grpo_advantages,
+    kl_penalty,
+    masked_mean,
+)
+from rollart_train.torch_config import TorchTrainerConfig, lr_factor
+
+__all__ = ["STATE_FILE", "TorchRankWorker", "find_checkpoint"]
+
+log = logging.getLogger(__name__)
+STATE_FILE = "rollart_trainer.json"
+OPTIM_FILE = "trainer_state.pt"
+_COPY_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+               "generation_config.json", "vocab.json", "merges.txt")
+_STATS = ("loss", "pg_loss", "clip_frac", "approx_kl", "behav_weight", "tis_capped_frac", "kl", "entropy")
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """``path`` if it is a checkpoint, else its newest ``checkpoint-<n>`` child; TrainerError if none."""
+    p = Path(path)
+    if (p / STATE_FILE).is_file():
+        return p
+    found = [(int(c.name.rsplit("-", 1)[1]), c) for c in p.glob("checkpoint-*")
+             if c.name.rsplit("-", 1)[1].isdigit() and (c / STATE_FILE).is_file()]
+    if not found:
+        raise TrainerError(f"no trainer checkpoint at {p} (expected {STATE_FILE} or checkpoint-<step>/ inside)")
+    return max(found)[1]
+
+
+class TorchRankWorker:
+    def __init__(self, config: TorchTrainerConfig, model_path: str | Path, *, rank: int = 0, world_size: int = 1) -> None:
+        c = self.config = config
+        self.rank, self.world_size = rank, world_size
+        self.model_path = Path(model_path)
+        if c.num_threads:
+            torch.set_num_threads(c.num_threads)
+        torch.manual_seed(c.seed)
+        self.device = torch.device(f"cuda:{rank % max(torch.cuda.device_count(), 1)}" if c.device == "cuda" and world_size > 1
+                                   else c.device)
+        self.compute_dtype = getattr(torch, c.dtype)
+        self.param_dtype = torch.float32 if (c.dtype == "bfloat16" and c.mixed_precision) else self.compute_dtype
+        self.resumed_from = find_checkpoint(c.resume_from) if c.resume_from else None
+        self.model = self._load(self.resumed_from or self.model_path)
+        self.model.train()
+        self.ref_model = None
+        if c.kl_coef > 0 and c.kl_reference == "reference":
+            self.ref_model = self._load(Path(c.ref_model_path) if c.ref_model_path else self.model_path)
+            self.ref_model.eval()
+            self.ref_model.requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=c.lr, betas=c.betas, weight_decay=c.weight_decay)
+        self.pad_id = int(self.model.config.pad_token_id or 0)
+        self.attn_impl = str(getattr(self.model.config, "_attn_implementation", None) or "sdpa")
+        self.version = 0
+        self.counters = {"optimizer_steps": 0, "samples_seen": 0, "tokens_seen": 0, "skipped_steps": 0}
+        self.extra_state: dict[str, Any] = {}
+        if self.resumed_from is not None:
+            self._load_state(self.resumed_from)
+
+    # model -----------------------------------------------------------------------------------
+
+    def _load(self, path: Path) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        kw: dict[str, Any] = {"dtype": self.param_dtype}
+        if self.config.attn_implementation:
+            kw["attn_implementation"] = self.config.attn_implementation
+        model = AutoModelForCausalLM.from_pretrained(path, **kw)
+        if self.device.type != "cpu":
+            model.to(self.device)
+        if self.world_size > 1:
+            self._shard(model)
+        return model
+
+    def _shard(self, model: torch.nn.Module) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        mp = (MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+              if self.param_dtype != self.compute_dtype else MixedPrecisionPolicy())
+        layers = getattr(getattr(model, "model", None), "layers", None)
+        if layers is None:
+            raise TrainerError(f"{type(model).__name__}: expected decoder layers at model.model.layers to shard")
+        for layer in layers:
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.world_size == 1 and self.param_dtype != self.compute_dtype:
+            return torch.autocast(self.device.type, dtype=self.compute_dtype)
+        return contextlib.nullcontext()
+
+    def _logits(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+        """float32 logits ``[n, V]`` of the positions that predict the selected targets, under each
+        token's sampling temperature and allowed-token restriction when present."""
+        with self._autocast():
+            out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask,
+                        use_cache=False, logits_to_keep=mb.pred_index if mb.packed else 0)
+        logits = out.logits
+        logits = logits[0] if mb.packed else logits.reshape(-1, logits.shape[-1])[mb.pred_index]
+        logits = logits.float()
+        if mb.temperature is not None:
+            logits = logits / mb.temperature.unsqueeze(-1)
+        if mb.allowed_id is not None:
+            allow = torch.ones(logits.shape, dtype=torch.bool, device=logits.device)
+            for k, ids in enumerate(mb.allowed_sets):
+                row = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+                row[list(ids)] = True
+                allow[mb.allowed_id == k] = row
+            logits = logits.masked_fill(~allow, float("-inf"))
+        return logits
+
+    def _micro(self, seqs: Sequence[SeqData], idx: Sequence[int], select: str) -> MicroBatch:
+        mask_dtype = self.compute_dtype if self.param_dtype == self.compute_dtype else torch.float32
+        return build_micro_batch(seqs, idx, select=select, packed=self.config.packing, pad_id=self.pad_id,
+                                 attn_impl=self.attn_impl, mask_dtype=mask_dtype).to(self.device)
+
+    def _dummy(self) -> MicroBatch:
+        """A micro-batch with one zero-weight target: keeps ranks' collectives in step."""
+        s = SeqData([self.pad_id, self.pad_id], [0, 0], [0.0, 0.0], [-1, -1], 0.0)
+        return self._micro([s], [0], "all")
+
+    @torch.no_grad()
+    def logprobs(self, token_ids: Sequence[int]) -> list[float]:
+        """Logprob of each token given the previous ones under the current weights (first: none)."""
+        ids = list(token_ids)
+        if len(ids) < 2:
+            return []
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            s = SeqData(ids, [1] * len(ids), [0.0] * len(ids), [-1] * len(ids), 0.0)
+            mb = self._micro([s], [0], "all")
+            logits = self._logits(self.model, mb)
+            lp = torch.log_softmax(logits, -1).gather(-1, mb.targets.unsqueeze(-1)).squeeze(-1)
+        finally:
+            self.model.train(was_training)
+        return lp.tolist()
+
+    # training --------------------------------------------------------------------------------
+
+    def _plan(self, seqs: list[SeqData], parts: list[list[int]]) -> list[list[MicroBatch]]:
+        """Per mini-batch, this rank's micro-batches (padded with dummies to the same count on every rank)."""
+        c = self.config
+        lengths = [len(s.ids) for s in seqs]
+        plan = []
+        for part in parts:
+            budget = c.micro_batch_tokens if c.packing else 1 << 62
+            bins = [[part[i] for i in b] for b in pack_bins([lengths[i] for i in part], budget, c.micro_batch_size)]
+            per_rank = assign_bins(bins, lengths, self.world_size)
+            n = max(len(b) for b in per_rank)
+            mine = [self._micro(seqs, b, "loss") for b in per_rank[self.rank]]
+            plan.append(mine + [self._dummy() for _ in range(n - len(mine))])
+        return plan
+
+    def _set_lr(self, factor: float) -> float:
+        lr = self.config.lr * factor
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        return lr
+
+    def train_step(self, batch: Sequence[Trajectory], config: TorchTrainerConfig | None = None) -> dict[str, float]:
+        if not batch:
+            raise TrainerError("train_step called with an empty batch")
+        c = self.config = config or self.config
+        t0 = time.perf_counter()
+        adv = grpo_advantages(batch, scale_by_std=c.scale_adv_by_std)
+        seqs = [seq_data(t, a, c.match_sampling) for t, a in zip(batch, adv, strict=True)]
+        n_tokens = sum(sum(s.mask[1:]) for s in seqs)
+        if n_tokens == 0:
+            raise TrainerError("batch has no generated tokens to train on")
+        train_idx = [i for i, s in enumerate(seqs) if any(s.mask[1:])]
+        k = min(c.mini_batches, len(train_idx))
+        parts = [train_idx[j * len(train_idx) // k:(j + 1) * len(train_idx) // k] for j in range(k)]
+        part_tokens = [sum(sum(seqs[i].mask[1:]) for i in p) for p in parts]
+        plan = self._plan(seqs, parts)
+        versions = torch.tensor([v for s in seqs for v, m in zip(s.versions[1:], s.mask[1:], strict=True) if m])
+        stale = bool((versions != self.version).any())
+        # proximal / reference logprobs: the weights before this step's first update
+        prox = self._no_grad_logprobs(self.model, plan) if c.loss == "decoupled_ppo" and stale else None
+        ref = self._no_grad_logprobs(self.ref_model, plan) if self.ref_model is not None else None
+        lr = self._set_lr(lr_factor(c, self.version))
+        sums = torch.zeros(len(_STATS), dtype=torch.float64)
+        grad_norms: list[float] = []
+        for _epoch in range(c.ppo_epochs):
+            for p, micros in enumerate(plan):
+                self.optimizer.zero_grad(set_to_none=True)
+                for m, mb in enumerate(micros):
+                    self._sync_grads(m == len(micros) - 1)
+                    loss, stats = self._micro_loss(mb, part_tokens[p], None if prox is None else prox[p][m],
+                                                   None if ref is None else ref[p][m])
+                    (loss * self.world_size).backward()  # FSDP averages over ranks; the loss is already a global mean
+                    sums += torch.tensor([float(stats[s]) * part_tokens[p] for s in _STATS], dtype=torch.float64)
+                grad_norms.append(self._step())
+        sums = self._all_reduce(sums)
+        total_w = float(sum(part_tokens)) * c.ppo_epochs
+        self.version += 1
+        self.counters["samples_seen"] += len(batch)
+        self.counters["tokens_seen"] += sum(len(s.ids) for s in seqs)
+        lag = (self.version - 1 - versions).double()
+        rewards = [t.reward for t in batch]
+        return {
+            **{s: float(v) / total_w for s, v in zip(_STATS, sums.tolist(), strict=True)},
+            "grad_norm": grad_norms[-1],
+            "grad_norm_max": max(grad_norms),
+            "lr": lr,
+            "reward_mean": sum(rewards) / len(rewards),
+            "train_tokens": float(n_tokens),
+            "packed_tokens": float(sum(len(seqs[i].ids) for i in train_idx)),
+            "micro_batches": float(sum(len(m) for m in plan)),
+            "token_lag_mean": float(lag.mean()),
+            "token_lag_max": float(lag.max()),
+            "stale_token_frac": float((lag > 0).double().mean()),
+            "proximal_recomputed": float(prox is not None),
+            "optimizer_steps": float(self.counters["optimizer_steps"]),
+            "skipped_steps": float(self.counters["skipped_steps"]),
+            "train_s": time.perf_counter() - t0,
+            "version": float(self.version),
+        }
+
+    def _sync_grads(self, sync: bool) -> None:
+        if self.world_size > 1:
+            self.model.set_requires_gradient_sync(sync)  # reduce-scatter only after the last micro-batch
+
+    @torch.no_grad()
+    def _no_grad_logprobs(self, model: torch.nn.Module, plan: list[list[MicroBatch]]) -> list[list[torch.Tensor]]:
+        out = []
+        for micros in plan:
+            row = []
+            for mb in micros:
+                logits = self._logits(model, mb)
+                row.append(torch.log_softmax(logits, -1).gather(-1, mb.targets.unsqueeze(-1)).squeeze(-1))
+            out.append(row)
+        return out
+
+    def _micro_loss(self, mb: MicroBatch, n: int, prox: torch.Tensor | None,
+                    ref: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        c = self.config
+        logits = self._logits(self.model, mb)
+        logp = torch.log_softmax(logits, -1).gather(-1, mb.targets.unsqueeze(-1)).squeeze(-1)
+        if prox is not None:  # tokens generated by the current weights need no correction
+            prox = torch.where(mb.versions == self.version, mb.behaviour, prox)
+        decoupled = c.loss == "decoupled_ppo"
+        pg, st = decoupled_ppo_loss(logp, mb.behaviour if prox is None else prox, mb.behaviour, mb.advantages,
+                                    mb.mask, clip_eps=c.clip_eps, clip_eps_high=c.clip_eps_high,
+                                    tis_cap=c.tis_cap if decoupled else None, tis_mode=c.tis_mode, n=n)
+        loss = pg
+        st["pg_loss"] = pg.detach()
+        if c.entropy_coef > 0:
+            ent = entropy_from_logits(logits)
+            loss = loss - c.entropy_coef * masked_mean(ent, mb.mask, n)
+        else:
+            with torch.no_grad():
+                ent = entropy_from_logits(logits)
+        st["entropy"] = masked_mean(ent.detach(), mb.mask, n)
+        if c.kl_coef > 0:
+            kl = kl_penalty(logp, mb.behaviour if ref is None else ref, c.kl_estimator)
+            loss = loss + c.kl_coef * masked_mean(kl, mb.mask, n)
+            st["kl"] = masked_mean(kl.detach(), mb.mask, n)
+        else:
+            st["kl"] = torch.zeros(())
+        st["loss"] = loss.detach()
+        return loss, st
+
+    def _step(self) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        value = float(norm)
+        if not torch.isfinite(norm):
+            log.warning("non-finite gradient norm %s: optimiser step skipped", value)
+            self.optimizer.zero_grad(set_to_none=True)
+            self.counters["skipped_steps"] += 1
+            return value
+        self.optimizer.step()
+        self.counters["optimizer_steps"] += 1
+        return value
+
+    def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return t
+        import torch.distributed as dist
+
+        buf = t.to(self.device)
+        dist.all_reduce(buf)
+        return buf.cpu()
+
+    # weights and checkpoints -----------------------------------------------------------------
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full tensors in HF naming (collective with several ranks: every rank must iterate)."""
+        for name, t in self.model.state_dict().items():
+            yield name, (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
+
+    def full_weights(self) -> dict[str, torch.Tensor] | None:
+        """All full tensors on CPU on rank 0 (None elsewhere)."""
+        out = {n: t.cpu() for n, t in self.named_weights()}
+        return out if self.rank == 0 else None
+
+    def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
+        """HF directory (safetensors + config + tokenizer) plus optimiser state and counters.
+        Written to a sibling temporary directory and renamed: a crash never leaves a half checkpoint."""
+        from huggingface_hub import save_torch_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        sd = get_model_state_dict(self.model, options=opts)
+        osd = get_optimizer_state_dict(self.model, self.optimizer, options=opts)
+        if self.rank != 0:
+            return
+        out = Path(path)
+        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_torch_state_dict(sd, tmp, safe_serialization=True)
+        self.model.config.save_pretrained(tmp)
+        src = self.resumed_from if self.resumed_from and not (self.model_path / "tokenizer.json").is_file() else self.model_path
+        for f in _COPY_FILES:
+            if (src / f).is_file():
+                shutil.copy(src / f, tmp / f)
+        torch.save({"optimizer": osd, "rng": torch.get_rng_state()}, tmp / OPTIM_FILE)
+        state = {"format": 1, "version": self.version, **self.counters, "world_size": self.world_size,
+                 "extra": extra if extra is not None else self.extra_state}
+        (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+
+    def _load_state(self, ckpt: Path) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        state = json.loads((ckpt / STATE_FILE).read_text())
+        blob = torch.load(ckpt / OPTIM_FILE, map_location="cpu", weights_only=True)
+        set_optimizer_state_dict(self.model, self.optimizer, optim_state_dict=blob["optimizer"],
+                                 options=StateDictOptions(full_state_dict=True))
+        torch.set_rng_state(blob["rng"])
+        self.version = int(state["version"])
+        for k in self.counters:
+            self.counters[k] = int(state.get(k, 0))
+        self.extra_state = dict(state.get("extra") or {})
+        log.info("resumed from %s at version %d", ckpt, self.version)
+
+    def state(self) -> dict[str, Any]:
+        return {"version": self.version, **self.counters, "extra": self.extra_state,
+                "resumed_from": str(self.resumed_from) if self.resumed_from else None}
