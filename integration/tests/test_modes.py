@@ -56,3 +56,28 @@ async def test_env_manager_and_redundancy_in_the_loop(tmp_path: Path, tiny_model
     assert summary["launched"] >= 2 * task.groups_per_step * (task.group_size + 2)
     assert summary["fates"].get("cancelled_redundant", 0) > 0
     assert all(h["batch_size"] <= task.groups_per_step * task.group_size for h in summary["history"])
+
+
+async def test_resume_continues_steps_and_buffer_without_duplicates(tmp_path: Path, tiny_model: Path) -> None:
+    """An async run saves at step 2 with groups still pending; a new run resumes from that
+    checkpoint: versions and steps continue, the saved groups are trained, nothing twice."""
+    import json
+
+    cfg = slice_config(tmp_path, model_path=tiny_model, steps=2)
+    cfg.train.mode, cfg.train.alpha, cfg.train.save_every = "async", 2, 2  # type: ignore[assignment]
+    cfg.train.max_pending_steps = 3
+    first = await train(cfg, sink=_Collect())
+    ckpt = cfg.output_dir / "checkpoint-2"
+    state = json.loads((ckpt / "rollart_state.json").read_text())
+    assert first["final_version"] == 2 and state["step"] == 2 and state["version"] == 2
+    saved_groups = {g["group_id"] for g in state["buffer"]["groups"]}
+
+    cfg2 = cfg.model_copy(deep=True)
+    cfg2.train.steps, cfg2.train.resume_from = 4, ckpt
+    second = await train(cfg2, sink=_Collect())
+    assert [h["version"] for h in second["history"]] == [3, 4]  # steps and versions continue
+    trained_1 = [g for h in first["history"] for g in h["batch_groups"]]
+    trained_2 = [g for h in second["history"] for g in h["batch_groups"]]
+    assert len(set(trained_1 + trained_2)) == len(trained_1) + len(trained_2)  # no group trained twice
+    assert saved_groups <= set(trained_2) | set(second["dropped_groups"])  # restored content was used
+    assert set(trained_1).isdisjoint(saved_groups)

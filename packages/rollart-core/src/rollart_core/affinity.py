@@ -26,7 +26,14 @@ class AffinitySpec:
     memory_bytes: int | None = None
     count: int = 1
     colocate_with: str | None = None
+    """Name of another worker whose node(s) this one must share (one placement group, packed)."""
     serverless: bool = False
+    labels: tuple[tuple[str, str], ...] = ()
+    """Node labels the worker needs (``ray start --labels k=v``), as sorted ``(key, value)`` pairs."""
+
+    @property
+    def label_selector(self) -> dict[str, str]:
+        return dict(self.labels)
 
 
 def affinity(
@@ -38,11 +45,15 @@ def affinity(
     count: int = 1,
     colocate_with: str | None = None,
     serverless: bool = False,
+    labels: dict[str, str] | None = None,
 ) -> Any:
     """Record an :class:`AffinitySpec` on the decorated class and return the class unchanged."""
     if num_cpus < 0 or num_gpus < 0 or count < 1:
         raise ConfigError("affinity: num_cpus/num_gpus must be >= 0 and count >= 1")
-    spec = AffinitySpec(pool, num_cpus, num_gpus, memory_bytes, count, colocate_with, serverless)
+    if serverless and (num_gpus or colocate_with or labels):
+        raise ConfigError("affinity: a serverless worker takes no GPUs, colocation or node labels")
+    spec = AffinitySpec(pool, num_cpus, num_gpus, memory_bytes, count, colocate_with, serverless,
+                        tuple(sorted((labels or {}).items())))
 
     def deco(cls: C) -> C:
         setattr(cls, _ATTR, spec)
@@ -55,6 +66,8 @@ def get_affinity(cls: type, **overrides: Any) -> AffinitySpec:
     """The class's recorded spec (a default one if undecorated), with non-None overrides applied."""
     spec = getattr(cls, _ATTR, None) or AffinitySpec()
     overrides = {k: v for k, v in overrides.items() if v is not None}
+    if isinstance(overrides.get("labels"), dict):
+        overrides["labels"] = tuple(sorted(overrides["labels"].items()))
     return replace(spec, **overrides) if overrides else spec
 
 
@@ -67,4 +80,6 @@ def ray_actor_options(spec: AffinitySpec) -> dict[str, Any]:
         opts["memory"] = spec.memory_bytes
     if spec.pool:
         opts["resources"] = {spec.pool: 1}
+    if spec.labels:
+        opts["label_selector"] = spec.label_selector
     return opts

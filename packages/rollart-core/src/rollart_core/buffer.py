@@ -28,6 +28,8 @@ class SampleBuffer:
         self._changed = asyncio.Condition()
         self.fates: Counter[str] = Counter()
         self.consumed = 0
+        self.dropped_groups: list[str] = []
+        """Groups removed with nothing trainable (all failed or stale)."""
 
     def expect(self, group_id: str, n: int) -> None:
         """Announce that ``n`` trajectories were launched for ``group_id``."""
@@ -65,6 +67,7 @@ class SampleBuffer:
                 dropped = [g for g in self._ready() if not self._trainable(g, version)]
                 for g in dropped:
                     self._take(g, version)
+                    self.dropped_groups.append(g)
                 if dropped:
                     self._changed.notify_all()  # admission control may launch replacements now
                 useful = [g for g in self._ready() if self._trainable(g, version)]

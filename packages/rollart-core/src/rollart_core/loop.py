@@ -103,6 +103,7 @@ async def train(cfg: RunConfig, sink: MetricsSink | None = None) -> dict[str, An
         await ro.cancel_all()
         summary = {"mode": mode, "alpha": alpha, "steps": len(history), "final_version": p.trainer.version,
                    "launched": ro.launched, "fates": dict(ro.fates), "wall_s": time.perf_counter() - t_start,
+                   "dropped_groups": sorted(p.buffer.dropped_groups),
                    "history": history, **p.timings}
     sink.close()
     return summary
@@ -134,6 +135,7 @@ def _step_metrics(ro: Rollout, batch: list[Trajectory], m: dict[str, float], **e
         "lag_max": max(lags, default=0),
         "lag_mean": sum(lags) / max(len(lags), 1),
         "batch_size": len(batch),
+        "batch_groups": sorted({t.group_id for t in batch}),
         "fates": dict(fate_counts(done)),
     }
 

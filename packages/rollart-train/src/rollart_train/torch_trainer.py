@@ -58,6 +58,13 @@ class TorchTrainer:
         c = (config or TorchTrainerConfig()).model_copy(update={"resume_from": str(ckpt)})
         return cls(c, model_path=model_path or ckpt)
 
+    def load(self, path: str | Path) -> None:
+        """Continue from a checkpoint written by :meth:`save` (weights, optimizer, version, counters);
+        the control plane's ``SupportsResume``."""
+        fresh = TorchTrainer.resume(path, self.config, model_path=self.model_path)
+        self.close()
+        self.__dict__.update(fresh.__dict__)
+
     def _call(self, method: str, *args: Any) -> Any:
         if self._local is not None:
             return getattr(self._local, method)(*args)
