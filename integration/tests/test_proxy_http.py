@@ -26,7 +26,9 @@ import pytest
 from rollart_core.errors import EngineError
 from rollart_core.types import GenerateRequest, SamplingParams
 
-pytestmark = [pytest.mark.vllm]
+# Two real vLLM OpenAI servers (~2 min to start on 2 cores) and a timing-sensitive suspend test:
+# part of the slow set (`uv run --no-sync pytest -m slow`), not of the default CI run.
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "packages" / "rollart-proxy" / "README.md"

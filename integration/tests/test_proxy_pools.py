@@ -14,7 +14,9 @@ import pytest
 
 from rollart_core.types import GenerateRequest, SamplingParams
 
-pytestmark = [pytest.mark.vllm, pytest.mark.ray]
+# Two vLLM engines in Ray actors on H800/H20 resources (~1 min to start): in the slow set; pool routing
+# is also covered by the default run (integration/tests/test_multinode.py).
+pytestmark = [pytest.mark.vllm, pytest.mark.ray, pytest.mark.slow]
 
 NO_EOS = tuple(range(10, 300))
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
