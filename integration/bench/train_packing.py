@@ -54,7 +54,7 @@ def main() -> None:
     trainers = {k: TorchTrainer(c, model_path=model) for k, c in variants.items()}
     times: dict[str, list[float]] = {k: [] for k in variants}
     info: dict[str, dict[str, float]] = {}
-    for k, t in trainers.items():  # warm-up
+    for t in trainers.values():  # warm-up
         t.train_step(batch)
     for _ in range(reps):
         for k, t in trainers.items():
