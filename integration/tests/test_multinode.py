@@ -4,8 +4,9 @@ raylet with its own resources): an ``H800`` node, an ``H20`` node and a CPU-only
 land on their pool's node; plan validation names the worker and the missing resource; a task routed
 to the H20 pool through the real LLMProxy is served only by the H20 worker.
 
-The nodes use a private ``--temp-dir`` and their own ports; teardown stops exactly the processes
-whose command line names that temp dir (never ``ray stop``) and checks that none is left.
+The nodes use a private ``--temp-dir`` and their own ports. Each is a ``ray start --block`` child of
+the test; teardown ends those processes and their recorded descendants by PID (never ``ray stop``)
+and checks that none is left.
 """
 
 from __future__ import annotations
@@ -52,46 +53,48 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
-def _our_pids(marker: str) -> list[int]:
-    """Processes whose command line contains our private temp dir (only ours can)."""
-    pids = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit() or int(d.name) == os.getpid():
-            continue
+def _descendants(pid: int) -> list[int]:
+    """The process tree under ``pid`` (children first seen through /proc/<pid>/task/*/children)."""
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                kids = [int(k) for k in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            out += kids
+            todo += kids
+    return out
+
+
+def _alive(pids: list[int]) -> list[int]:
+    left = []
+    for pid in pids:
         try:
-            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
         except OSError:
             continue
-        if marker in cmd:
-            pids.append(int(d.name))
-    return pids
-
-
-def _stop(marker: str, deadline_s: float = 20.0) -> list[int]:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in _our_pids(marker):
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        end = time.monotonic() + deadline_s / 2
-        while time.monotonic() < end and _our_pids(marker):
-            time.sleep(0.2)
-    return _our_pids(marker)
+        if state != "Z":
+            left.append(pid)
+    return left
 
 
 class LocalCluster:
-    """Head + worker nodes started with the ``ray`` CLI, each with its own resources and labels."""
+    """Head + worker nodes, each a ``ray start --block`` child of this process with its own
+    resources and labels. Teardown ends exactly those processes and their descendants, by PID."""
 
     def __init__(self) -> None:
         self.temp_dir = tempfile.mkdtemp(prefix="rmn", dir="/tmp")  # short: Ray's socket paths have a limit
         self.env = {**os.environ, **LOOPBACK_ENV}
         self.port = _free_ports(1)[0]
         self.address = f"127.0.0.1:{self.port}"
+        self.nodes: list[subprocess.Popen[str]] = []
 
     def _start(self, *args: str, head: bool = False) -> None:
         agent, grpc, metrics, rt_env = _free_ports(4)
-        cmd = [*RAY_CLI, "start", "--node-ip-address=127.0.0.1", f"--temp-dir={self.temp_dir}",
+        cmd = [*RAY_CLI, "start", "--block", "--node-ip-address=127.0.0.1", f"--temp-dir={self.temp_dir}",
                "--disable-usage-stats", "--object-store-memory=80000000",
                f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={grpc}",
                f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={rt_env}", *args]
@@ -102,19 +105,45 @@ class LocalCluster:
         else:
             env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "1"
             cmd += [f"--address={self.address}"]
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
-        if out.returncode != 0:
-            raise RuntimeError(f"ray start failed ({out.returncode}): {out.stderr[-2000:]}")
+        log = open(Path(self.temp_dir) / f"node{len(self.nodes)}.log", "w+")
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        self.nodes.append(proc)
+        deadline = time.monotonic() + 120
+        while "Ray runtime started" not in Path(log.name).read_text():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"ray start failed ({proc.returncode}): {Path(log.name).read_text()[-2000:]}")
+            time.sleep(0.2)
 
     def start(self) -> None:
         self._start("--num-cpus=1", '--resources={"H800": 1}', head=True)
         self._start("--num-cpus=1", '--resources={"H20": 1}')
         self._start("--num-cpus=2", "--labels=rollart.io/pool=env")
 
-    def stop(self) -> list[int]:
-        left = _stop(self.temp_dir)
+    def stop(self, deadline_s: float = 20.0) -> list[int]:
+        """SIGTERM each node's ``ray start --block`` (it stops what it started), workers before the
+        head; then SIGKILL whatever of their recorded process trees is still alive. Returns leftovers."""
+        tree = [pid for proc in self.nodes for pid in (proc.pid, *_descendants(proc.pid))]
+        for proc in reversed(self.nodes):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        end = time.monotonic() + deadline_s
+        while time.monotonic() < end and _alive(tree):
+            time.sleep(0.2)
+        for pid in _alive(tree):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for proc in self.nodes:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        end = time.monotonic() + 5
+        while time.monotonic() < end and _alive(tree):
+            time.sleep(0.2)
         shutil.rmtree(self.temp_dir, ignore_errors=True)
-        return left
+        return _alive(tree)
 
 
 @pytest.fixture(scope="module")

@@ -142,20 +142,13 @@ def _step_metrics(ro: Rollout, batch: list[Trajectory], m: dict[str, float], **e
 
 async def rollout_step(p: Pipeline, step: int, *, launch_tag: str = "s") -> list[Trajectory]:
     """Launch one step's groups of every task and wait for all of them (used by tests and tools)."""
-    cfg = p.config
-    version = p.trainer.version
-    jobs = []
-    for ti, task in enumerate(cfg.tasks):
-        for gi in range(task.groups_per_step):
-            group_id = f"{launch_tag}{step}-{task.name}-g{gi}"
-            seed = derive_seed(cfg.seed, launch_tag, step, ti, gi)
-            p.buffer.expect(group_id, task.group_size)
-            for k in range(task.group_size):
-                traj = Trajectory(f"{group_id}-{k}", task.name, task.env.impl, group_id, seed, version)
-                jobs.append(run_trajectory(traj, env=p.make_env(task, ti), generator=p.proxy, chat=p.chat,
-                                           scorer=p.rewards[task.name], sampling=task.sampling,
-                                           max_turns=task.max_turns, on_done=p.buffer.put))
-    return list(await asyncio.gather(*jobs))
+    ro = Rollout(p)
+    ro.served_version = p.trainer.version
+    for ti, task in enumerate(p.config.tasks):
+        for _ in range(task.groups_per_step):
+            ro.launch_group(ti, tag=f"{launch_tag}{step}-g")
+    await ro.wait_all()
+    return ro.drain_finished()
 
 
 async def evaluate(p: Pipeline, episodes: int, *, tag: str = "eval") -> dict[str, float]:

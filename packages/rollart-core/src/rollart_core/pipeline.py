@@ -116,7 +116,8 @@ class Pipeline:
         import ray
 
         em = cfg.env_manager
-        assert em is not None
+        if em is None:
+            return
         cls = resolve("env_manager", em.impl)
         options = {**em.options, "groups": {t.name: {"impl": t.env.impl, "options": t.env.options,
                                                      "num_envs": em.num_envs} for t in cfg.tasks}}
