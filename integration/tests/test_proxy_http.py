@@ -78,10 +78,6 @@ class Server:
              "--max-num-seqs", "16", "--enable-scale-out"],
             stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
-    def generated_tokens(self) -> float:
-        text = httpx.get(f"{self.url}/metrics", timeout=10, trust_env=False).text
-        return sum(float(m.group(1)) for m in re.finditer(r"^vllm:generation_tokens_total\{[^}]*\} (\S+)$", text, re.M))
-
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -134,27 +130,42 @@ async def test_vllm_server_engine_suspend_update_resume_abort(servers: tuple[Ser
     await eng.start()
     try:
         assert eng.max_model_len == 512
-        base = a.generated_tokens()
-        n = 480  # long enough to still be running when the update lands
-        tasks = [asyncio.create_task(eng.generate(req(f"h{i}", n))) for i in range(2)]
-        await until(lambda: a.generated_tokens() >= base + 20, what="tokens before the update")
+        n = 480
+        seen: dict[str, int] = {}
+
+        async def consume(rid: str, n: int = n) -> list[Any]:  # streamed deltas show progress as it happens
+            parts = []
+            async for p in eng.generate_stream(req(rid, n, seed=len(seen))):
+                parts.append(p)
+                seen[rid] = seen.get(rid, 0) + (0 if p.finish_reason else len(p.token_ids))
+            return parts
+
+        tasks = [asyncio.create_task(consume(f"h{i}")) for i in range(2)]
+        await until(lambda: len(seen) == 2 and min(seen.values()) >= 20, what="tokens before the update")
         await eng.pause("keep")
         paused = await eng.update_weights(1)
         await eng.resume()
-        outs = await asyncio.gather(*tasks)
+        streams = await asyncio.gather(*tasks)
         assert paused > 0 and await eng.weight_version() == 1
-        for o in outs:
+        for parts in streams:
+            o = parts[-1]
+            assert len(parts) > 2 and all(not p.finish_reason for p in parts[:-1])
             assert o.finish_reason == "length" and len(o.token_ids) == n == len(o.logprobs) == len(o.versions)
+            assert [t for p in parts[:-1] for t in p.token_ids] == o.token_ids[: sum(len(p.token_ids) for p in parts[:-1])]
+            # kept across the update, not aborted: old tokens v0, the rest v1
             assert o.versions == sorted(o.versions) and o.start_version == 0 and o.end_version == 1, o.versions
         info = httpx.get(f"{a.url}/weight_info", trust_env=False, timeout=10).json()
         assert info["weight_version"] == "1"
         # abort one request mid-generation
-        base = a.generated_tokens()
-        doomed = asyncio.create_task(eng.generate(req("doomed", 450)))
-        await until(lambda: a.generated_tokens() >= base + 5, what="the doomed request generating")
+        # abort mid-generation, while suspended: the requests are frozen (pause keep), so the abort
+        # certainly lands before they end; it is delivered on resume (vLLM would lose it if sent now)
+        doomed = asyncio.create_task(consume("doomed", 450))
+        await until(lambda: seen.get("doomed", 0) >= 5, what="the doomed request generating")
+        await eng.pause("keep")
         await eng.abort("doomed")
-        out = await asyncio.wait_for(doomed, 60)
-        assert out.finish_reason == "abort" and len(out.token_ids) < 450
+        await eng.resume()
+        out = (await asyncio.wait_for(doomed, 60))[-1]
+        assert out.finish_reason == "abort" and 5 <= len(out.token_ids) < 450
         with pytest.raises(EngineError, match="out-of-vocab"):
             await eng.generate(req("bad", 4, allowed_token_ids=(10**6,)))
         with pytest.raises(EngineError, match="max_model_len"):

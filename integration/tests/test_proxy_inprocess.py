@@ -177,6 +177,44 @@ async def test_abort_one_trajectory(engines: tuple[Any, Any, Any]) -> None:
     assert all(w.healthy for w in proxy.workers.values())  # an abort is not a failure
 
 
+async def test_streaming_yields_deltas_then_the_complete_output_and_closing_aborts(
+        engines: tuple[Any, Any, Any]) -> None:
+    a, b, _ = engines
+    proxy = two(engines)
+    whole = await proxy.generate(req("whole", 40, seed=11))
+    parts = [p async for p in proxy.generate_stream(req("streamed", 40, seed=11))]
+    deltas, final = parts[:-1], parts[-1]
+    assert len(deltas) >= 2 and all(p.finish_reason == "" for p in deltas)  # really incremental
+    assert final.finish_reason == "length" and final.token_ids == whole.token_ids  # same seed, same tokens
+    assert [t for p in deltas for t in p.token_ids] == final.token_ids[: sum(len(p.token_ids) for p in deltas)]
+    # A client that goes away mid-stream frees the engine's slot (the request is aborted there).
+    stream = proxy.generate_stream(req("gone", 480, seed=12))
+    first = await anext(stream)
+    assert first.token_ids and not first.finish_reason
+    await stream.aclose()
+
+    async def freed() -> bool:
+        return "gone" not in await a.progress() and "gone" not in await b.progress()
+    await until(freed, timeout=30, what="the abandoned stream to be aborted on its engine")
+    assert all(w.inflight == 0 for w in proxy.workers.values())
+    assert (await a.get_stats())["output_tokens"] + (await b.get_stats())["output_tokens"] > 0
+
+
+async def test_abort_while_suspended_is_delivered_on_resume(engines: tuple[Any, Any, Any]) -> None:
+    a, _, _ = engines
+    proxy = LLMProxy([WorkerHandle("a", a)])
+    task = asyncio.create_task(proxy.generate(req("frozen-0", 480, session="frozen")))
+
+    async def generating() -> bool:
+        return (await a.progress()).get("frozen-0", 0) >= 5
+    await until(generating, what="the request generating")
+    await proxy.suspend()
+    assert await proxy.abort("frozen") == 1
+    await proxy.resume()
+    out = await asyncio.wait_for(task, 60)
+    assert out.finish_reason == "abort" and 5 <= len(out.token_ids) < 480
+
+
 async def test_bad_requests_are_engine_errors_not_retried(engines: tuple[Any, Any, Any]) -> None:
     proxy = two(engines)
     with pytest.raises(EngineError, match=r"out-of-vocab|allowed_token_ids"):
@@ -217,14 +255,20 @@ async def test_openai_client_against_the_proxy_endpoint(engines: tuple[Any, Any,
                          {"role": "user", "content": "again"}]
         assert len(workers) == 1  # sticky across turns
         chunks = [c async for c in await client.chat.completions.create(
-            model="tiny", messages=messages, max_tokens=6, stream=True, extra_body={"allowed_token_ids": list(NO_EOS)})]
+            model="tiny", messages=messages, max_tokens=24, stream=True, logprobs=True,
+            extra_body={"allowed_token_ids": list(NO_EOS)})]
         assert chunks[-1].choices[0].finish_reason == "length"
+        with_tokens = [c for c in chunks if c.choices[0].logprobs and c.choices[0].logprobs.content]
+        assert len(with_tokens) >= 2  # token deltas as they are generated, not one chunk at the end
+        assert sum(len(c.choices[0].logprobs.content) for c in with_tokens) == 24
+        streamed_text = "".join(c.choices[0].delta.content or "" for c in chunks)
         comp = await client.completions.create(model="tiny", prompt=[1, 20, 30], max_tokens=5, logprobs=0,
                                                extra_body={"allowed_token_ids": list(NO_EOS)})
         assert len(comp.choices[0].logprobs.token_logprobs) == 5
         async with httpx.AsyncClient(base_url=base, trust_env=False, timeout=60) as h:
             rec = (await h.get("/v1/sessions/agent-1")).json()["calls"]
             assert [c["endpoint"] for c in rec] == ["chat", "chat", "chat", "completions"]
+            assert len(rec[2]["output_ids"]) == 24 and streamed_text == server.template.decode(rec[2]["output_ids"])
             for c in rec:
                 assert len(c["output_ids"]) == len(c["logprobs"]) == len(c["versions"]) > 0 and c["prompt_ids"]
             assert rec[1]["prompt_ids"][: len(rec[0]["prompt_ids"])] == rec[0]["prompt_ids"]

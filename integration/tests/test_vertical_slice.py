@@ -87,6 +87,25 @@ async def test_env_failure_is_a_fate_not_a_crash(pipeline) -> None:
     assert traj.fate is Fate.ENV_FAILED and "container went away" in (traj.error or "")
 
 
+async def test_engines_are_placed_through_the_resource_plane(pipeline) -> None:
+    import ray
+
+    from rollart_core.affinity import AffinitySpec
+    from rollart_core.errors import ConfigError
+    from rollart_core.resources import WorkerDecl
+
+    p = pipeline
+    pg, _ = p.placement.groups["gen"]  # one reserved placement group per engine group
+    table = ray.util.placement_group_table(pg)
+    assert table["state"] == "CREATED" and table["bundles"][0].get("CPU") == 0.25
+    # the engine actor runs inside that reservation: the group's CPU is reserved and fully used
+    key = f"CPU_group_{pg.id.hex()}"
+    assert ray.cluster_resources().get(key) == 0.25 and ray.available_resources().get(key, 0.0) == 0.0
+    # a plan the cluster cannot host fails before anything starts, naming the worker and the pool
+    with pytest.raises(ConfigError, match=r"engine group 'decode'.*pool 'H20'"):
+        p.resources.validate([WorkerDecl("decode", AffinitySpec(pool="H20"), "engine group")])
+
+
 async def test_bad_requests_get_clear_errors(pipeline) -> None:
     p = pipeline
     with pytest.raises(EngineError, match="exceeds max_model_len"):

@@ -2,7 +2,9 @@
 
 Core imports no member package: implementations are resolved by name through the registry, and
 Ray actors are created here, when the pipeline is built (R1: placement from each class's recorded
-affinity, overridable per engine group in the config).
+affinity, overridable per engine group in the config). The engine plan is validated against the
+cluster's pools and reserved with placement groups (:mod:`rollart_core.resources`) before any
+engine starts, so a missing pool fails fast with the engine group and the resource it lacks.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import time
 from contextlib import AsyncExitStack
 from typing import Any
 
-from rollart_core.affinity import get_affinity, ray_actor_options
+from rollart_core.affinity import get_affinity
 from rollart_core.buffer import SampleBuffer
 from rollart_core.cluster import RayCluster
 from rollart_core.config import RunConfig, TaskConfig
@@ -93,17 +95,22 @@ class Pipeline:
     async def _start_engines(self, engine_cfgs: list[Any]) -> None:
         import ray
 
+        from rollart_core.resources import ResourceManager, WorkerDecl
+
         proxy_cls = resolve("proxy", "default")
+        classes = [resolve("engine", g.impl) for g in self.config.engines]
+        decls = [WorkerDecl(g.name, get_affinity(cls, pool=g.pool, num_cpus=g.num_cpus, count=g.count), "engine group")
+                 for g, cls in zip(self.config.engines, classes, strict=True)]
+        self.resources = ResourceManager.from_ray()
+        self.placement = await asyncio.to_thread(self.resources.place, decls)
         members: list[tuple[str, Any, str]] = []
-        for group, ecfg in zip(self.config.engines, engine_cfgs, strict=True):
-            cls = resolve("engine", group.impl)
-            spec = get_affinity(cls, pool=group.pool, num_cpus=group.num_cpus)
+        for group, ecfg, cls in zip(self.config.engines, engine_cfgs, classes, strict=True):
             for r in range(group.count):
                 name = f"{group.name}-{r}"
                 actor = (
                     ray.remote(cls)
-                    .options(**ray_actor_options(spec), name=f"rollart-{name}", max_concurrency=1024,
-                             runtime_env={"env_vars": _ENGINE_ENV})
+                    .options(**self.placement.actor_options(group.name, r), name=f"rollart-{name}",
+                             max_concurrency=1024, runtime_env={"env_vars": _ENGINE_ENV})
                     .remote(ecfg, model_path=str(self.config.model.path), weight_store=self.store, name=name)
                 )
                 self.actors.append(actor)
@@ -155,6 +162,10 @@ class Pipeline:
                 log.warning("engine shutdown failed: %r", e)
             ray.kill(a)
         self.actors.clear()
+        placement = getattr(self, "placement", None)
+        if placement is not None:
+            placement.remove()
+            self.placement = None
         store = getattr(self, "store", None)
         if store is not None and hasattr(store, "close"):
             store.close()

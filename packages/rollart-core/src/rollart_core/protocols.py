@@ -6,6 +6,8 @@ Primitives and who calls them:
     generate(request)        one turn of one trajectory: token ids in, ids + logprobs + versions out
     abort(request_id)        cancel one in-flight request (stale or redundant trajectories)
     weight_version()         policy version of the weights the engine serves now
+``SupportsStream`` (optional engine capability, called by the proxy for streaming clients)
+    generate_stream(request) the same turn, yielded as token deltas, then the complete output
 ``SupportsPause`` (optional engine capability, called by the coordinator through the proxy)
     pause(mode)              stop scheduling; ``keep`` freezes in-flight requests without loss
     resume()                 continue scheduling
@@ -33,7 +35,7 @@ Primitives and who calls them:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
@@ -52,6 +54,7 @@ __all__ = [
     "SupportsBatchScore",
     "SupportsPause",
     "SupportsResume",
+    "SupportsStream",
     "SupportsWeightUpdate",
     "Trainer",
     "WeightStore",
@@ -74,6 +77,18 @@ class InferenceEngine(Protocol):
 
     async def weight_version(self) -> int:
         """The policy version of the weights served now."""
+        ...
+
+
+@runtime_checkable
+class SupportsStream(Protocol):
+    def generate_stream(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        """Generate one turn incrementally.
+
+        Yields partial outputs holding only the tokens new since the previous one
+        (``finish_reason == ""``), then exactly one complete output (all tokens, final per-token
+        versions, a non-empty ``finish_reason``). Closing the iterator early aborts the request.
+        """
         ...
 
 

@@ -23,12 +23,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from rollart_core.errors import EngineError
-from rollart_core.protocols import InferenceEngine, PauseMode
+from rollart_core.protocols import InferenceEngine, PauseMode, SupportsStream
 from rollart_core.types import GenerateOutput, GenerateRequest
 from rollart_proxy.errors import WorkerUnavailableError
 from rollart_proxy.metrics import WorkerMetrics
@@ -131,6 +131,34 @@ class LLMProxy:
     # generation ------------------------------------------------------------------------------
 
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        return await self._dispatch(request, None)
+
+    async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        """Like :meth:`generate`, yielding token deltas first (``finish_reason == ""``) and the
+        complete output last (see :class:`~rollart_core.protocols.SupportsStream`). Engines that
+        cannot stream yield only the complete output. A worker failure is retried elsewhere only
+        while nothing has been yielded. Closing the iterator early aborts the request."""
+        deltas: asyncio.Queue[GenerateOutput] = asyncio.Queue()
+        task = asyncio.create_task(self._dispatch(request, deltas.put_nowait))
+        try:
+            while True:
+                get = asyncio.ensure_future(deltas.get())
+                await asyncio.wait({get, task}, return_when=asyncio.FIRST_COMPLETED)
+                if get.done():
+                    yield get.result()
+                    continue
+                get.cancel()
+                while not deltas.empty():
+                    yield deltas.get_nowait()
+                yield task.result()
+                return
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    async def _dispatch(self, request: GenerateRequest, on_delta: Callable[[GenerateOutput], None] | None
+                        ) -> GenerateOutput:
         tried: set[str] = set()
         sid = request.session_id
         if sid:
@@ -144,14 +172,19 @@ class LLMProxy:
                     if not await self.check_health():
                         raise
                     w = self._pick(request, tried)
+                streamed: list[int] = []
                 try:
-                    out = await self._run_on(w, request)
+                    out = await self._run_on(w, request, on_delta, streamed)
                 except WorkerUnavailableError as exc:
                     self._worker_failed(w, request, exc)
+                    if streamed:
+                        raise  # the client has seen tokens of this attempt: a retry would repeat them
                 except EngineError:
                     raise  # the request itself is bad: retrying elsewhere would fail the same way
                 except Exception as exc:
                     self._worker_failed(w, request, exc)
+                    if streamed:
+                        raise WorkerUnavailableError(f"{w.name} failed mid-stream: {exc!r}") from exc
                 else:
                     w.served += 1
                     if sid:
@@ -167,7 +200,9 @@ class LLMProxy:
             if sid and sid in self._session_requests:
                 self._session_requests[sid].discard(request.request_id)
 
-    async def _run_on(self, w: WorkerHandle, request: GenerateRequest) -> GenerateOutput:
+    async def _run_on(self, w: WorkerHandle, request: GenerateRequest,
+                      on_delta: Callable[[GenerateOutput], None] | None = None,
+                      streamed: list[int] | None = None) -> GenerateOutput:
         self._request_worker[request.request_id] = w.name  # abortable while queued, too
         w.metrics.queued += 1
         try:
@@ -183,7 +218,10 @@ class LLMProxy:
                 out = GenerateOutput(request.request_id, [], [], [], "abort", w.name)
             else:
                 try:
-                    out = await w.engine.generate(request)
+                    if on_delta is not None and isinstance(w.engine, SupportsStream):
+                        out = await self._stream_from(w.engine, request, on_delta, streamed)
+                    else:
+                        out = await w.engine.generate(request)
                 except asyncio.CancelledError:
                     # The caller gave up (redundant or stale trajectory). Cancelling our await does not
                     # stop a remote engine (e.g. a Ray actor call): abort it there to free its slot.
@@ -195,6 +233,21 @@ class LLMProxy:
             w.inflight -= 1
             w._slots.release()
             self._request_worker.pop(request.request_id, None)
+
+    @staticmethod
+    async def _stream_from(engine: SupportsStream, request: GenerateRequest,
+                           on_delta: Callable[[GenerateOutput], None], streamed: list[int] | None) -> GenerateOutput:
+        it = engine.generate_stream(request)
+        try:
+            async for part in it:
+                if part.finish_reason:
+                    return part
+                on_delta(part)
+                if streamed is not None:
+                    streamed.append(len(part.token_ids))
+        finally:
+            await it.aclose()  # type: ignore[attr-defined]
+        raise WorkerUnavailableError(f"request {request.request_id}: stream ended without a complete output")
 
     async def _abort_on(self, w: WorkerHandle, request_id: str) -> None:
         try:

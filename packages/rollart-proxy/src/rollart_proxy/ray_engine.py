@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
 from rollart_core.errors import EngineError
@@ -30,6 +31,24 @@ class RayActorEngine:
 
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
         return await self._call("generate", request)
+
+    async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        """Streams through a Ray streaming generator when the actor has ``generate_stream``;
+        otherwise yields the complete output only."""
+        from ray.exceptions import RayTaskError
+
+        method = getattr(self.handle, "generate_stream", None)
+        if method is None:
+            yield await self.generate(request)
+            return
+        refs = method.options(num_returns="streaming").remote(request)
+        try:
+            async for ref in refs:
+                yield await ref
+        except RayTaskError as exc:
+            if isinstance(exc.cause, EngineError):
+                raise type(exc.cause)(str(exc.cause)) from None
+            raise
 
     async def abort(self, request_id: str) -> None:
         await self._call("abort", request_id)

@@ -332,10 +332,15 @@ class OpenAIServer:
         req = GenerateRequest(rid, prompt_ids, sampling, session_id=session,
                               task=request.headers.get(self.task_header) or None)
         if body.stream:
-            # Validate and route before the 200 goes out: errors still become 4xx/503.
-            out = await self.proxy.generate(req)
-            self._record(session, endpoint, prompt_ids, out)
-            return StreamingResponse(self._sse(endpoint, body, out, prompt_ids), media_type="text/event-stream")
+            # Validate and route before the 200 goes out: errors up to the first token stay 4xx/503.
+            parts = self.proxy.generate_stream(req)
+            try:
+                first = await anext(parts)
+            except BaseException:
+                await parts.aclose()  # type: ignore[attr-defined]
+                raise
+            return StreamingResponse(self._sse(endpoint, body, first, parts, prompt_ids, session),
+                                     media_type="text/event-stream")
         out = await self.proxy.generate(req)
         self._record(session, endpoint, prompt_ids, out)
         return self._response(endpoint, body, out, prompt_ids)
@@ -377,20 +382,66 @@ class OpenAIServer:
         return {**base, "object": "text_completion",
                 "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}]}
 
-    async def _sse(self, endpoint: str, body: _Common, out: GenerateOutput, prompt_ids: list[int]) -> AsyncIterator[str]:
-        text, finish = self._text(out, body.stops())
-        created = int(time.time())
-        head = {"id": out.request_id, "created": created, "model": self.model_name}
-        if endpoint == "chat":
-            obj = "chat.completion.chunk"
-            chunks = [{"index": 0, "delta": {"role": "assistant", "content": text}, "finish_reason": None},
-                      {"index": 0, "delta": {}, "finish_reason": finish}]
-        else:
-            obj = "text_completion"
-            chunks = [{"index": 0, "text": text, "finish_reason": None, "logprobs": None},
-                      {"index": 0, "text": "", "finish_reason": finish, "logprobs": None}]
-        for c in chunks:
-            yield f"data: {json.dumps({**head, 'object': obj, 'choices': [c]})}\n\n"
+    async def _sse(self, endpoint: str, body: _Common, first: GenerateOutput, parts: AsyncIterator[GenerateOutput],
+                   prompt_ids: list[int], session: str | None) -> AsyncIterator[str]:
+        """Server-sent events: one chunk per token delta, text detokenised incrementally.
+
+        Text that could still turn out to be the start of a stop string (or half a UTF-8
+        character) is held back until the next delta or the end. If the client goes away, the
+        request is aborted on its engine (closing ``parts`` cancels it).
+        """
+        stops = body.stops()
+        hold = max((len(x) for x in stops), default=1) - 1
+        head = {"id": first.request_id, "created": int(time.time()), "model": self.model_name}
+        obj = "chat.completion.chunk" if endpoint == "chat" else "text_completion"
+        want_lp = bool(getattr(body, "logprobs", False)) if endpoint == "chat" else getattr(body, "logprobs", None) is not None
+        ids: list[int] = []
+        lps: list[float] = []
+        sent_text = 0
+        sent_tokens = 0
+        role_sent = False
+
+        def chunk(text: str, new_ids: list[int], new_lps: list[float], finish: str | None) -> str:
+            nonlocal role_sent
+            lp: dict[str, Any] | None = None
+            if want_lp and new_ids:
+                toks = [self.template.token_str(t) for t in new_ids]
+                lp = ({"content": [{"token": t, "logprob": p, "bytes": list(t.encode()), "top_logprobs": []}
+                                   for t, p in zip(toks, new_lps, strict=True)]} if endpoint == "chat"
+                      else {"tokens": toks, "token_logprobs": new_lps, "top_logprobs": None, "text_offset": None})
+            if endpoint == "chat":
+                delta: dict[str, Any] = {"content": text} if text or finish is None else {}
+                if not role_sent:
+                    delta["role"], role_sent = "assistant", True
+                c: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
+            else:
+                c = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
+            return f"data: {json.dumps({**head, 'object': obj, 'choices': [c]})}\n\n"
+
+        try:
+            part: GenerateOutput | None = first
+            while part is not None and not part.finish_reason:
+                ids += part.token_ids
+                lps += part.logprobs
+                text = self.template.decode(ids)
+                safe = len(text) - hold
+                while safe > sent_text and text[safe - 1] == "\ufffd":  # an incomplete UTF-8 sequence
+                    safe -= 1
+                if safe > sent_text or not role_sent:
+                    yield chunk(text[sent_text:max(safe, sent_text)], ids[sent_tokens:], lps[sent_tokens:], None)
+                    sent_text = max(safe, sent_text)
+                    sent_tokens = len(ids)
+                part = await anext(parts, None)
+        finally:
+            await parts.aclose()  # type: ignore[attr-defined]
+        if part is None:  # the proxy always ends with the complete output
+            raise RuntimeError(f"stream of {first.request_id} ended without a complete output")
+        out = part
+        self._record(session, endpoint, prompt_ids, out)
+        text, finish = self._text(out, stops)
+        if text[sent_text:] or out.token_ids[sent_tokens:]:
+            yield chunk(text[sent_text:], out.token_ids[sent_tokens:], out.logprobs[sent_tokens:], None)
+        yield chunk("", [], [], finish)
         if (body.stream_options or {}).get("include_usage"):
             usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(out.token_ids),
                      "total_tokens": len(prompt_ids) + len(out.token_ids)}

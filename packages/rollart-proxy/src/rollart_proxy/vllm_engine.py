@@ -13,6 +13,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from typing import Any, Literal
 
@@ -72,6 +73,9 @@ class VllmEngine:
         self._prefetch: dict[int, Future[dict[str, Any]]] = {}
         self._lock = asyncio.Lock()
         self._paused = False
+        self._frozen = False
+        """vLLM's scheduler is paused (by :meth:`pause` or inside an update): aborts are deferred."""
+        self._deferred_aborts: set[str] = set()
         self._closing = False
         self._cancel: set[str] = set()
         self._progress: dict[str, int] = {}
@@ -163,6 +167,15 @@ class VllmEngine:
             raise EngineError(f"invalid sampling parameters: {exc}") from None
 
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        out: GenerateOutput | None = None
+        async for out in self.generate_stream(request):  # noqa: B007 - the last one is complete
+            pass
+        if out is None or not out.finish_reason:  # generate_stream always ends with the complete output
+            raise WorkerUnavailableError(f"{self.name}: request {request.request_id} ended without an output")
+        return out
+
+    async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        """Token deltas as vLLM produces them, then the complete output (see ``SupportsStream``)."""
         engine = self._require_started()
         sp = self._sampling(request)
         if not request.prompt_ids:
@@ -182,6 +195,7 @@ class VllmEngine:
         prompt_lps: list[float | None] | None = None
         cached = 0
         finish = "abort"
+        done = False
         self._inflight[rid] = asyncio.current_task()  # type: ignore[assignment]
         try:
             stream = engine.generate({"prompt_token_ids": list(request.prompt_ids)}, sp, rid)
@@ -195,8 +209,9 @@ class VllmEngine:
                 cached = out.num_cached_tokens or cached
                 comp = out.outputs[0]
                 new = list(comp.token_ids)
+                new_lps = [d[t].logprob for d, t in zip(comp.logprobs or [], new, strict=True)]
                 ids += new
-                lps += [d[t].logprob for d, t in zip(comp.logprobs or [], new, strict=True)]
+                lps += new_lps
                 # Fallback stamp (the version served when the tokens arrived); replaced below by
                 # vLLM's own per-token version spans when they cover the output.
                 vers += [self._version] * len(new)
@@ -204,11 +219,20 @@ class VllmEngine:
                 if out.finished:
                     finish = comp.finish_reason or "stop"
                     spans = comp.weight_versions
+                if new and not out.finished:
+                    yield GenerateOutput(rid, new, new_lps, [self._version] * len(new), "", self.name)
+            done = True
         except EngineDeadError as exc:
             raise WorkerUnavailableError(f"{self.name}: engine died during request {rid}: {exc}") from None
         except (ValueError, TypeError, VLLMClientError) as exc:
             raise EngineError(f"{self.name}: request {rid} rejected: {exc}") from None
         finally:
+            if not done and self._engine is not None and not self._closing:
+                # The consumer went away mid-stream (or was cancelled): free the engine's slot.
+                try:
+                    await asyncio.shield(self._engine.abort(rid))
+                except Exception as exc:  # already finished or engine gone: nothing left to free
+                    log.debug("%s: abort of abandoned %s failed: %r", self.name, rid, exc)
             self._inflight.pop(rid, None)
             self._progress.pop(rid, None)
             self._cancel.discard(rid)
@@ -220,13 +244,28 @@ class VllmEngine:
         self.stats["output_tokens"] += len(ids)
         self.stats["cached_prompt_tokens"] += cached
         self._metrics.record(len(request.prompt_ids) - cached, len(ids), finish)
-        return GenerateOutput(rid, ids, lps, vers, finish, self.name, prompt_lps)
+        yield GenerateOutput(rid, ids, lps, vers, finish, self.name, prompt_lps)
 
     async def abort(self, request_id: str) -> None:
         engine = self._require_started()
         if request_id in self._inflight:
             self._cancel.add(request_id)
+        if self._frozen:
+            # vLLM 0.32 loses an abort that arrives while the scheduler is paused with mode "keep"
+            # (it forgets the request id, and the frozen request later runs to completion): hold
+            # it until the resume, which sends it first thing.
+            self._deferred_aborts.add(request_id)
+            return
         await engine.abort(request_id)
+
+    async def _unfreeze(self) -> None:
+        """Resume vLLM's scheduler, then deliver the aborts that arrived while it was paused."""
+        engine = self._require_started()
+        await engine.resume_generation()
+        self._frozen = False
+        rids, self._deferred_aborts = sorted(self._deferred_aborts), set()
+        if rids:
+            await engine.abort(rids)
 
     async def weight_version(self) -> int:
         self._require_started()
@@ -235,12 +274,13 @@ class VllmEngine:
     # suspend / update / resume ---------------------------------------------------------------
 
     async def pause(self, mode: PauseMode = "keep") -> None:
+        self._frozen = True
         await self._require_started().pause_generation(mode=mode, clear_cache=False)
         self._paused = True
         self._metrics.suspend()
 
     async def resume(self) -> None:
-        await self._require_started().resume_generation()
+        await self._unfreeze()
         self._paused = False
         self._metrics.unsuspend()
 
@@ -282,6 +322,7 @@ class VllmEngine:
             # Already suspended by the caller (suspend → update → resume): stay suspended.
             own_pause = not self._paused
             if own_pause:
+                self._frozen = True
                 await engine.pause_generation(mode="keep", clear_cache=False)
             try:
                 await engine.collective_rpc("rollart_load_weights", args=(named,))
@@ -291,7 +332,7 @@ class VllmEngine:
                 self._version = version
             finally:
                 if own_pause:
-                    await engine.resume_generation()
+                    await self._unfreeze()
             paused = time.perf_counter() - t0
             self.stats["updates"] += 1
             self.stats["update_pause_s"] += paused

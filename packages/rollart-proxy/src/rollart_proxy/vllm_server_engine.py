@@ -24,14 +24,19 @@ version label → resume: no request is aborted.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from typing import Any
+
+import httpx
 
 from rollart_core.errors import EngineError
 from rollart_core.protocols import PauseMode
 from rollart_core.types import GenerateOutput, GenerateRequest
 from rollart_proxy._http_engine import HttpEngineBase, HttpEngineConfig
+from rollart_proxy.errors import WorkerUnavailableError
 
 __all__ = ["VllmServerEngine", "VllmServerEngineConfig"]
 
@@ -51,6 +56,9 @@ class VllmServerEngine(HttpEngineBase):
         super().__init__(config, **kwargs)
         self._lock = asyncio.Lock()
         self.max_model_len: int | None = None
+        self._frozen = False
+        """The server's scheduler is paused (by :meth:`pause` or inside an update): aborts are deferred."""
+        self._deferred_aborts: set[str] = set()
 
     async def start(self) -> str:
         models = await self._get("/v1/models")
@@ -85,13 +93,73 @@ class VllmServerEngine(HttpEngineBase):
             sp["prompt_logprobs"] = 0
         return sp
 
-    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+    def _body(self, request: GenerateRequest, stream: bool) -> dict[str, Any]:
         if not request.prompt_ids:
             raise EngineError("empty prompt")
         if self.max_model_len is not None and len(request.prompt_ids) + 1 > self.max_model_len:
             raise EngineError(f"prompt of {len(request.prompt_ids)} tokens exceeds max_model_len {self.max_model_len}")
         body = {"request_id": request.request_id, "token_ids": list(request.prompt_ids),
-                "sampling_params": self._sampling(request), "model": self.config.model, "stream": False}
+                "sampling_params": self._sampling(request), "model": self.config.model, "stream": stream}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        return body
+
+    async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        """Server-sent token deltas of ``/inference/v1/generate`` (``stream: true``), then the
+        complete output (see ``SupportsStream``). Closing early aborts the request on the server."""
+        body = self._body(request, stream=True)
+        rid = request.request_id
+        ids: list[int] = []
+        lps: list[float] = []
+        spans: list[dict[str, Any]] = []
+        finish: str | None = None
+        usage: dict[str, Any] = {}
+        self._inflight.add(rid)
+        try:
+            try:
+                async with self.client().stream("POST", "/inference/v1/generate", json=body) as r:
+                    if r.status_code >= 400:
+                        await r.aread()
+                        self._check(r, "POST /inference/v1/generate")
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line[6:])
+                        if "error" in chunk:
+                            raise EngineError(f"{self.name}: request {rid} failed: {chunk['error']}")
+                        usage = chunk.get("usage") or usage
+                        for c in chunk.get("choices") or []:
+                            new = list(c.get("token_ids") or [])
+                            new_lps = [float(x["logprob"]) for x in ((c.get("logprobs") or {}).get("content") or [])]
+                            if len(new_lps) != len(new):
+                                raise EngineError(f"{self.name}: chunk of {len(new)} tokens with {len(new_lps)} logprobs")
+                            ids += new
+                            lps += new_lps
+                            # vLLM sends the spans once, on the finishing chunk, over the whole output
+                            spans = c.get("weight_versions") or spans
+                            finish = c.get("finish_reason") or finish
+                            if new and not finish:
+                                yield GenerateOutput(rid, new, new_lps, [self._version] * len(new), "", self.name)
+            except httpx.HTTPError as exc:
+                raise WorkerUnavailableError(f"{self.name}: stream of {rid} failed: {exc!r}") from None
+        except BaseException:
+            if finish is None:  # abandoned or broken mid-stream: free the server's slot
+                try:
+                    await asyncio.shield(self.abort(rid))
+                except Exception as exc:  # the server may be gone: nothing left to free
+                    log.debug("%s: abort of %s failed: %r", self.name, rid, exc)
+            raise
+        finally:
+            self._inflight.discard(rid)
+        if finish is None:
+            raise WorkerUnavailableError(f"{self.name}: stream of {rid} ended without a finish reason")
+        vers = _versions_from_spans(spans, len(ids)) or [self._version] * len(ids)
+        cached = int(((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0)
+        self._account(len(request.prompt_ids), cached, len(ids), finish)
+        yield GenerateOutput(rid, ids, lps, vers, finish, self.name)
+
+    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        body = self._body(request, stream=False)
         self._inflight.add(request.request_id)
         try:
             resp = await self._post("/inference/v1/generate", json_body=body, control=False)
@@ -115,19 +183,37 @@ class VllmServerEngine(HttpEngineBase):
         return GenerateOutput(request.request_id, ids, lps, vers, finish, self.name, prompt_lps)
 
     async def abort(self, request_id: str) -> None:
+        if self._frozen:
+            # vLLM 0.32 loses an abort that arrives while the scheduler is paused with mode "keep"
+            # (it forgets the request id, and the frozen request later runs to completion): hold
+            # it until the resume, which sends it first thing.
+            self._deferred_aborts.add(request_id)
+            return
+        await self._abort([request_id])
+
+    async def _abort(self, request_ids: list[str]) -> None:
         # The server prefixes the ids of token-in requests (``generate-tokens-<id>``).
         await self._post("/inference/v1/abort_requests",
-                         json_body={"request_ids": [f"generate-tokens-{request_id}", request_id]})
+                         json_body={"request_ids": [x for r in request_ids for x in (f"generate-tokens-{r}", r)]})
+
+    async def _unfreeze(self) -> None:
+        """Resume the server's scheduler, then deliver the aborts that arrived while it was paused."""
+        await self._post("/resume")
+        self._frozen = False
+        rids, self._deferred_aborts = sorted(self._deferred_aborts), set()
+        if rids:
+            await self._abort(rids)
 
     # suspend / update / resume ---------------------------------------------------------------
 
     async def pause(self, mode: PauseMode = "keep") -> None:
+        self._frozen = True
         await self._post("/pause", params={"mode": mode, "clear_cache": "false"})
         self._paused = True
         self._metrics.suspend()
 
     async def resume(self) -> None:
-        await self._post("/resume")
+        await self._unfreeze()
         self._paused = False
         self._metrics.unsuspend()
 
@@ -148,6 +234,7 @@ class VllmServerEngine(HttpEngineBase):
         t0 = time.perf_counter()
         own_pause = not self._paused
         if own_pause:
+            self._frozen = True
             await self._post("/pause", params={"mode": "keep", "clear_cache": "false"})
         try:
             await self._post("/collective_rpc", json_body={"method": "reload_weights",
@@ -157,7 +244,7 @@ class VllmServerEngine(HttpEngineBase):
             self._version = version
         finally:
             if own_pause:
-                await self._post("/resume")
+                await self._unfreeze()
         paused = time.perf_counter() - t0
         self.stats["updates"] += 1
         self.stats["update_pause_s"] += paused
