@@ -77,6 +77,11 @@ class TaskConfig(_Model):
     max_turns: int = Field(8, ge=1)
     pool: str | None = None
     """Engine group (by name) that serves this task; None = any."""
+    pd: Literal["auto", "on", "off"] = "off"
+    """Prefill/decode disaggregation: prefill on ``prefill_pool``, decode on ``pool`` (``auto``:
+    decided from the task's prompt vs output length; see ``rollart_proxy.pd``)."""
+    prefill_pool: str | None = None
+    """Engine group whose engines prefill this task's requests (KV producers) when ``pd`` is not off."""
 
 
 class TrainConfig(_Model):
@@ -143,6 +148,11 @@ class RunConfig(_Model):
         for t in self.tasks:
             if t.pool is not None and t.pool not in names:
                 raise ValueError(f"task {t.name!r}: pool {t.pool!r} is not an engine group ({names})")
+            if t.pd != "off" and (t.pool is None or t.prefill_pool is None):
+                raise ValueError(f"task {t.name!r}: pd {t.pd!r} needs both pool (decode) and prefill_pool")
+            if t.prefill_pool is not None and (t.prefill_pool not in names or t.prefill_pool == t.pool):
+                raise ValueError(f"task {t.name!r}: prefill_pool {t.prefill_pool!r} must be an engine group "
+                                 f"other than its pool ({names})")
         return self
 
     def resolve_paths(self, base: Path) -> RunConfig:

