@@ -57,6 +57,8 @@ class _Pool:
         self.sim, self.slots, self.free, self.tag = sim, slots, slots, tag
         self.queue: deque[tuple[float, Callable[[], None]]] = deque()
         self.busy_time = 0.0
+        self.active = 0
+        """Requests in service now."""
         self.resume_at = 0.0
         """While suspended (weight update), work starts only from here."""
 
@@ -70,8 +72,10 @@ class _Pool:
         if self.free is not None:
             self.free -= 1
         self.busy_time += service
+        self.active += 1
 
         def finish() -> None:
+            self.active -= 1
             if self.free is not None:
                 self.free += 1
                 if self.queue:
@@ -265,7 +269,9 @@ def simulate(
                 sim.served = sim.version
             trained += sum(g.finished for g in batch)
             sim.training = True
-            _advance(sim, train.train_s)  # rollout goes on while the trainer runs
+            _stretch_generation(sim, 1 + train.colocated_slowdown)
+            _train_beside_rollout(sim, train.train_s, train.train_colocated_slowdown)
+            _stretch_generation(sim, 1 / (1 + train.colocated_slowdown))
             sim.training = False
             sim.version += 1
             sim.abort_stale()
@@ -277,6 +283,30 @@ def simulate(
     busy = sim.gen.busy_time / (sim.gen.slots * t1) if sim.gen.slots and t1 > 0 else 0.0
     return SimResult(mode, (f1 - f0) / (t1 - t0) if t1 > t0 else 0.0, (t1 - t0) / (steps - warmup_steps), steps,
                      trained, sim.aborted, min(busy, 1.0), times)
+
+
+def _stretch_generation(sim: _Sim, factor: float) -> None:
+    """Generation turns in progress go ``factor`` times slower from now on (processor sharing with
+    the trainer on shared hardware: > 1 when training starts, its inverse when it ends)."""
+    if factor == 1:
+        return
+    sim.events = [(sim.now + (t - sim.now) * factor, q, fn, tag) if tag == "gen" and t > sim.now else (t, q, fn, tag)
+                  for t, q, fn, tag in sim.events]
+    heapq.heapify(sim.events)
+
+
+def _train_beside_rollout(sim: _Sim, work_s: float, slowdown: float) -> None:
+    """Rollout goes on while the trainer runs ``work_s`` seconds of work; on shared hardware the
+    trainer progresses at ``1 / (1 + slowdown)`` of its speed whenever generation is running."""
+    while work_s > 1e-12:
+        rate = 1.0 / (1.0 + slowdown) if slowdown and sim.gen.active else 1.0
+        if not sim.events or sim.now + work_s / rate < sim.events[0][0]:
+            sim.now += work_s / rate
+            return
+        t, _, fn, _ = heapq.heappop(sim.events)
+        work_s -= (t - sim.now) * rate
+        sim.now = t
+        fn()
 
 
 def _advance(sim: _Sim, seconds: float) -> None:

@@ -141,6 +141,9 @@ class TrainProfile(_Model):
     colocated_slowdown: float = Field(0.0, ge=0)
     """Generation runs this much slower (0.5 = 1.5× latency) while the trainer runs, when both share
     the same hardware (the CPU default); 0 for disaggregated clusters."""
+    train_colocated_slowdown: float = Field(0.0, ge=0)
+    """The trainer runs this much slower while rollout runs beside it on the same hardware (async
+    modes only: in Sync+ the trainer runs alone); 0 for disaggregated clusters."""
 
 
 class WorkloadProfile(_Model):
