@@ -24,6 +24,12 @@ from rollart_core.registry import build, resolve, validate_options
 
 __all__ = ["Pipeline"]
 
+
+def _with_engine_args(options: dict[str, Any], extra: dict[str, Any] | None) -> dict[str, Any]:
+    if not extra:
+        return options
+    return {**options, "engine_args": {**extra, **options.get("engine_args", {})}}
+
 log = logging.getLogger(__name__)
 _ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -55,8 +61,11 @@ class Pipeline:
             validate_options(resolve("reward", task.reward.impl), task.reward.options, f"tasks.{i}.reward.options")
             validate_options(resolve("reward_executor", task.reward_executor.impl), task.reward_executor.options,
                              f"tasks.{i}.reward_executor.options")
+        pd_args = self._pd_engine_args(cfg)
         engine_cfgs = [
-            validate_options(resolve("engine", g.impl), g.options, f"engines.{i}.options") for i, g in enumerate(cfg.engines)
+            validate_options(resolve("engine", g.impl), _with_engine_args(g.options, pd_args.get(g.name)),
+                             f"engines.{i}.options")
+            for i, g in enumerate(cfg.engines)
         ]
         self._ensure_model()
         store_opts = dict(cfg.weight_store.options)
@@ -118,6 +127,28 @@ class Pipeline:
         await asyncio.gather(*(a.start.remote() for a in self.actors))
         task_pools = {t.name: t.pool for t in self.config.tasks if t.pool is not None}
         self.proxy = proxy_cls.from_ray_actors(members, task_pools=task_pools)
+        if self._pd_kv_dir is not None:  # prefill/decode disaggregation: the PD router fronts the proxy
+            pd_cls = resolve("proxy", "pd")
+            self.proxy = pd_cls(self.proxy, pd_cls.Config.from_tasks(self.config.tasks, kv_store_dir=self._pd_kv_dir))
+
+    def _pd_engine_args(self, cfg: RunConfig) -> dict[str, dict[str, Any]]:
+        """KV-connector engine args per engine group for tasks with ``pd`` on/auto: prefill groups
+        produce KV, decode groups consume it (a group that does both gets ``kv_both``)."""
+        self._pd_kv_dir = None
+        roles: dict[str, set[str]] = {}
+        for t in cfg.tasks:
+            if t.pd != "off" and t.pool is not None and t.prefill_pool is not None:
+                roles.setdefault(t.prefill_pool, set()).add("kv_producer")
+                roles.setdefault(t.pool, set()).add("kv_consumer")
+        if not roles:
+            return {}
+        for g in cfg.engines:
+            if g.name in roles and g.impl != "vllm":
+                raise ConfigError(f"engine group {g.name!r}: prefill/decode disaggregation needs impl 'vllm' "
+                                  f"(its KV connector), not {g.impl!r}")
+        self._pd_kv_dir = cfg.output_dir / "kv"
+        pd_cls = resolve("proxy", "pd")
+        return {g: pd_cls.engine_args(r.pop() if len(r) == 1 else "kv_both", self._pd_kv_dir) for g, r in roles.items()}
 
     async def _start_env_manager(self, cfg: RunConfig) -> None:
         import ray

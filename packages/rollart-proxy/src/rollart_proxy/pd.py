@@ -183,6 +183,10 @@ class PDRouter:
 
     Config = PDConfig
 
+    Config = PDConfig
+    engine_args = staticmethod(shared_storage_kv_args)
+    """KV-connector engine args for a role (what ``rollart_core.pipeline`` gives each engine group)."""
+
     def __init__(self, proxy: LLMProxy, config: PDConfig | None = None, *,
                  profiles: Mapping[str, TaskProfile] | None = None) -> None:
         self.proxy = proxy
