@@ -8,7 +8,8 @@ Public API:
 - adapters: :class:`GymnasiumEnv` (``gymnasium``), :class:`GemEnv` (``gem``), and environments over
   HTTP: :class:`EnvServer` / :class:`RemoteEnv` (``remote``)
 - :class:`EnvManager` — environments in Ray actors, timeouts, failure masking and replacement
-- :func:`run_group` — redundant rollouts (launch G + k, keep the first G finished)
+- :func:`run_group` — redundant rollouts (launch G + k, keep the first G finished); :func:`run_batch` —
+  the same per batch (launch B + m groups, keep the first B complete)
 - :class:`FaultyEnv` (``faulty``) — seeded fault injection for tests and benchmarks
 
 Nothing heavy is imported here: gymnasium, aiohttp and Ray load only when used.
@@ -26,11 +27,12 @@ from rollart_env.frozenlake import (
     shortest_path_length,
 )
 from rollart_env.manager import EnvGroupConfig, EnvManager, EnvManagerConfig, EnvWorker, ManagedEnv
-from rollart_env.redundancy import GroupOutcome, RedundancyConfig, run_group
+from rollart_env.redundancy import BatchOutcome, GroupOutcome, RedundancyConfig, run_batch, run_group
 from rollart_env.remote import EnvServer, RemoteEnv, RemoteEnvConfig
 from rollart_env.sokoban import SokobanConfig, SokobanEnv
 
 __all__ = [
+    "BatchOutcome",
     # built-in environments
     "ACTIONS",
     "CalculatorConfig",
@@ -64,6 +66,7 @@ __all__ = [
     "TextWrapper",
     "generate_map",
     "plan_episode",
+    "run_batch",
     "run_group",
     "shortest_path_length",
 ]

@@ -9,6 +9,10 @@ finished after it: exactly G come back as ``kept`` whenever G finish. Trajectori
 (``env_failed``, ``timed_out``, ...) do not count towards G: the extra k also mask failures.
 
 ``redundancy = 0`` disables it: the group is just its G trajectories.
+
+The same idea one level up (:func:`run_batch`): a training batch needs B complete groups; launch
+B + m groups and cancel the slowest m once B are complete, so one group whose environments all
+straggle does not hold the batch either.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rollart_core.types import Fate, Trajectory, fate_counts
 
-__all__ = ["GroupOutcome", "RedundancyConfig", "run_group"]
+__all__ = ["BatchOutcome", "GroupOutcome", "RedundancyConfig", "run_batch", "run_group"]
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +39,8 @@ class RedundancyConfig(BaseModel):
 
     redundancy: int = Field(0, ge=0)
     """Extra trajectories launched per group (k); 0 disables redundant rollouts."""
+    redundant_groups: int = Field(0, ge=0)
+    """Extra groups launched per batch (m, :func:`run_batch`); 0 disables."""
 
 
 @dataclass
@@ -113,3 +119,67 @@ async def run_group(
         if traj.fate is None:  # run() returned without setting a fate: a bug in run, still counted
             traj.fate, traj.error = Fate.ENV_FAILED, traj.error or "run() ended without a fate"
     return GroupOutcome(kept, list(trajectories), cancelled, group_size=group_size)
+
+
+@dataclass
+class BatchOutcome:
+    complete: list[GroupOutcome]
+    """The first ``needed`` groups to complete, in completion order (fewer if not enough did)."""
+    trajectories: list[Trajectory]
+    """Every launched trajectory of every group, each with its fate."""
+    cancelled_groups: int = 0
+    """Groups cancelled as surplus once ``needed`` were complete. Every trajectory outside the kept
+    groups' ``kept`` ends ``cancelled_redundant`` or failed: ``finished`` counts exactly the batch."""
+
+    def fates(self) -> dict[str, int]:
+        return fate_counts(self.trajectories)
+
+
+async def run_batch(
+    groups: Sequence[Sequence[Trajectory]],
+    run: Callable[[Trajectory], Awaitable[Any]],
+    group_size: int,
+    needed: int,
+) -> BatchOutcome:
+    """Run every group (each with :func:`run_group`) until ``needed`` groups are complete, then
+    cancel the others: their unfinished trajectories get fate ``cancelled_redundant`` (generation
+    aborted, environment closed by the runner). Returns once every task has ended."""
+    if needed < 1 or len(groups) < needed:
+        raise ValueError(f"need needed >= 1 and at least that many groups, got {needed} and {len(groups)}")
+    done: list[GroupOutcome] = []
+    tasks: list[asyncio.Task[GroupOutcome]] = []
+    cancelled = 0
+
+    def on_done(task: asyncio.Task[GroupOutcome]) -> None:
+        nonlocal cancelled
+        if task.cancelled() or task.exception() is not None:
+            return
+        out = task.result()
+        if out.complete and len(done) < needed:
+            done.append(out)
+            if len(done) == needed:
+                for other in tasks:
+                    if not other.done():
+                        cancelled += 1
+                        other.cancel()
+
+    for g in groups:
+        task = asyncio.ensure_future(run_group(g, run, group_size))
+        task.add_done_callback(on_done)
+        tasks.append(task)
+    try:
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+    except asyncio.CancelledError:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+    for r in results:
+        if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError):
+            log.warning("a group of the batch raised %r", r)
+    kept = {id(t) for g in done for t in g.kept}
+    trajs = [t for g in groups for t in g]
+    for t in trajs:
+        if t.fate is None or (t.fate is Fate.FINISHED and id(t) not in kept):
+            t.fate = Fate.CANCELLED_REDUNDANT  # surplus: finished in a group the batch did not take
+    return BatchOutcome(done, trajs, cancelled)
