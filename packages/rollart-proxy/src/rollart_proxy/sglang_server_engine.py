@@ -76,11 +76,13 @@ class SglangServerEngine(HttpEngineBase):
             sp["sampling_seed"] = s.seed
         return sp
 
-    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+    async def generate(self, request: GenerateRequest, extra: dict[str, Any] | None = None) -> GenerateOutput:
+        """``extra``: more top-level ``/generate`` fields (e.g. the PD bootstrap fields, see
+        :mod:`rollart_proxy.sglang_pd`)."""
         if not request.prompt_ids:
             raise EngineError("empty prompt")
         body = {"rid": request.request_id, "input_ids": list(request.prompt_ids),
-                "sampling_params": self._sampling(request), "return_logprob": True, "stream": True}
+                "sampling_params": self._sampling(request), "return_logprob": True, "stream": True, **(extra or {})}
         ids: list[int] = []
         lps: list[float] = []
         vers: list[int] = []
@@ -126,6 +128,16 @@ class SglangServerEngine(HttpEngineBase):
         got = meta.get("output_token_logprobs") or []
         total = int(meta.get("completion_tokens", have + len(got)))
         return got[have:] if len(got) == total else got
+
+    async def bootstrap_port(self) -> int:
+        """A prefill server's KV bootstrap port (``--disaggregation-bootstrap-port``), from
+        ``/get_server_info``."""
+        info = await self._get("/get_server_info")
+        port = (info or {}).get("disaggregation_bootstrap_port") if isinstance(info, dict) else None
+        if port is None:
+            raise EngineError(f"{self.name}: /get_server_info has no disaggregation_bootstrap_port "
+                              "(is it started with --disaggregation-mode prefill?)")
+        return int(port)
 
     async def abort(self, request_id: str) -> None:
         await self._post("/abort_request", json_body={"rid": request_id})
