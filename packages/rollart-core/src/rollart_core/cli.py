@@ -32,6 +32,15 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--simulate", type=int, default=0, metavar="STEPS",
                     help="also simulate STEPS training steps, Sync+ and async, on the planned pools")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+    b = sub.add_parser("bench", help="Sync+ vs One-off vs async (and baselines) side by side, with a timeline")
+    b.add_argument("--quick", action="store_true", help="the quick size (a few minutes on 2 cores)")
+    b.add_argument("--micro", action="store_true", help="the smallest size (tests)")
+    b.add_argument("--out", default="runs/bench", help="output directory (default runs/bench)")
+    b.add_argument("--modes", nargs="+", help="modes to compare (default: by size; see rollart_core.bench_workload)")
+    b.add_argument("--rounds", type=int, help="override the size's rounds")
+    b.add_argument("--steps", type=int, help="override the size's steps per mode per round")
+    b.add_argument("--model", help="model directory (default: the tiny model, created under --out)")
+    b.add_argument("-v", "--verbose", action="store_true", help="show INFO logs")
     return p
 
 
@@ -44,6 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     from rollart_core.config import load_config
 
     try:
+        if args.command == "bench":
+            from rollart_core.bench import run_bench_cli
+
+            return run_bench_cli(args)
         cfg = load_config(args.config)
         if args.command == "plan":
             from rollart_core.planner_cli import run_plan

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from concurrent.futures import Future
@@ -28,6 +29,7 @@ from rollart_core.metrics import MetricsSink, default_sinks
 from rollart_core.pipeline import Pipeline
 from rollart_core.rollout import Rollout, derive_seed
 from rollart_core.runner import run_trajectory
+from rollart_core.timeline import record
 from rollart_core.types import Trajectory, fate_counts
 
 __all__ = ["evaluate", "rollout_step", "train"]
@@ -37,14 +39,16 @@ CONSOLE_KEYS = ["reward_mean", "success_rate", "eval_success", "traj_per_s", "ge
                 "train_s", "sync_s", "lag_max", "loss", "version", "fates"]
 
 
-async def train(cfg: RunConfig, sink: MetricsSink | None = None) -> dict[str, Any]:
-    """Run ``cfg.train.steps`` steps in ``cfg.train.mode``; returns a summary."""
+async def train(cfg: RunConfig, sink: MetricsSink | None = None, pipeline: Pipeline | None = None) -> dict[str, Any]:
+    """Run ``cfg.train.steps`` steps in ``cfg.train.mode``; returns a summary. ``pipeline``: run on
+    an already built one (its engines serving the trainer's version) instead of building one."""
     sink = sink or default_sinks(cfg.output_dir, CONSOLE_KEYS)
     mode, alpha = cfg.train.mode, cfg.train.alpha
     num_groups = sum(t.groups_per_step for t in cfg.tasks)
     history: list[dict[str, Any]] = []
-    async with Pipeline(cfg) as p:
+    async with contextlib.nullcontext(pipeline) if pipeline is not None else Pipeline(cfg) as p:
         ro = Rollout(p)
+        ro.served_version = p.trainer.version
         producer = None
         first = await resume(p, ro, cfg.train.resume_from) if cfg.train.resume_from else 1
         if cfg.train.eval_every and first == 1:
@@ -71,6 +75,7 @@ async def train(cfg: RunConfig, sink: MetricsSink | None = None) -> dict[str, An
                 pauses = await p.proxy.update_weights(p.trainer.version)
                 ro.served_version = p.trainer.version
                 pushed = None
+                record("weight_sync", t_sync, time.perf_counter())
             else:
                 pauses = {}
             sync_s = time.perf_counter() - t_sync
@@ -79,15 +84,18 @@ async def train(cfg: RunConfig, sink: MetricsSink | None = None) -> dict[str, An
                 continue
             # 6. Train (rollout goes on meanwhile), push the new weights asynchronously
             inflight_at_train = len(ro.inflight)
+            t_train = time.perf_counter()
             m = await asyncio.to_thread(p.trainer.train_step, batch)
+            record("train", t_train, time.perf_counter())
             pushed = p.store.push(p.trainer.version, dict(p.trainer.named_weights()))
-            aborted = ro.abort_stale(p.trainer.version, alpha) if mode != "sync" else 0
-            if mode != "async":  # Sync+ / One-off update right after training
+            aborted = ro.abort_stale(p.trainer.version, alpha) if mode != "sync" and cfg.train.abort_stale else 0
+            if mode != "async" or not cfg.train.async_weight_sync:  # Sync+ / One-off update right after training
                 t_sync = time.perf_counter()
                 await asyncio.wrap_future(pushed)
                 pauses = await p.proxy.update_weights(p.trainer.version)
                 ro.served_version, pushed = p.trainer.version, None
                 sync_s += time.perf_counter() - t_sync
+                record("weight_sync", t_sync, time.perf_counter())
             metrics = _step_metrics(ro, batch, m, step_s=time.perf_counter() - t_step, wait_s=wait_s, sync_s=sync_s,
                                     pauses=pauses, aborted=aborted, elapsed=time.perf_counter() - t_start,
                                     inflight_at_train=inflight_at_train)
@@ -97,6 +105,8 @@ async def train(cfg: RunConfig, sink: MetricsSink | None = None) -> dict[str, An
                 await save_checkpoint(p, ro, step, cfg.output_dir / f"checkpoint-{step}")
             sink.log(step, metrics)
             history.append(metrics)
+        if pushed is not None:  # the last push lands before returning (a borrowed pipeline goes on)
+            await asyncio.wrap_future(pushed)
         if producer is not None:
             producer.cancel()
             await asyncio.gather(producer, return_exceptions=True)

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from rollart_core.errors import EngineError, EnvTimeoutError, RewardError
 from rollart_core.protocols import ChatFormat, Environment
+from rollart_core.timeline import record
 from rollart_core.types import (
     Fate,
     GenerateOutput,
@@ -59,7 +60,7 @@ async def run_trajectory(
     try:
         t0 = time.perf_counter()
         obs, info = await env.reset(traj.seed)
-        traj.add_timing("env", time.perf_counter() - t0)
+        _timed(traj, "env", t0)
         traj.info.update(info)
         context = chat.first_turn(env.system_prompt, obs)
         history: list[int] = []
@@ -78,14 +79,14 @@ async def run_trajectory(
                 # cancelled (redundant or too stale): free the engine's slot, not just our await
                 await asyncio.shield(_abort_quietly(generator, request_id))
                 raise
-            traj.add_timing("generate", time.perf_counter() - t0)
+            _timed(traj, "generate", t0)
             turn.output_ids, turn.output_logprobs, turn.output_versions = out.token_ids, out.logprobs, out.versions
             turn.finish_reason = out.finish_reason
             history += out.token_ids
             turn.action_text = chat.decode(out.token_ids)
             t0 = time.perf_counter()
             step = await env.step(turn.action_text)
-            traj.add_timing("env", time.perf_counter() - t0)
+            _timed(traj, "env", t0)
             turn.env_reward = step.reward
             traj.env_return += step.reward
             traj.info.update(step.info)
@@ -97,7 +98,7 @@ async def run_trajectory(
             traj.truncated = True
         t0 = time.perf_counter()
         result = await scorer.score(traj)
-        traj.add_timing("reward", time.perf_counter() - t0)
+        _timed(traj, "reward", t0)
         traj.reward = result.score
         traj.info["reward_details"] = result.details
         traj.fate = Fate.FINISHED
@@ -129,3 +130,10 @@ async def _abort_quietly(generator: Generator, request_id: str) -> None:
         await generator.abort(request_id)
     except Exception as exc:  # the request may have finished in the meantime
         log.debug("abort of %s failed: %r", request_id, exc)
+
+
+def _timed(traj: Trajectory, stage: str, t0: float) -> None:
+    """Add the stage's time since ``t0`` to the trajectory and record the busy interval."""
+    t1 = time.perf_counter()
+    traj.add_timing(stage, t1 - t0)
+    record(stage, t0, t1, traj.traj_id)

@@ -1,0 +1,217 @@
+"""The ``rollart bench`` workload: sizes, the straggler environments, the bursty reward, the modes.
+
+Two tasks on the embedded CPU default, every part built by registry name (core imports no member):
+
+- ``calc`` — decode-heavy, short turns: the calculator tool-use env, short prompts, ``calc_tokens``
+  generated tokens per turn;
+- ``lake`` — prefill-heavy, long context, many turns: FrozenLake on a big map, one action token per
+  turn, the whole history re-sent every turn.
+
+Every environment call pays a log-normal latency and an episode may crash (``rollart_env.faults``,
+through :class:`StragglerEnv`, which numbers its instances so that the members of one group straggle
+and fail independently); every reward call pays a log-normal cost (:class:`BurstyReward`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import random
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rollart_core.config import ComponentConfig, RunConfig
+from rollart_core.registry import build
+from rollart_core.types import RewardResult, StepResult, Trajectory
+
+__all__ = ["MODES", "SIZES", "BenchSize", "BurstyReward", "ModeSpec", "StragglerEnv", "mode_config",
+           "workload_config"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+
+class BenchSize(_Model):
+    rounds: int = Field(2, ge=1)
+    """Rounds of A B C … (every mode once per round, same order)."""
+    steps: int = Field(3, ge=1)
+    """Training steps per mode per round."""
+    groups_per_step: int = Field(2, ge=1)
+    """Groups per task per step (the batch is 2 tasks x this x group_size trajectories)."""
+    group_size: int = Field(4, ge=1)
+    redundancy: int = Field(2, ge=0)
+    """Extra trajectories per group in the modes that use redundancy."""
+    calc_tokens: int = Field(24, ge=1)
+    calc_turns: int = Field(3, ge=1)
+    lake_size: int = Field(6, ge=2, le=12)
+    lake_turns: int = Field(6, ge=1)
+    env_latency_s: float = Field(0.3, ge=0)
+    """Median latency of every env call (reset or step)."""
+    env_sigma: float = Field(1.5, ge=0)
+    """Log-normal spread of the env latency (1.5: p99 ≈ 33x the median)."""
+    crash_prob: float = Field(0.05, ge=0, le=1)
+    """Per episode: probability that the environment crashes at one of its calls."""
+    reward_s: float = Field(0.2, ge=0)
+    """Median cost of a reward call."""
+    reward_sigma: float = Field(1.0, ge=0)
+    colocated_workers: int = Field(2, ge=1)
+    """Slots of the colocated (dedicated, fixed) reward worker."""
+    capacity_s: float = Field(3.0, gt=0)
+    """Duration of each standalone env / reward capacity probe."""
+    lr: float = 1e-4
+
+
+SIZES: dict[str, BenchSize] = {
+    "micro": BenchSize(rounds=1, steps=1, groups_per_step=1, group_size=2, redundancy=1, calc_tokens=8, calc_turns=2,
+                       lake_size=4, lake_turns=3, env_latency_s=0.01, reward_s=0.01, capacity_s=0.5),
+    "quick": BenchSize(),
+    "full": BenchSize(rounds=3, steps=6, groups_per_step=4),
+}
+
+
+class ModeSpec(_Model):
+    mode: Literal["sync", "one_off", "async"]
+    alpha: int = 0
+    redundancy: bool = True
+    reward: Literal["elastic", "colocated"] = "elastic"
+    """``elastic``: every call runs at once (in-process coroutines, standing in for serverless
+    offload); ``colocated``: a fixed pool of ``colocated_workers`` slots (the ``pool`` executor)."""
+    abort_stale: bool = True
+    async_weight_sync: bool = True
+    max_pending_steps: int | None = None
+    label: str = ""
+
+
+MODES: dict[str, ModeSpec] = {
+    "sync": ModeSpec(mode="sync", alpha=0, label="Sync+"),
+    "one_off": ModeSpec(mode="one_off", alpha=1, label="One-off"),
+    "async_a1": ModeSpec(mode="async", alpha=1, max_pending_steps=2, label="async α=1"),
+    "async_a2": ModeSpec(mode="async", alpha=2, max_pending_steps=3, label="async α=2"),
+    "admission": ModeSpec(mode="async", alpha=1, max_pending_steps=2, redundancy=False, reward="colocated",
+                          abort_stale=False, label="admission-only α=1"),
+    # ablations of async α=1 (full size)
+    "abl_no_redundancy": ModeSpec(mode="async", alpha=1, max_pending_steps=2, redundancy=False,
+                                  label="async α=1, no redundancy"),
+    "abl_colocated_reward": ModeSpec(mode="async", alpha=1, max_pending_steps=2, reward="colocated",
+                                     label="async α=1, colocated reward"),
+    "abl_sync_weights": ModeSpec(mode="async", alpha=1, max_pending_steps=2, async_weight_sync=False,
+                                 label="async α=1, synchronous weight sync"),
+}
+DEFAULT_MODES = {"micro": ["sync", "async_a1"], "quick": ["sync", "one_off", "async_a1", "async_a2", "admission"],
+                 "full": list(MODES)}
+
+
+def workload_config(size: BenchSize, out_dir: Path, model_path: Path, *, faults: bool = True) -> RunConfig:
+    """The base run config (Sync+ settings); ``faults=False`` gives free envs and rewards (capacity probes)."""
+    lat = size.env_latency_s if faults else 0.0
+    fault_spec = {"step_latency_s": lat, "step_latency_sigma": size.env_sigma,
+                  "crash_prob": size.crash_prob if faults else 0.0, "fault_within_calls": 2}
+    reward = {"impl": "rollart_core.bench_workload:BurstyReward",
+              "options": {"inner": {"impl": "env_return"}, "work_s": size.reward_s if faults else 0.0,
+                          "sigma": size.reward_sigma}}
+    task = {"reward": reward, "group_size": size.group_size, "groups_per_step": size.groups_per_step,
+            "redundancy": size.redundancy}
+    calc = {"impl": "calculator", "options": {"num_operands": 3, "max_turns": size.calc_turns}}
+    lake = {"impl": "frozenlake", "options": {"size": size.lake_size, "hole_prob": 0.0, "max_steps": size.lake_turns}}
+    return RunConfig.model_validate({
+        "name": "bench",
+        "output_dir": str(out_dir / "run"),
+        "seed": 7,
+        "model": {"path": str(model_path), "create_tiny": True, "dtype": "float32"},
+        "engines": [{"name": "gen", "impl": "vllm", "count": 1, "num_cpus": 0.25,
+                     "options": {"max_model_len": 2048, "dtype": "float32", "max_num_seqs": 128}}],
+        "tasks": [
+            {"name": "calc", **task, "max_turns": size.calc_turns,
+             "env": {"impl": "rollart_core.bench_workload:StragglerEnv", "options": {"env": calc, "faults": fault_spec}},
+             "sampling": {"max_tokens": size.calc_tokens, "temperature": 1.0}},
+            {"name": "lake", **task, "max_turns": size.lake_turns,
+             "env": {"impl": "rollart_core.bench_workload:StragglerEnv", "options": {"env": lake, "faults": fault_spec}},
+             "sampling": {"max_tokens": 1, "temperature": 1.0}},
+        ],
+        "trainer": {"impl": "torch", "options": {"lr": size.lr}},
+        "weight_store": {"impl": "filesystem", "options": {"root": str(out_dir / "weights")}},
+        "train": {"mode": "sync", "alpha": 0, "steps": size.steps},
+        "ray": {"num_cpus": 2},
+    })
+
+
+def mode_config(base: RunConfig, spec: ModeSpec, size: BenchSize) -> RunConfig:
+    cfg = base.model_copy(deep=True)
+    cfg.train.mode, cfg.train.alpha = spec.mode, spec.alpha
+    cfg.train.abort_stale, cfg.train.async_weight_sync = spec.abort_stale, spec.async_weight_sync
+    cfg.train.max_pending_steps = spec.max_pending_steps
+    for t in cfg.tasks:
+        t.redundancy = size.redundancy if spec.redundancy else 0
+        t.reward_executor = reward_executor(spec.reward, size)
+    return RunConfig.model_validate(cfg.model_dump())
+
+
+def reward_executor(kind: str, size: BenchSize) -> ComponentConfig:
+    if kind == "colocated":
+        return ComponentConfig(impl="pool", options={"workers": size.colocated_workers, "retries": 0})
+    return ComponentConfig(impl="inline")
+
+
+class StragglerEnvConfig(_Model):
+    env: ComponentConfig
+    """The environment to wrap."""
+    faults: dict[str, Any] = Field(default_factory=dict)
+    """A ``rollart_env.faults.FaultSpec`` (validated there); ``per_instance`` is forced on."""
+
+
+class StragglerEnv:
+    """rollart-env's ``faulty`` wrapper with a fresh instance number per environment object, so each
+    trajectory (also within a group: same seed) draws its own latencies and crash."""
+
+    Config = StragglerEnvConfig
+    _instances = itertools.count()
+
+    def __init__(self, config: StragglerEnvConfig) -> None:
+        self.inner = build("env", "faulty", {"env": config.env.model_dump(), "instance": next(self._instances),
+                                             "faults": {**config.faults, "per_instance": True}}, "straggler.options")
+        self.action_vocabulary = self.inner.action_vocabulary
+        self.system_prompt = self.inner.system_prompt
+
+    async def reset(self, seed: int) -> tuple[str, dict[str, Any]]:
+        return await self.inner.reset(seed)
+
+    async def step(self, action_text: str) -> StepResult:
+        return await self.inner.step(action_text)
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+class BurstyRewardConfig(_Model):
+    inner: ComponentConfig
+    """The reward that gives the score."""
+    work_s: float = Field(0.1, ge=0)
+    """Median cost of one call (waited, like a sandbox or a remote judge)."""
+    sigma: float = Field(1.0, ge=0)
+    """Log-normal spread of the cost."""
+    seed: int = 0
+
+
+class BurstyReward:
+    """Scores with ``inner`` after a log-normal cost drawn per trajectory (seeded by its id)."""
+
+    Config = BurstyRewardConfig
+    stateless = True
+
+    def __init__(self, config: BurstyRewardConfig) -> None:
+        self.config = config
+        self.inner = build("reward", config.inner.impl, config.inner.options, "bursty.inner.options")
+
+    def cost(self, traj_id: str) -> float:
+        c = self.config
+        if c.work_s <= 0:
+            return 0.0
+        return c.work_s * math.exp(c.sigma * random.Random(f"{c.seed}:{traj_id}").gauss(0.0, 1.0))
+
+    async def score(self, trajectory: Trajectory) -> RewardResult:
+        await asyncio.sleep(self.cost(trajectory.traj_id))
+        return await self.inner.score(trajectory)

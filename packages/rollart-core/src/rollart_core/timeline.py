@@ -1,0 +1,117 @@
+"""Per-stage busy intervals: where a run's time goes.
+
+The runner and the training loop call :func:`record` with ``(stage, start, end)`` wherever they
+already measure a stage (``time.perf_counter`` seconds): ``generate`` (one turn's request),
+``env`` (a reset or a step), ``reward`` (one call, queueing included), ``train`` (one step) and
+``weight_sync`` (waiting for the push + updating the engines). Nothing is kept unless a
+:class:`Timeline` is active (``with Timeline() as tl:``), so recording costs nothing otherwise.
+
+The arithmetic (:func:`union_length`, :func:`utilisation`, :func:`bottleneck_bound`) is pure and
+used by ``rollart bench`` to report utilisation per stage and achieved throughput vs the bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["STAGES", "Timeline", "bottleneck_bound", "mean_concurrency", "merge", "record", "union_length",
+           "utilisation"]
+
+STAGES = ("generate", "env", "reward", "train", "weight_sync")
+_active: list[Timeline] = []
+
+
+def record(stage: str, start: float, end: float, lane: str = "") -> None:
+    """Record that ``stage`` was busy from ``start`` to ``end`` (no-op unless a Timeline is active)."""
+    for tl in _active:
+        tl.intervals.append((stage, start, end, lane))
+
+
+@dataclass
+class Timeline:
+    """Collects ``(stage, start, end, lane)`` tuples while active (a context manager)."""
+
+    intervals: list[tuple[str, float, float, str]] = field(default_factory=list)
+
+    def __enter__(self) -> Timeline:
+        _active.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _active.remove(self)
+
+    def of(self, stage: str) -> list[tuple[float, float]]:
+        return [(s, e) for st, s, e, _ in self.intervals if st == stage]
+
+    def summary(self, window: tuple[float, float]) -> dict[str, dict[str, float]]:
+        """Per stage: busy fraction of ``window`` (union of intervals), mean concurrency, count."""
+        return {st: {"utilisation": utilisation(self.of(st), window),
+                     "mean_concurrency": mean_concurrency(self.of(st), window),
+                     "count": float(len(self.of(st)))} for st in STAGES}
+
+
+def _clip(intervals: Iterable[tuple[float, float]], window: tuple[float, float]) -> list[tuple[float, float]]:
+    lo, hi = window
+    out = []
+    for s, e in intervals:
+        if e < s:
+            raise ValueError(f"interval ends before it starts: ({s}, {e})")
+        s, e = max(s, lo), min(e, hi)
+        if e > s:
+            out.append((s, e))
+    return out
+
+
+def merge(intervals: Iterable[tuple[float, float]],
+          window: tuple[float, float] = (float("-inf"), float("inf"))) -> list[tuple[float, float]]:
+    """Sorted, disjoint spans covering the same time as ``intervals`` (clipped to ``window``)."""
+    out: list[tuple[float, float]] = []
+    for s, e in sorted(_clip(intervals, window)):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
+
+
+def union_length(intervals: Iterable[tuple[float, float]], window: tuple[float, float]) -> float:
+    """Length of the union of ``intervals`` inside ``window`` (overlaps counted once)."""
+    return sum(e - s for s, e in merge(intervals, window))
+
+
+def utilisation(intervals: Iterable[tuple[float, float]], window: tuple[float, float]) -> float:
+    """Fraction of ``window`` in which at least one interval is running, in [0, 1]."""
+    span = window[1] - window[0]
+    if span <= 0:
+        raise ValueError(f"empty window {window}")
+    return min(1.0, union_length(intervals, window) / span)
+
+
+def mean_concurrency(intervals: Iterable[tuple[float, float]], window: tuple[float, float]) -> float:
+    """Average number of intervals running at once over ``window`` (sum of clipped lengths / span)."""
+    span = window[1] - window[0]
+    if span <= 0:
+        raise ValueError(f"empty window {window}")
+    return sum(e - s for s, e in _clip(intervals, window)) / span
+
+
+def bottleneck_bound(capacity: Mapping[str, float], shared: Iterable[str] = ()) -> dict[str, Any]:
+    """Throughput bound from standalone stage capacities (work units/s each, e.g. trajectories/s).
+
+    Stages on separate resources bound throughput by the slowest (``min``). Stages in ``shared``
+    run on the same cores, so one unit costs the sum of their times: they count as one stage of
+    capacity ``1 / sum(1 / c)``. Returns the bound and the bottleneck's name.
+    """
+    shared = [s for s in shared if s in capacity]
+    for name, c in capacity.items():
+        if c <= 0:
+            raise ValueError(f"capacity of {name!r} must be > 0, got {c}")
+    stages: dict[str, float] = {k: v for k, v in capacity.items() if k not in shared}
+    if shared:
+        stages["+".join(shared)] = 1.0 / sum(1.0 / capacity[s] for s in shared)
+    if not stages:
+        raise ValueError("no capacities given")
+    name = min(stages, key=lambda k: stages[k])
+    return {"bound": stages[name], "bottleneck": name, "stages": stages}

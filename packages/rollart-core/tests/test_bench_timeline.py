@@ -1,0 +1,85 @@
+"""Timeline, utilisation, bound and aggregation arithmetic of ``rollart bench``, on hand-made intervals."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollart_core.bench import aggregate, goals
+from rollart_core.timeline import (
+    STAGES,
+    Timeline,
+    bottleneck_bound,
+    mean_concurrency,
+    merge,
+    record,
+    union_length,
+    utilisation,
+)
+
+
+def test_merge_and_union_count_overlaps_once() -> None:
+    iv = [(5.0, 6.0), (0.0, 2.0), (1.0, 3.0), (3.0, 4.0), (8.0, 8.0)]
+    assert merge(iv) == [(0.0, 4.0), (5.0, 6.0)]  # touching spans join, empty ones vanish
+    assert union_length(iv, (0.0, 10.0)) == pytest.approx(5.0)
+    assert union_length(iv, (1.5, 5.5)) == pytest.approx(3.0)  # clipped to the window
+    assert union_length([], (0.0, 1.0)) == 0.0
+
+
+def test_utilisation_and_concurrency() -> None:
+    # two requests overlapping for 1 s inside a 4 s window: busy 3 s, 4 request-seconds
+    iv = [(0.0, 2.0), (1.0, 3.0)]
+    assert utilisation(iv, (0.0, 4.0)) == pytest.approx(0.75)
+    assert mean_concurrency(iv, (0.0, 4.0)) == pytest.approx(1.0)
+    assert utilisation(iv * 5, (0.0, 2.0)) == pytest.approx(1.0)  # never above 1
+    with pytest.raises(ValueError):
+        utilisation(iv, (1.0, 1.0))
+    with pytest.raises(ValueError):
+        union_length([(2.0, 1.0)], (0.0, 4.0))
+
+
+def test_bottleneck_bound_min_and_shared_cores() -> None:
+    b = bottleneck_bound({"generate": 10.0, "train": 10.0, "env": 8.0, "reward": 100.0})
+    assert b["bound"] == 8.0 and b["bottleneck"] == "env"
+    # generation and training on the same cores: one trajectory costs 1/10 + 1/10 s
+    b = bottleneck_bound({"generate": 10.0, "train": 10.0, "env": 8.0, "reward": 100.0}, shared=("generate", "train"))
+    assert b["bound"] == pytest.approx(5.0) and b["bottleneck"] == "generate+train"
+    with pytest.raises(ValueError):
+        bottleneck_bound({"generate": 0.0})
+
+
+def test_timeline_records_only_while_active() -> None:
+    record("train", 0.0, 1.0)  # nobody listening: dropped
+    with Timeline() as tl:
+        record("train", 1.0, 2.0)
+        record("generate", 0.0, 4.0, "t0")
+    record("train", 5.0, 6.0)
+    assert tl.of("train") == [(1.0, 2.0)] and tl.of("generate") == [(0.0, 4.0)]
+    s = tl.summary((0.0, 4.0))
+    assert set(s) == set(STAGES)
+    assert s["train"]["utilisation"] == pytest.approx(0.25) and s["generate"]["utilisation"] == 1.0
+    assert s["env"] == {"utilisation": 0.0, "mean_concurrency": 0.0, "count": 0.0}
+
+
+def _seg(wall: float, trained: int, util: float, fates: dict[str, int]) -> dict:
+    stages = {st: {"utilisation": util, "mean_concurrency": util, "count": 1.0} for st in STAGES}
+    return {"wall_s": wall, "steps": 2, "trained": trained, "gen_tokens": 10.0 * trained, "launched": sum(fates.values()),
+            "fates": fates, "step_s": [wall / 2, wall / 2], "lag_max": 1, "stages": stages}
+
+
+def test_aggregate_ratios_bound_and_wall_weighted_utilisation() -> None:
+    segments = {
+        "sync": [_seg(10.0, 20, 0.5, {"finished": 20, "env_failed": 2}), _seg(30.0, 20, 0.1, {"finished": 20})],
+        "async_a1": [_seg(10.0, 40, 0.9, {"finished": 40, "aborted_stale": 3})],
+    }
+    bounds = {"sync": {"bound": 5.0, "bottleneck": "generate+train"},
+              "async_a1": {"bound": 5.0, "bottleneck": "generate+train"}}
+    r = aggregate(segments, bounds)
+    assert r["sync"]["traj_per_s"] == pytest.approx(1.0)  # 40 trajectories in 40 s
+    assert r["async_a1"]["traj_per_s"] == pytest.approx(4.0)
+    assert r["async_a1"]["vs_sync"] == pytest.approx(4.0) and r["sync"]["vs_sync"] == 1.0
+    assert r["async_a1"]["achieved_over_bound"] == pytest.approx(0.8)
+    assert r["sync"]["utilisation"]["train"] == pytest.approx((0.5 * 10 + 0.1 * 30) / 40)
+    assert r["sync"]["fates"] == {"finished": 40, "env_failed": 2} and r["sync"]["launched"] == 42
+    g = goals(r)["async_a1"]
+    assert g["vs_sync"] == {"ratio": pytest.approx(4.0), "goal": 4.6, "met": False}
+    assert g["of_bound"]["met"] is False and "vs_one_off" not in g
