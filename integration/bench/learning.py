@@ -1,12 +1,13 @@
 """Learning curves on held-out seeds: Sync+ vs async (alpha=1), same machine, same script.
 
-    uv run --no-sync python integration/bench/learning.py --minutes 15 [--config examples/frozenlake_tiny.yaml]
+    uv run --no-sync python integration/bench/learning.py --minutes 15 [--config examples/frozenlake_learn.yaml]
 
 Each mode trains from the same initial tiny model for the same wall-clock budget (run one after
 the other: running both at once would make them fight for the same 2 cores), evaluating success
 on held-out map seeds every ``--eval-every`` steps. Writes ``learning.json`` (both curves, with wall
 time) and ``learning.png`` into ``--out``, and prints when each mode first reached the sync run's
-final success rate.
+final success rate. Every point also records ``episodes``: the trajectories trained on so far
+(sample efficiency, independent of how busy the machine was).
 """
 
 from __future__ import annotations
@@ -27,12 +28,15 @@ class _Curve:
     def __init__(self) -> None:
         self.t0 = time.perf_counter()
         self.points: list[dict[str, Any]] = []
+        self.episodes = 0
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        row = {"step": step, "wall_s": time.perf_counter() - self.t0,
+        self.episodes += int(metrics.get("batch_size", 0))
+        row = {"step": step, "wall_s": time.perf_counter() - self.t0, "episodes": self.episodes,
                **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
         self.points.append(row)
-        print(f"  step {step:>4}  t={row['wall_s']:7.1f}s  eval={metrics.get('eval_success', float('nan')):.3f}  "
+        print(f"  step {step:>4}  t={row['wall_s']:7.1f}s  episodes={self.episodes:>6}  "
+              f"eval={metrics.get('eval_success', float('nan')):.3f}  "
               f"train_success={metrics.get('success_rate', float('nan')):.3f}", flush=True)
 
     def close(self) -> None:
@@ -70,11 +74,14 @@ def _first_reaching(points: list[dict[str, Any]], target: float) -> float | None
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="examples/frozenlake_tiny.yaml")
+    ap.add_argument("--config", default="examples/frozenlake_learn.yaml")
     ap.add_argument("--minutes", type=float, default=15.0)
     ap.add_argument("--eval-every", type=int, default=5)
     ap.add_argument("--out", default="runs/learning")
+    ap.add_argument("--quick", action="store_true", help="a 2-minute smoke run per mode")
     args = ap.parse_args()
+    if args.quick:
+        args.minutes, args.eval_every = 2.0, 2
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     curves = {
@@ -104,14 +111,17 @@ def main() -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(7, 4))
+        fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
         for k, v in evals.items():
             ax.plot([p["wall_s"] / 60 for p in v], [p["eval_success"] for p in v], marker="o", label=k)
+            ax2.plot([p["episodes"] for p in v], [p["eval_success"] for p in v], marker="o", label=k)
         ax.set_xlabel("wall time (min)")
-        ax.set_ylabel("held-out success rate")
-        ax.set_title("FrozenLake (random 4x4 maps), tiny Qwen2 on CPU")
-        ax.grid(alpha=0.3)
-        ax.legend()
+        ax2.set_xlabel("episodes trained on")
+        for a in (ax, ax2):
+            a.set_ylabel("held-out success rate")
+            a.grid(alpha=0.3)
+            a.legend()
+        fig.suptitle("FrozenLake (random 4x4 maps), tiny Qwen2 on CPU")
         fig.tight_layout()
         fig.savefig(out / "learning.png", dpi=120)
     except ImportError:

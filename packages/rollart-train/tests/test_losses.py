@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from rollart_core.types import Trajectory
-from rollart_train.losses import grpo_advantages, ppo_clip_loss, token_logprobs
+from rollart_core.types import Trajectory, Turn
+from rollart_train.losses import grpo_advantages, ppo_clip_loss, step_advantages, token_logprobs
 
 
 def traj(group: str, reward: float, i: int = 0) -> Trajectory:
@@ -122,6 +122,63 @@ def test_grpo_advantages_singleton_group_is_zero() -> None:
 
 def test_grpo_advantages_empty() -> None:
     assert grpo_advantages([]) == []
+
+
+# step_advantages (GiGPO) ---------------------------------------------------------------------------
+
+
+def episode(group: str, reward: float, states: list[int], i: int) -> Trajectory:
+    """A trajectory whose turn k observed state ``states[k]`` (the state is the turn's context)."""
+    t = traj(group, reward, i)
+    t.turns = [Turn(context_ids=[100, s], output_ids=[7]) for s in states]
+    return t
+
+
+def ref_step(batch: list[tuple[str, float, list[int]]], gamma: float, w: float, scale: bool,
+             eps: float = 1e-6) -> list[list[float]]:
+    """Episode GRPO + w * (discounted return - mean of the same-state turns of the group) / std."""
+    ep = ref_grpo([g for g, _, _ in batch], [r for _, r, _ in batch], scale)
+    out = [[ep[i]] * len(states) for i, (_, _, states) in enumerate(batch)]
+    keys = {(g, s) for g, _, states in batch for s in states}
+    for key in keys:
+        members = [(i, k, r * gamma ** (len(states) - 1 - k)) for i, (g, r, states) in enumerate(batch)
+                   for k, s in enumerate(states) if (g, s) == key]
+        if len(members) < 2:
+            continue
+        mean = sum(m[2] for m in members) / len(members)
+        std = math.sqrt(sum((m[2] - mean) ** 2 for m in members) / len(members))
+        for i, k, ret in members:
+            out[i][k] += w * ((ret - mean) / (std + eps) if scale else ret - mean)
+    return out
+
+
+@pytest.mark.parametrize("gamma,w,scale", [(1.0, 1.0, True), (0.9, 1.0, True), (0.8, 0.5, False)])
+def test_step_advantages_match_reference(gamma: float, w: float, scale: bool) -> None:
+    rng = np.random.default_rng(1)
+    batch = []
+    for i in range(14):
+        g = "ab"[i % 2]
+        states = [0] + [int(x) for x in rng.integers(1, 5, size=int(rng.integers(0, 5)))]
+        batch.append((g, float(rng.integers(0, 2)) * (1 + i % 3), states))
+    got = step_advantages([episode(g, r, s, i) for i, (g, r, s) in enumerate(batch)], gamma=gamma,
+                          step_weight=w, scale_by_std=scale)
+    exp = ref_step(batch, gamma, w, scale)
+    assert [len(a) for a in got] == [len(s) for _, _, s in batch]
+    for a, e in zip(got, exp, strict=True):
+        np.testing.assert_allclose(a, e, rtol=1e-12, atol=1e-12)
+
+
+def test_step_advantages_separate_good_and_bad_actions_from_one_state() -> None:
+    # both episodes reach state 5 at turn 1; from there one succeeds and one fails: each shared
+    # state adds +-1 to the episode's +-1, and a state visited once (9) gets no step term
+    ok = episode("g", 1.0, [0, 5], 0)
+    bad = episode("g", 0.0, [0, 5, 9], 1)
+    adv = step_advantages([ok, bad], gamma=0.9)
+    assert adv[0] == pytest.approx([2.0, 2.0], abs=1e-4)
+    assert adv[1] == pytest.approx([-2.0, -2.0, -1.0], abs=1e-4)
+    # the same state in another group is a different step group
+    other = episode("h", 0.0, [0, 5], 2)
+    assert step_advantages([ok, bad, other], gamma=0.9)[:2] == adv
 
 
 # token_logprobs ---------------------------------------------------------------------------------

@@ -164,6 +164,26 @@ def test_entropy_matches_reference_with_restricted_logits() -> None:
     assert float(got[5]) == 0.0 and torch.isfinite(got).all()
 
 
+def test_entropy_gradient_is_finite_and_exact_with_restricted_logits() -> None:
+    # an entropy bonus on allowed-token-restricted logits must not produce nan gradients (which
+    # make the trainer skip every optimiser step); reference: dH/dz_i = -p_i (log p_i + H) on the support
+    g = torch.Generator().manual_seed(7)
+    logits = (torch.randn(3, 9, generator=g, dtype=torch.float64) * 2)
+    logits[:, [1, 2, 5, 8]] = float("-inf")
+    logits[2, [0, 3, 4, 6]] = float("-inf")  # one allowed token left: H = 0, gradient 0
+    logits.requires_grad_(True)
+    entropy_from_logits(logits).sum().backward()
+    assert logits.grad is not None and torch.isfinite(logits.grad).all()
+    for r in range(3):
+        row = logits[r].detach()
+        keep = torch.isfinite(row)
+        p = torch.softmax(row[keep], -1)
+        h = -(p * p.log()).sum()
+        exp = torch.zeros_like(row)
+        exp[keep] = -p * (p.log() + h)
+        torch.testing.assert_close(logits.grad[r], exp, rtol=1e-5, atol=1e-6)
+
+
 def test_lag_stats() -> None:
     versions = torch.tensor([3, 3, 2, 0, 1, 3])
     mask = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, 0.0])

@@ -4,6 +4,7 @@ the decoupled objective and per-token versions, KL / entropy terms, mixed precis
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -214,6 +215,10 @@ def test_match_sampling_restricted_tokens_train(tiny_model, ref) -> None:
     m = trainer.train_step(batch)
     assert abs(m["approx_kl"]) < 1e-5 and m["clip_frac"] == 0.0  # the trainer saw the same distribution
     assert m["entropy"] <= torch.log(torch.tensor(4.0)).item() + 1e-5  # at most 4 allowed tokens
+    # with an entropy bonus on the restricted logits the optimiser still steps (no nan gradient)
+    bonus = TorchTrainer(TorchTrainerConfig(lr=1e-3, match_sampling=True, entropy_coef=0.01), model_path=tiny_model)
+    mb = bonus.train_step(batch)
+    assert math.isfinite(mb["grad_norm"]) and mb["grad_norm"] > 0 and mb["skipped_steps"] == 0
 
 
 # KL, entropy, precision --------------------------------------------------------------------------
@@ -296,3 +301,20 @@ def test_save_is_atomic_and_overwrites(tiny_model, tmp_path) -> None:
     t.save(out)  # overwrite in place
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary directory left
     assert (out / "model.safetensors").is_file() and (out / "trainer_state.pt").is_file()
+
+
+# per-turn advantages, zero-signal sequences ---------------------------------------------------------
+
+
+def test_gigpo_and_skip_zero_adv_in_a_train_step(tiny_model, ref) -> None:
+    batch = make_batch(ref)
+    # g0 = t0, t2, t4 with distinct rewards (none at the mean); g1 = t1, t3, t5 without signal
+    for t, r in zip(batch, [0.0, 1.0, 2.0, 1.0, 0.5, 1.0], strict=True):
+        t.reward = r
+    base = TorchTrainer(TorchTrainerConfig(lr=1e-3), model_path=tiny_model).train_step(batch)
+    skip = TorchTrainer(TorchTrainerConfig(lr=1e-3, skip_zero_adv=True), model_path=tiny_model).train_step(batch)
+    g0_tokens = sum(len(t.token_ids()) for t in batch if t.group_id == "g0")
+    assert skip["packed_tokens"] == g0_tokens < base["packed_tokens"]
+    # gigpo: every turn of these random contexts is its own step group, so it equals grpo here
+    gi = TorchTrainer(TorchTrainerConfig(lr=1e-3, advantage="gigpo", gamma=0.9), model_path=tiny_model).train_step(batch)
+    assert gi["pg_loss"] == pytest.approx(base["pg_loss"], abs=1e-6)

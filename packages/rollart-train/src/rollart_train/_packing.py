@@ -30,14 +30,25 @@ class SeqData:
     mask: list[int]
     behaviour: list[float]
     versions: list[int]
-    advantage: float
+    advantage: float | list[float]
+    """One advantage for every token, or a list with one per token position."""
     spec: dict[int, tuple[tuple[int, ...] | None, float]] | None = None
     """position → (allowed token ids, temperature) of generated tokens, when matching sampling."""
 
 
-def seq_data(t: Trajectory, advantage: float, match_sampling: bool) -> SeqData:
+def seq_data(t: Trajectory, advantage: float | Sequence[float], match_sampling: bool) -> SeqData:
+    """``advantage``: one for the whole trajectory, or one per turn (applied to that turn's tokens)."""
     spec = {pos: (allowed, temp) for pos, allowed, temp in t.sampling_spec()} if match_sampling else None
-    return SeqData(t.token_ids(), t.loss_mask(), t.behaviour_logprobs(), t.token_versions(), advantage, spec)
+    adv: float | list[float]
+    if isinstance(advantage, (int, float)):
+        adv = float(advantage)
+    else:
+        if len(advantage) != len(t.turns):
+            raise ValueError(f"{len(advantage)} advantages for {len(t.turns)} turns")
+        adv = []
+        for turn, a in zip(t.turns, advantage, strict=True):
+            adv += [0.0] * len(turn.context_ids) + [float(a)] * len(turn.output_ids)
+    return SeqData(t.token_ids(), t.loss_mask(), t.behaviour_logprobs(), t.token_versions(), adv, spec)
 
 
 @dataclass(slots=True)
@@ -149,7 +160,7 @@ def build_micro_batch(
             mask.append(float(s.mask[j]))
             beh.append(s.behaviour[j])
             ver.append(s.versions[j])
-            adv.append(s.advantage)
+            adv.append(s.advantage[j] if isinstance(s.advantage, list) else s.advantage)
             allowed, t = (s.spec or {}).get(j, (None, 1.0))
             any_spec = any_spec or s.spec is not None
             temp.append(t if t > 0 else 1.0)

@@ -23,7 +23,7 @@ import torch
 from rollart_core.types import Trajectory
 
 __all__ = ["behaviour_weights", "decoupled_ppo_loss", "entropy_from_logits", "grpo_advantages", "kl_penalty",
-           "lag_stats", "masked_mean", "ppo_clip_loss", "token_logprobs"]
+           "lag_stats", "masked_mean", "ppo_clip_loss", "step_advantages", "token_logprobs"]
 
 KlEstimator = Literal["k1", "k2", "k3"]
 TisMode = Literal["truncate", "mask"]
@@ -42,6 +42,47 @@ def grpo_advantages(trajectories: Sequence[Trajectory], *, scale_by_std: bool = 
             centred = centred / (rewards.std(unbiased=False) + eps)
         for j, i in enumerate(idx):
             adv[i] = float(centred[j])
+    return adv
+
+
+def _normalise(values: Sequence[float], scale_by_std: bool, eps: float) -> list[float]:
+    x = torch.tensor(values, dtype=torch.float64)
+    if len(values) < 2:
+        return [0.0] * len(values)
+    centred = x - x.mean()
+    if scale_by_std:
+        centred = centred / (x.std(unbiased=False) + eps)
+    return centred.tolist()
+
+
+def step_advantages(
+    trajectories: Sequence[Trajectory],
+    *,
+    gamma: float = 1.0,
+    step_weight: float = 1.0,
+    scale_by_std: bool = True,
+    eps: float = 1e-6,
+) -> list[list[float]]:
+    """Per-turn advantages for multi-turn episodes: episode-level GRPO plus a step-level term
+    (GiGPO, Feng et al. 2025).
+
+    The trajectories of a group share the environment seed, so they pass through the same states;
+    turns whose context (the observation tokens of that turn) is identical form a *step group*.
+    Each turn's discounted return ``gamma**(T-1-k) * reward`` (the episode's reward arrives after
+    its last turn ``T-1``) is compared with the other members of its step group, normalised like
+    GRPO; a turn whose state no other turn of the group visited gets step advantage 0. Turn ``k``
+    of trajectory ``i`` gets ``episode_adv[i] + step_weight * step_adv[i][k]``.
+    """
+    episode = grpo_advantages(trajectories, scale_by_std=scale_by_std, eps=eps)
+    steps: dict[tuple[str, tuple[int, ...]], list[tuple[int, int, float]]] = defaultdict(list)
+    for i, t in enumerate(trajectories):
+        n = len(t.turns)
+        for k, turn in enumerate(t.turns):
+            steps[(t.group_id, tuple(turn.context_ids))].append((i, k, t.reward * gamma ** (n - 1 - k)))
+    adv = [[episode[i]] * len(t.turns) for i, t in enumerate(trajectories)]
+    for members in steps.values():
+        for (i, k, _), a in zip(members, _normalise([r for *_, r in members], scale_by_std, eps), strict=True):
+            adv[i][k] += step_weight * a
     return adv
 
 
@@ -160,10 +201,12 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: KlEstimato
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of ``softmax(logits)`` along the last axis, in float32; ``-inf`` logits count as p=0."""
-    logits = logits.float()
-    logp = torch.log_softmax(logits, dim=-1)
-    p = logp.exp()
-    return -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    # masked (-inf) entries contribute 0 *and no gradient*: ``where(p > 0, p * logp, 0)`` would
+    # backpropagate 0 * -inf = nan through the product and poison every parameter's gradient
+    finite = torch.isfinite(logp)
+    safe = torch.where(finite, logp, torch.zeros_like(logp))
+    return -(safe.exp() * finite * safe).sum(-1)
 
 
 def lag_stats(token_versions: torch.Tensor, mask: torch.Tensor, version: int) -> dict[str, float]:

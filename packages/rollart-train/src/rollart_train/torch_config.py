@@ -51,6 +51,17 @@ class TorchTrainerConfig(BaseModel):
     entropy_coef: float = Field(0.0, ge=0)
     """Entropy bonus: ``loss -= entropy_coef * mean token entropy``."""
     scale_adv_by_std: bool = True
+    advantage: Literal["grpo", "gigpo"] = "grpo"
+    """``grpo``: one group-relative advantage per trajectory. ``gigpo`` (multi-turn): plus a
+    step-level advantage per turn, comparing the discounted returns of turns that saw the same
+    observation within a group (:func:`~rollart_train.losses.step_advantages`)."""
+    gamma: float = Field(1.0, gt=0, le=1)
+    """gigpo: per-turn discount of the episode reward for the step-level returns (<1 prefers short paths)."""
+    step_adv_weight: float = Field(1.0, ge=0)
+    """gigpo: weight of the step-level advantage added to the episode-level one."""
+    skip_zero_adv: bool = False
+    """Leave out of the loss the sequences whose every advantage is 0 (e.g. a group where all
+    members failed): the token mean then runs over tokens that carry a learning signal only."""
     match_sampling: bool = False
     """Compute the policy's logprobs under the same restriction (``allowed_token_ids``) and
     temperature the tokens were sampled with. Requires behaviour logprobs of the processed

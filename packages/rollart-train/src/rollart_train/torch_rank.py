@@ -35,6 +35,7 @@ from rollart_train.losses import (
     grpo_advantages,
     kl_penalty,
     masked_mean,
+    step_advantages,
 )
 from rollart_train.torch_config import TorchTrainerConfig, lr_factor
 
@@ -58,6 +59,10 @@ def find_checkpoint(path: str | Path) -> Path:
     if not found:
         raise TrainerError(f"no trainer checkpoint at {p} (expected {STATE_FILE} or checkpoint-<step>/ inside)")
     return max(found)[1]
+
+
+def _any_nonzero(a: float | list[float]) -> bool:
+    return any(x != 0.0 for x in a) if isinstance(a, list) else a != 0.0
 
 
 class TorchRankWorker:
@@ -197,12 +202,19 @@ class TorchRankWorker:
             raise TrainerError("train_step called with an empty batch")
         c = self.config = config or self.config
         t0 = time.perf_counter()
-        adv = grpo_advantages(batch, scale_by_std=c.scale_adv_by_std)
+        adv: list[float] | list[list[float]]
+        if c.advantage == "gigpo":
+            adv = step_advantages(batch, gamma=c.gamma, step_weight=c.step_adv_weight, scale_by_std=c.scale_adv_by_std)
+        else:
+            adv = grpo_advantages(batch, scale_by_std=c.scale_adv_by_std)
         seqs = [seq_data(t, a, c.match_sampling) for t, a in zip(batch, adv, strict=True)]
         n_tokens = sum(sum(s.mask[1:]) for s in seqs)
         if n_tokens == 0:
             raise TrainerError("batch has no generated tokens to train on")
         train_idx = [i for i, s in enumerate(seqs) if any(s.mask[1:])]
+        if c.skip_zero_adv:
+            informative = [i for i in train_idx if _any_nonzero(adv[i])]
+            train_idx = informative or train_idx[:1]  # keep one sequence: the step still runs
         k = min(c.mini_batches, len(train_idx))
         parts = [train_idx[j * len(train_idx) // k:(j + 1) * len(train_idx) // k] for j in range(k)]
         part_tokens = [sum(sum(seqs[i].mask[1:]) for i in p) for p in parts]
