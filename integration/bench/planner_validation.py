@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from rollart_core.metrics import MemorySink
 from rollart_core.simulate import simulate
 from rollart_core.types import Trajectory
 from rollart_core.workload import WorkloadProfile, profile_from_trajectories
@@ -46,17 +47,6 @@ class RecordingTrainer(TorchTrainer):
         return super().train_step(batch)
 
 
-class _Rows:
-    def __init__(self) -> None:
-        self.rows: list[dict[str, Any]] = []
-
-    def log(self, step: int, metrics: dict[str, Any]) -> None:
-        self.rows.append({"step": step, **metrics})
-
-    def close(self) -> None:
-        pass
-
-
 def measured_rate(rows: list[dict[str, Any]], skip: int = 1) -> float:
     rows = [r for r in rows if "traj_per_s" in r][skip:]
     return sum(r["traj_per_s"] * r["step_s"] for r in rows) / sum(r["step_s"] for r in rows)
@@ -71,7 +61,7 @@ async def run(mode: str, steps: int, root: Path, model: Path) -> tuple[list[dict
     cfg.train.mode, cfg.train.alpha = mode, (1 if mode == "async" else 0)  # type: ignore[assignment]
     cfg.trainer.impl = "__main__:RecordingTrainer"
     RecordingTrainer.batches = []
-    sink = _Rows()
+    sink = MemorySink()
     t0 = time.perf_counter()
     await train(cfg, sink=sink)
     # the first step's trajectories met a cold engine (compilation, first requests): warm-up, like its metrics row

@@ -38,6 +38,7 @@ from rollart_core.bench_workload import (
 from rollart_core.buffer import SampleBuffer
 from rollart_core.config import RunConfig
 from rollart_core.errors import ConfigError, EnvError
+from rollart_core.metrics import MemorySink
 from rollart_core.registry import build
 from rollart_core.timeline import STAGES, Timeline, bottleneck_bound
 
@@ -46,17 +47,6 @@ __all__ = ["aggregate", "run_bench", "run_bench_cli"]
 log = logging.getLogger(__name__)
 SHARED = ("generate", "train")
 """Stages that share this machine's cores (engine and trainer): their times add up per trajectory."""
-
-
-class _Rows:
-    def __init__(self) -> None:
-        self.rows: list[dict[str, Any]] = []
-
-    def log(self, step: int, metrics: dict[str, Any]) -> None:
-        self.rows.append({"step": step, **metrics})
-
-    def close(self) -> None:
-        pass
 
 
 def _rewards(p: Any, cfg: RunConfig) -> dict[str, Any]:
@@ -206,7 +196,7 @@ async def run_segment(p: Any, cfg: RunConfig, keep_intervals: bool) -> dict[str,
     from rollart_core.loop import train
 
     _use(p, cfg)
-    rows = _Rows()
+    rows = MemorySink()
     with Timeline() as tl:
         t0 = time.perf_counter()
         summary = await train(cfg, sink=rows, pipeline=p)

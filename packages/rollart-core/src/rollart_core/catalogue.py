@@ -11,9 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from rollart_core.config import read_yaml_mapping
 from rollart_core.errors import ConfigError
 
 __all__ = ["DEFAULT_CATALOGUE", "HardwareClass", "load_catalogue"]
@@ -61,14 +61,7 @@ def load_catalogue(path: str | Path | None = None) -> dict[str, HardwareClass]:
     if path is None:
         return cat
     p = Path(path)
-    try:
-        raw = yaml.safe_load(p.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{p}: no such catalogue file") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{p}: not valid YAML: {exc}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{p}: expected a mapping of hardware class name → fields")
+    raw = read_yaml_mapping(p, "catalogue")  # a mapping of hardware class name → fields
     for name, fields in raw.items():
         try:
             cat[str(name)] = HardwareClass.model_validate(fields)

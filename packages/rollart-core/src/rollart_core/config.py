@@ -171,17 +171,25 @@ class RunConfig(_Model):
         return data
 
 
-def load_config(path: str | Path) -> RunConfig:
-    """Read and validate a YAML run config. Errors name the file and the field."""
+def read_yaml_mapping(path: str | Path, what: str) -> dict[str, Any]:
+    """A YAML (or JSON) file whose top level is a mapping; :class:`ConfigError` naming the file
+    (and ``what`` it should be: ``config``, ``profile``, ...) otherwise."""
     p = Path(path)
     try:
-        raw = yaml.safe_load(p.read_text())
+        raw = yaml.safe_load(p.read_text())  # YAML is a superset of JSON
     except FileNotFoundError:
-        raise ConfigError(f"{p}: no such config file") from None
+        raise ConfigError(f"{p}: no such {what} file") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{p}: not valid YAML: {exc}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{p}: expected a mapping at the top level, got {type(raw).__name__}")
+    return raw
+
+
+def load_config(path: str | Path) -> RunConfig:
+    """Read and validate a YAML run config. Errors name the file and the field."""
+    p = Path(path)
+    raw = read_yaml_mapping(p, "config")
     try:
         cfg = RunConfig.model_validate(raw)
     except ValidationError as exc:

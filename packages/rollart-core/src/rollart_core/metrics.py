@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
-__all__ = ["ConsoleSink", "JsonlSink", "MetricsSink", "MultiSink", "TensorBoardSink", "default_sinks"]
+__all__ = ["ConsoleSink", "JsonlSink", "MemorySink", "MetricsSink", "MultiSink", "TensorBoardSink", "default_sinks"]
 
 
 class MetricsSink(Protocol):
@@ -78,6 +78,19 @@ class ConsoleSink:
                 v = metrics[k]
                 parts.append(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}")
         print("  ".join(parts), file=self.stream, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+class MemorySink:
+    """Keeps every row in ``rows`` (``{"step": step, **metrics}``): for benchmarks and tools."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        self.rows.append({"step": step, **metrics})
 
     def close(self) -> None:
         pass

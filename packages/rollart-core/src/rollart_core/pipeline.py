@@ -25,6 +25,16 @@ from rollart_core.registry import build, resolve, validate_options
 __all__ = ["Pipeline"]
 
 
+def _pd_roles(cfg: RunConfig) -> dict[str, set[str]]:
+    """Engine group → KV roles it plays for the tasks with prefill/decode disaggregation on."""
+    roles: dict[str, set[str]] = {}
+    for t in cfg.tasks:
+        if t.pd != "off" and t.pool is not None and t.prefill_pool is not None:
+            roles.setdefault(t.prefill_pool, set()).add("kv_producer")
+            roles.setdefault(t.pool, set()).add("kv_consumer")
+    return roles
+
+
 def _with_engine_args(options: dict[str, Any], extra: dict[str, Any] | None) -> dict[str, Any]:
     if not extra:
         return options
@@ -61,6 +71,7 @@ class Pipeline:
             validate_options(resolve("reward", task.reward.impl), task.reward.options, f"tasks.{i}.reward.options")
             validate_options(resolve("reward_executor", task.reward_executor.impl), task.reward_executor.options,
                              f"tasks.{i}.reward_executor.options")
+        self._pd_kv_dir = cfg.output_dir / "kv" if _pd_roles(cfg) else None
         pd_args = self._pd_engine_args(cfg)
         engine_cfgs = [
             validate_options(resolve("engine", g.impl), _with_engine_args(g.options, pd_args.get(g.name)),
@@ -134,19 +145,13 @@ class Pipeline:
     def _pd_engine_args(self, cfg: RunConfig) -> dict[str, dict[str, Any]]:
         """KV-connector engine args per engine group for tasks with ``pd`` on/auto: prefill groups
         produce KV, decode groups consume it (a group that does both gets ``kv_both``)."""
-        self._pd_kv_dir = None
-        roles: dict[str, set[str]] = {}
-        for t in cfg.tasks:
-            if t.pd != "off" and t.pool is not None and t.prefill_pool is not None:
-                roles.setdefault(t.prefill_pool, set()).add("kv_producer")
-                roles.setdefault(t.pool, set()).add("kv_consumer")
+        roles = _pd_roles(cfg)
         if not roles:
             return {}
         for g in cfg.engines:
             if g.name in roles and g.impl != "vllm":
                 raise ConfigError(f"engine group {g.name!r}: prefill/decode disaggregation needs impl 'vllm' "
                                   f"(its KV connector), not {g.impl!r}")
-        self._pd_kv_dir = cfg.output_dir / "kv"
         pd_cls = resolve("proxy", "pd")
         return {g: pd_cls.engine_args(r.pop() if len(r) == 1 else "kv_both", self._pd_kv_dir) for g, r in roles.items()}
 

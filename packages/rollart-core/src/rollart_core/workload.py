@@ -29,9 +29,9 @@ from pathlib import Path
 from statistics import fmean
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from rollart_core.config import read_yaml_mapping
 from rollart_core.errors import ConfigError
 from rollart_core.types import Trajectory
 
@@ -164,14 +164,7 @@ class WorkloadProfile(_Model):
 
 def load_profile(path: str | Path) -> WorkloadProfile:
     p = Path(path)
-    try:
-        raw = yaml.safe_load(p.read_text())  # YAML is a superset of JSON
-    except FileNotFoundError:
-        raise ConfigError(f"{p}: no such profile file") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{p}: not valid YAML/JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{p}: expected a mapping at the top level")
+    raw = read_yaml_mapping(p, "profile")
     try:
         return WorkloadProfile.model_validate(raw)
     except ValidationError as exc:

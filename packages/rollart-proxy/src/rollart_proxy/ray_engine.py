@@ -25,8 +25,7 @@ class RayActorEngine:
         try:
             return await getattr(self.handle, method).remote(*args)
         except RayTaskError as exc:
-            if isinstance(exc.cause, EngineError):  # keep the type: WorkerUnavailableError is retried
-                raise type(exc.cause)(str(exc.cause)) from None
+            _reraise_engine_error(exc)
             raise
 
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
@@ -46,8 +45,7 @@ class RayActorEngine:
             async for ref in refs:
                 yield await ref
         except RayTaskError as exc:
-            if isinstance(exc.cause, EngineError):
-                raise type(exc.cause)(str(exc.cause)) from None
+            _reraise_engine_error(exc)
             raise
 
     async def abort(self, request_id: str) -> None:
@@ -73,3 +71,9 @@ class RayActorEngine:
 
     async def progress(self) -> dict[str, int]:
         return await self._call("progress")
+
+
+def _reraise_engine_error(exc: Any) -> None:
+    """Request errors keep their type across the actor boundary (WorkerUnavailableError is retried)."""
+    if isinstance(exc.cause, EngineError):
+        raise type(exc.cause)(str(exc.cause)) from None
