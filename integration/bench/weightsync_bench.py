@@ -4,10 +4,12 @@
 
 Part 1 — push+pull bandwidth of each back-end (memory, filesystem, ray, mooncake over TCP) on the
 same weights, next to memcpy and loopback-TCP ceilings measured in the same run.
-Part 2 — generation pause per weight update on a real vLLM (CPU) engine: async (pull from the
-Mooncake store in the background, then load in a short pause) vs a synchronous baseline, where
-rollout waits for a torch.distributed gloo broadcast of the same weights between two processes
-and then for the same load.
+Part 2 — generation pause per weight update on a real vLLM (CPU) engine while 8 requests generate:
+async staged (pull from the Mooncake store and load into a shadow model in the background, then swap
+in a short pause), async in place (pull in the background, vLLM's reload inside the pause), and a
+synchronous baseline, where rollout waits for a torch.distributed gloo broadcast of the same
+weights between two processes and then for the in-place load. The two async modes alternate
+update by update on the same engine.
 Prints a table and writes JSON. Ratios matter (the machine is shared and noisy).
 """
 
@@ -211,31 +213,39 @@ async def part2(updates: int, interval_s: float, workdir: Path) -> dict[str, Any
                 n += 1
 
         workers = [asyncio.create_task(rollout(i)) for i in range(8)]
-        pauses, pulls = [], []
+        pauses: dict[str, list[float]] = {"staged": [], "in_place": []}
+        pulls = []
         try:
             await asyncio.sleep(1.0)  # rollout reaches steady state
-            for v in range(1, updates + 1):
+            for v in range(1, 2 * updates + 1):
+                mode = "staged" if v % 2 else "in_place"  # interleaved: the same noise hits both
+                engine.config = engine.config.model_copy(update={"weight_update": mode})
                 state = {k: t + 0.001 * v for k, t in base.items()}
                 store.push(v, state).result(600)
                 t0 = time.perf_counter()
-                engine.prefetch(v)
-                await asyncio.wrap_future(engine._prefetch[v])  # the pull, hidden behind rollout
+                await engine.prefetch_weights(v)  # pull (and stage), hidden behind rollout
                 pulls.append(time.perf_counter() - t0)
-                pauses.append(await engine.update_weights(v))
+                pauses[mode].append(await engine.update_weights(v))
+            stats = await engine.get_stats()
         finally:
             stop.set()
             await asyncio.gather(*workers, return_exceptions=True)
             await engine.shutdown()
             store.close()
     bcast = gloo_broadcast_s(base, repeats=3)
-    async_stall = sum(pauses) / len(pauses)
-    sync_stall = bcast + async_stall  # rollout waits for the broadcast, then the same load
-    return {"weight_bytes": nbytes, "updates": updates, "update_interval_s": interval_s,
-            "async_pause_s": async_stall, "async_pull_s_hidden": sum(pulls) / len(pulls),
+    staged = sum(pauses["staged"]) / len(pauses["staged"])
+    in_place = sum(pauses["in_place"]) / len(pauses["in_place"])
+    sync_stall = bcast + in_place  # rollout waits for the broadcast, then loads in place
+    return {"weight_bytes": nbytes, "updates_per_mode": updates, "update_interval_s": interval_s,
+            "async_pause_s": staged, "async_in_place_pause_s": in_place,
+            "async_prepare_s_hidden": sum(pulls) / len(pulls), "stage_s_hidden": stats["stage_s"] / max(1, stats["staged_updates"]),
+            "staging_fallbacks": stats["staging_fallbacks"],
             "sync_broadcast_s": bcast, "sync_stall_s": sync_stall,
-            "async_stall_pct_of_interval": 100 * async_stall / interval_s,
+            "async_stall_pct_of_interval": 100 * staged / interval_s,
+            "async_in_place_stall_pct_of_interval": 100 * in_place / interval_s,
             "sync_stall_pct_of_interval": 100 * sync_stall / interval_s,
-            "sync_over_async_stall": sync_stall / async_stall, "tokens_generated": generated}
+            "sync_over_async_stall": sync_stall / staged, "in_place_over_staged": in_place / staged,
+            "pauses": pauses, "tokens_generated": generated}
 
 
 def main() -> None:
@@ -260,13 +270,16 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as d:
             p2 = asyncio.run(part2(3 if args.quick else 6, args.interval_s, Path(d)))
         result["part2"] = p2
-        print(f"\nPart 2: vLLM engine, {p2['weight_bytes'] / 1e6:.1f} MB weights, {p2['updates']} updates, "
-              f"update interval {p2['update_interval_s']} s")
-        print(f"{'mode':<34}{'stall/update s':>15}{'% of interval':>15}")
-        print(f"{'async (prefetch, then load)':<34}{p2['async_pause_s']:>15.4f}{p2['async_stall_pct_of_interval']:>15.3f}")
-        print(f"{'sync (gloo broadcast, then load)':<34}{p2['sync_stall_s']:>15.4f}{p2['sync_stall_pct_of_interval']:>15.3f}")
-        print(f"background pull per update (hidden): {p2['async_pull_s_hidden']:.4f} s; "
-              f"gloo broadcast: {p2['sync_broadcast_s']:.4f} s; sync/async stall: {p2['sync_over_async_stall']:.2f}x")
+        print(f"\nPart 2: vLLM engine, {p2['weight_bytes'] / 1e6:.1f} MB weights, {p2['updates_per_mode']} updates per mode "
+              f"(interleaved), 8 requests generating throughout; update interval {p2['update_interval_s']} s")
+        print(f"{'mode':<44}{'stall/update s':>15}{'% of interval':>15}")
+        print(f"{'async, staged (pull + load hidden, swap)':<44}{p2['async_pause_s']:>15.4f}{p2['async_stall_pct_of_interval']:>15.3f}")
+        print(f"{'async, in place (pull hidden, load paused)':<44}{p2['async_in_place_pause_s']:>15.4f}"
+              f"{p2['async_in_place_stall_pct_of_interval']:>15.3f}")
+        print(f"{'sync (gloo broadcast, then load in place)':<44}{p2['sync_stall_s']:>15.4f}{p2['sync_stall_pct_of_interval']:>15.3f}")
+        print(f"hidden per update: prepare {p2['async_prepare_s_hidden']:.4f} s (staging {p2['stage_s_hidden']:.4f} s); "
+              f"gloo broadcast: {p2['sync_broadcast_s']:.4f} s; in place/staged: {p2['in_place_over_staged']:.2f}x; "
+              f"sync/staged: {p2['sync_over_async_stall']:.2f}x; staging fallbacks: {p2['staging_fallbacks']}")
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"\nwrote {args.out}")
 

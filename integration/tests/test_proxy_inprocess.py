@@ -58,8 +58,9 @@ async def engines(model_dir: Path) -> AsyncIterator[tuple[Any, Any, Any]]:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     store = MemoryWeightStore()
     cfg = VllmEngineConfig(max_model_len=512, dtype="float32", max_num_seqs=32, kv_cache_gib=1)
-    a = VllmEngine(cfg, model_path=str(model_dir), weight_store=store, name="a")
-    b = VllmEngine(cfg, model_path=str(model_dir), weight_store=store, name="b")
+    a = VllmEngine(cfg, model_path=str(model_dir), weight_store=store, name="a")  # staged updates
+    b = VllmEngine(cfg.model_copy(update={"weight_update": "in_place"}), model_path=str(model_dir),
+                   weight_store=store, name="b")
     try:
         await a.start()
         await b.start()
@@ -159,6 +160,45 @@ async def test_suspend_update_resume_keeps_requests_and_stamps_versions(engines:
                        new["model.embed_tokens.weight"])
     m = await proxy.metrics()
     assert m["a"]["suspended_s"] > 0 and m["a"]["decode_tokens"] > 0 and "engine" in m["a"]
+
+
+async def test_staged_update_serves_exactly_what_an_in_place_reload_serves(engines: tuple[Any, Any, Any]) -> None:
+    """Engine a builds the next weights in a shadow model while generating and swaps them in; engine b
+    reloads in place. Same weights → the same tokens and logprobs, token for token, for two versions
+    in a row (the second swap reuses the shadow, which then holds the first version's weights)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    a, b, store = engines
+    probe = req("probe", 24, seed=5)  # a seeded request: both engines must agree before and after each update
+    before = await a.generate(probe)
+    assert (await b.generate(probe)).logprobs == before.logprobs
+    v0 = await a.weight_version()
+    ref = AutoModelForCausalLM.from_pretrained(a.model_path, dtype=torch.float32).state_dict()
+    stats0 = (await a.get_stats())["staged_updates"]
+    long = asyncio.create_task(a.generate(req("during-staging", 480, seed=6)))  # in flight across the updates
+    await until(lambda: _progress_at_least(a, "during-staging", 5), what="the long request generating")
+    outs = []
+    for v in (v0 + 1, v0 + 2):
+        g = torch.Generator().manual_seed(v)
+        store.push(v, {k: t + 0.05 * torch.randn(t.shape, generator=g) for k, t in ref.items()}).result(timeout=60)
+        await asyncio.gather(a.prefetch_weights(v), b.prefetch_weights(v))
+        await asyncio.gather(a.update_weights(v), b.update_weights(v))
+        oa, ob = await a.generate(probe), await b.generate(probe)
+        assert oa.token_ids == ob.token_ids and oa.logprobs == ob.logprobs, f"version {v}: staged != in place"
+        assert oa.versions == [v] * len(oa.versions)
+        outs.append(oa)
+    assert outs[0].logprobs != before.logprobs and outs[1].logprobs != outs[0].logprobs  # weights really changed
+    stats = await a.get_stats()
+    assert stats["staged_updates"] == stats0 + 2 and stats["staging_fallbacks"] == 0
+    assert (await b.get_stats())["staged_updates"] == 0
+    kept = await long
+    assert kept.finish_reason == "length" and len(kept.token_ids) == 480  # nothing lost across the swaps
+    assert kept.versions[0] == v0 and kept.versions == sorted(kept.versions)
+
+
+async def _progress_at_least(engine: Any, rid: str, n: int) -> bool:
+    return (await engine.progress()).get(rid, 0) >= n
 
 
 async def test_abort_one_trajectory(engines: tuple[Any, Any, Any]) -> None:

@@ -46,6 +46,7 @@ from rollart_core.protocols import (
     InferenceEngine,
     RewardFunction,
     SupportsPause,
+    SupportsWeightPrefetch,
     SupportsWeightUpdate,
     Trainer,
     WeightStore,
@@ -66,7 +67,7 @@ from rollart_core.types import (
 __all__ = [
     # protocols
     "ChatFormat", "Environment", "InferenceEngine", "RewardFunction", "SupportsPause",
-    "SupportsWeightUpdate", "Trainer", "WeightStore",
+    "SupportsWeightPrefetch", "SupportsWeightUpdate", "Trainer", "WeightStore",
     # types
     "Fate", "GenerateOutput", "GenerateRequest", "RewardResult", "SamplingParams", "StepResult",
     "Trajectory", "Turn",

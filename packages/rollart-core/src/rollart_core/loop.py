@@ -5,10 +5,11 @@
 1. **Get Batch** — wait until the SampleBuffer holds the step's groups within the staleness bound
    (rollout never stops: a producer keeps launching groups under admission control).
 2. **Suspend** → 3. **Update** → 4. **Resume** → 5. **Recompute KV** — every engine pauses with its
-   in-flight requests kept, loads the newest weights (pulled from the weight store), re-prefills the
-   running requests under them and resumes (``proxy.update_weights``; nothing is aborted).
+   in-flight requests kept, swaps in the newest weights, re-prefills the running requests under them
+   and resumes (``proxy.update_weights``; nothing is aborted).
 6. **Train** — one policy update on the batch while rollout continues; then push the new weights
-   to the store asynchronously, and abort in-flight trajectories that can no longer meet ``alpha``.
+   to the store asynchronously (once they land, the engines pull and stage them while generating:
+   ``proxy.prefetch_weights``), and abort in-flight trajectories that can no longer meet ``alpha``.
 
 ``sync`` (Sync+): launch a step's groups, wait for all of them, train, push, update.
 ``one_off``: like sync, but the next step's groups are launched before training on this one.
@@ -20,7 +21,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from concurrent.futures import Future
 from typing import Any
 
 from rollart_core.checkpoint import resume, save_checkpoint
@@ -58,7 +58,7 @@ async def train(cfg: RunConfig, sink: MetricsSink | None = None, pipeline: Pipel
             producer = asyncio.create_task(_produce(ro, num_groups * (cfg.train.max_pending_steps or max(alpha, 1))))
         elif mode == "one_off":
             ro.launch_step()
-        pushed: Future[None] | None = None
+        pushed: asyncio.Task[None] | None = None
         for step in range(first, cfg.train.steps + 1):
             t_step = time.perf_counter()
             if mode == "sync":
@@ -71,7 +71,7 @@ async def train(cfg: RunConfig, sink: MetricsSink | None = None, pipeline: Pipel
             # 2-5. Suspend, Update, Resume, Recompute KV (sync/one_off already updated after training)
             t_sync = time.perf_counter()
             if pushed is not None:
-                await asyncio.wrap_future(pushed)
+                await pushed  # landed and staged on the engines while rollout went on
                 pauses = await p.proxy.update_weights(p.trainer.version)
                 ro.served_version = p.trainer.version
                 pushed = None
@@ -87,11 +87,11 @@ async def train(cfg: RunConfig, sink: MetricsSink | None = None, pipeline: Pipel
             t_train = time.perf_counter()
             m = await asyncio.to_thread(p.trainer.train_step, batch)
             record("train", t_train, time.perf_counter())
-            pushed = p.store.push(p.trainer.version, dict(p.trainer.named_weights()))
+            pushed = asyncio.create_task(_push_and_prefetch(p, p.trainer.version, dict(p.trainer.named_weights())))
             aborted = ro.abort_stale(p.trainer.version, alpha) if mode != "sync" and cfg.train.abort_stale else 0
             if mode != "async" or not cfg.train.async_weight_sync:  # Sync+ / One-off update right after training
                 t_sync = time.perf_counter()
-                await asyncio.wrap_future(pushed)
+                await pushed
                 pauses = await p.proxy.update_weights(p.trainer.version)
                 ro.served_version, pushed = p.trainer.version, None
                 sync_s += time.perf_counter() - t_sync
@@ -106,7 +106,7 @@ async def train(cfg: RunConfig, sink: MetricsSink | None = None, pipeline: Pipel
             sink.log(step, metrics)
             history.append(metrics)
         if pushed is not None:  # the last push lands before returning (a borrowed pipeline goes on)
-            await asyncio.wrap_future(pushed)
+            await pushed
         if producer is not None:
             producer.cancel()
             await asyncio.gather(producer, return_exceptions=True)
@@ -117,6 +117,14 @@ async def train(cfg: RunConfig, sink: MetricsSink | None = None, pipeline: Pipel
                    "history": history, **p.timings}
     sink.close()
     return summary
+
+
+async def _push_and_prefetch(p: Pipeline, version: int, weights: dict[str, Any]) -> None:
+    """Push the trainer's weights (in the store's thread); once they land, the engines pull and stage
+    them while generating, so the later update pauses generation only for the swap."""
+    await asyncio.wrap_future(p.store.push(version, weights))
+    if hasattr(p.proxy, "prefetch_weights"):
+        await p.proxy.prefetch_weights(version)
 
 
 async def _produce(ro: Rollout, max_pending_groups: int) -> None:

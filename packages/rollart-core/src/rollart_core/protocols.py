@@ -14,6 +14,9 @@ Primitives and who calls them:
 ``SupportsWeightUpdate`` (optional engine capability, called by the coordinator)
     update_weights(version)  pull ``version`` from the engine's weight store and load it; never
                              aborts in-flight requests
+``SupportsWeightPrefetch`` (optional engine capability, called by the coordinator once a push lands)
+    prefetch_weights(version) pull (and stage) ``version`` while generation goes on; returns when it
+                             is ready, so the later ``update_weights(version)`` only swaps it in
 ``Environment`` (rollart-env, called by the trajectory runner)
     reset(seed) / step(action_text) / close(); ``action_vocabulary`` and ``system_prompt``
 ``RewardFunction`` (rollart-reward, called by a reward executor)
@@ -55,6 +58,7 @@ __all__ = [
     "SupportsPause",
     "SupportsResume",
     "SupportsStream",
+    "SupportsWeightPrefetch",
     "SupportsWeightUpdate",
     "Trainer",
     "WeightStore",
@@ -105,6 +109,14 @@ class SupportsPause(Protocol):
 class SupportsWeightUpdate(Protocol):
     async def update_weights(self, version: int) -> float:
         """Load ``version`` from the weight store; returns seconds generation was blocked."""
+        ...
+
+
+@runtime_checkable
+class SupportsWeightPrefetch(Protocol):
+    async def prefetch_weights(self, version: int) -> None:
+        """Prepare ``version`` (pull; load into a standby copy where the engine can) while generation
+        goes on; returns when it is ready to swap in. Callers run it as a background task."""
         ...
 
 

@@ -371,6 +371,10 @@ class PDRouter:
     async def resume(self) -> None:
         await self.proxy.resume()
 
+    async def prefetch_weights(self, version: int) -> None:
+        """Both pools prepare ``version`` while generating (see :meth:`LLMProxy.prefetch_weights`)."""
+        await self.proxy.prefetch_weights(version)
+
     async def update_weights(self, version: int) -> dict[str, float]:
         """Suspend both pools → every worker loads ``version`` → check each reports it → clear the
         shared KV store → resume (unless the caller had suspended). Returns each worker's pause.
@@ -379,6 +383,7 @@ class PDRouter:
         """
         own = not self.proxy.suspended
         if own:
+            await self.proxy.prefetch_weights(version)  # pull and stage while both pools generate
             await self.proxy.suspend()
         pauses = await self.proxy.update_weights(version)
         versions = await self.proxy.weight_versions()

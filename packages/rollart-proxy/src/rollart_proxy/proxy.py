@@ -322,6 +322,11 @@ class LLMProxy:
                 w.metrics.add_suspended(float(p))
         return out
 
+    async def prefetch_weights(self, version: int) -> None:
+        """Every healthy worker that can prepares ``version`` while it keeps generating; returns when all
+        are ready to swap it in (:meth:`update_weights` then pauses only for the swap)."""
+        await self._all("prefetch_weights", version)
+
     async def weight_versions(self) -> dict[str, int]:
         ws = [w for w in self.workers.values() if w.healthy]
         vs = await asyncio.gather(*(w.engine.weight_version() for w in ws))

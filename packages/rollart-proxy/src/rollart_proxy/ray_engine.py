@@ -63,6 +63,9 @@ class RayActorEngine:
     async def update_weights(self, version: int) -> float:
         return await self._call("update_weights", version)
 
+    async def prefetch_weights(self, version: int) -> None:
+        return await self._call("prefetch_weights", version)  # type: ignore[no-any-return]
+
     async def read_parameter(self, name: str) -> tuple[list[int], str, bytes]:
         return await self._call("read_parameter", name)
 

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rollart_core.affinity import affinity
 from rollart_core.errors import EngineError, WeightSyncError
@@ -47,6 +47,17 @@ class VllmEngineConfig(BaseModel):
     seed: int = 0
     engine_args: dict[str, Any] = Field(default_factory=dict)
     """Extra ``AsyncEngineArgs`` fields, passed through."""
+    weight_update: Literal["staged", "in_place"] = "staged"
+    """``staged``: load and post-process the next weights into a shadow copy of the model while
+    generation goes on, then swap them in during a short pause (one extra copy of the weights; needs
+    ``enforce_eager``). ``in_place``: vLLM's ``reload_weights`` runs inside the pause."""
+
+    @model_validator(mode="after")
+    def _staged_needs_eager(self) -> VllmEngineConfig:
+        if self.weight_update == "staged" and not self.enforce_eager:
+            raise ValueError("weight_update='staged' needs enforce_eager=True (a captured graph keeps the old "
+                             "weights); use weight_update='in_place' with graphs")
+        return self
 
 
 @affinity(pool=None, num_cpus=1)
@@ -71,6 +82,7 @@ class VllmEngine:
         self._version = 0
         self._inflight: dict[str, asyncio.Task[Any]] = {}
         self._prefetch: dict[int, Future[dict[str, Any]]] = {}
+        self._staging: tuple[int, asyncio.Task[tuple[list[Any], bool]]] | None = None
         self._lock = asyncio.Lock()
         self._paused = False
         self._frozen = False
@@ -81,7 +93,8 @@ class VllmEngine:
         self._progress: dict[str, int] = {}
         self._metrics = WorkerMetrics()
         self.stats = {"requests": 0, "prompt_tokens": 0, "output_tokens": 0, "suspended_s": 0.0,
-                      "updates": 0, "update_pause_s": 0.0, "cached_prompt_tokens": 0}
+                      "updates": 0, "update_pause_s": 0.0, "cached_prompt_tokens": 0,
+                      "staged_updates": 0, "stage_s": 0.0, "staging_fallbacks": 0}
 
     # lifecycle -------------------------------------------------------------------------------
 
@@ -302,8 +315,44 @@ class VllmEngine:
         threading.Thread(target=pull, name=f"prefetch-v{version}", daemon=True).start()
         self._prefetch[version] = fut
 
+    async def prefetch_weights(self, version: int) -> None:
+        """Prepare ``version`` while generation goes on; returns when it is ready to swap in: pull it
+        from the weight store and, with ``weight_update='staged'``, load it into the shadow model.
+        :meth:`update_weights` then only swaps it in. Run it as a background task."""
+        self._require_started()
+        if version <= self._version:
+            return
+        if self._staging is None or self._staging[0] < version:
+            self._staging = (version, asyncio.create_task(self._prepare(version), name=f"{self.name}-stage-v{version}"))
+        if self._staging[0] == version:
+            await asyncio.shield(self._staging[1])
+
+    async def _prepare(self, version: int, stage: bool = True) -> tuple[list[Any], bool]:
+        """Pull and pack ``version``; stage it in the worker(s). Returns the packed tensors and whether
+        they are staged (False: not asked to, in-place mode, or staging failed and was logged)."""
+        from rollart_proxy.vllm_worker import pack_tensors
+
+        self.prefetch(version)
+        tensors = await asyncio.wrap_future(self._prefetch[version])
+        named = await asyncio.to_thread(pack_tensors, tensors.items())
+        if not stage or self.config.weight_update != "staged":
+            return named, False
+        engine = self._require_started()
+        try:
+            # The worker loads in a thread of its own; each RPC here returns at once, so the engine
+            # loop keeps stepping between the polls.
+            await engine.collective_rpc("rollart_stage_weights", args=(named, version))
+            while not all(await engine.collective_rpc("rollart_staged_ready", args=(version,))):
+                await asyncio.sleep(0.005)
+        except Exception as exc:
+            log.warning("%s: staging v%d failed, it will load in place: %r", self.name, version, exc)
+            self.stats["staging_fallbacks"] += 1
+            return named, False
+        return named, True
+
     async def update_weights(self, version: int) -> float:
-        """Load ``version``: pull (prefetched if possible), then pause-keep → load → re-prefill → resume.
+        """Load ``version``: prepare it (usually already done by :meth:`prefetch_weights`), then
+        pause-keep → swap in (or load in place) → re-prefill running requests → resume.
 
         Returns the seconds generation was paused.
         """
@@ -311,13 +360,17 @@ class VllmEngine:
         async with self._lock:
             if version <= self._version:
                 return 0.0
-            self.prefetch(version)
-            tensors = await asyncio.wrap_future(self._prefetch.pop(version))
-            for v in [v for v in self._prefetch if v < version]:
+            if self._staging is None or self._staging[0] < version:
+                self._staging = (version, asyncio.create_task(self._prepare(version)))
+            if self._staging[0] != version:  # a newer version is being staged
+                task = asyncio.create_task(self._prepare(version, stage=False))
+            else:
+                task = self._staging[1]
+            named, staged = await task
+            if self._staging is not None and self._staging[0] == version:
+                self._staging = None
+            for v in [v for v in self._prefetch if v <= version]:
                 self._prefetch.pop(v)
-            from rollart_proxy.vllm_worker import pack_tensors
-
-            named = await asyncio.to_thread(pack_tensors, tensors.items())
             t0 = time.perf_counter()
             # Already suspended by the caller (suspend → update → resume): stay suspended.
             own_pause = not self._paused
@@ -325,7 +378,17 @@ class VllmEngine:
                 self._frozen = True
                 await engine.pause_generation(mode="keep", clear_cache=False)
             try:
-                await engine.collective_rpc("rollart_load_weights", args=(named,))
+                if staged:
+                    try:
+                        stage_s = await engine.collective_rpc("rollart_commit_staged", args=(version,))
+                        self.stats["staged_updates"] += 1
+                        self.stats["stage_s"] += max(stage_s)
+                    except Exception as exc:  # e.g. superseded by a newer staging: load this one in place
+                        log.warning("%s: swapping in staged v%d failed, loading in place: %r", self.name, version, exc)
+                        self.stats["staging_fallbacks"] += 1
+                        staged = False
+                if not staged:
+                    await engine.collective_rpc("rollart_load_weights", args=(named,))
                 # KV of running requests was computed by the old weights: recompute it.
                 await engine.reset_prefix_cache(reset_running_requests=True)
                 await engine.update_weight_version(str(version))

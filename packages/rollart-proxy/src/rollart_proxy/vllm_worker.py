@@ -43,6 +43,34 @@ class RollartWorkerExtension:
         self.model_runner.reload_weights(weights_iterator=unpack_tensors(packed), is_checkpoint_format=True)
         return len(packed)
 
+    def rollart_stage_weights(self, packed: list[tuple[str, list[int], str, bytes]], tag: int) -> None:
+        """Start loading ``packed`` into the shadow model in a background thread; returns at once.
+
+        Generation goes on meanwhile; :meth:`rollart_commit_staged` swaps the result in.
+        """
+        from rollart_proxy.vllm_staging import WeightStager
+
+        stager = self.__dict__.setdefault("_rollart_stager", WeightStager())
+        runner = self.model_runner
+        stager.start(runner.vllm_config, runner.get_model(), list(unpack_tensors(packed)), tag)
+
+    def rollart_staged_ready(self, tag: int) -> bool:
+        """Non-blocking: whether ``tag`` is staged (raises if staging failed)."""
+        stager = self.__dict__.get("_rollart_stager")
+        return stager is not None and stager.ready(tag)
+
+    def rollart_commit_staged(self, tag: int) -> float:
+        """Swap the staged weights in (call while generation is paused); returns the staging seconds."""
+        stager = self.__dict__.get("_rollart_stager")
+        if stager is None:
+            raise RuntimeError("rollart_commit_staged before rollart_stage_weights")
+        stager.commit(self.model_runner.get_model(), tag)
+        runner = self.model_runner
+        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):  # as reload_weights does
+            if hasattr(runner, reset):
+                getattr(runner, reset)()
+        return float(stager.stage_s)
+
     def rollart_read_parameter(self, name: str) -> tuple[list[int], str, str]:
         """Exact bytes (base64) of one parameter (vLLM naming), for checks against the trainer.
 

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 __all__ = ["ALIGN", "Manifest", "bucket_ranges", "checksum", "copy_out", "pack", "seal", "unpack"]
 
 ALIGN = 64
-Checksum = Literal["crc32", "sha256", "none"]
+Checksum = Literal["blake3", "crc32", "sha256", "none"]
 
 
 @dataclass
@@ -60,19 +60,25 @@ def bucket_ranges(total: int, bucket_bytes: int) -> list[tuple[int, int]]:
 
 
 def checksum(buf: Any, algo: str) -> str:
-    """Checksum of a CPU uint8 tensor or numpy array (crc32 is fast; sha256 if tampering matters)."""
+    """Checksum of a CPU uint8 tensor or numpy array. blake3: cryptographic and the fastest here
+    (~5 GB/s on one core vs ~1-2 GB/s for zlib's crc32, which limited pulls); sha256: slow."""
     if algo == "none":
         return ""
     view = memoryview(buf.numpy() if hasattr(buf, "numpy") else buf)
+    if algo == "blake3":
+        import blake3
+
+        return blake3.blake3(view).hexdigest()
     if algo == "crc32":
         return f"{zlib.crc32(view):08x}"
     return hashlib.sha256(view).hexdigest()
 
 
 def pack(tensors: Mapping[str, Any], version: int, bucket_bytes: int, algo: str,
-         dtype: torch.dtype | None = None) -> tuple[torch.Tensor, Manifest]:
+         dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> tuple[torch.Tensor, Manifest]:
     """Copy ``tensors`` (any device, DTensors gathered) into one flat CPU buffer; convert floating
-    tensors to ``dtype``. Bucket checksums are left empty (filled by :func:`seal`)."""
+    tensors to ``dtype``. Bucket checksums are left empty (filled by :func:`seal`). ``out``: a buffer
+    of a previous push to reuse when its size fits (a fresh one pays its page faults on every push)."""
     import torch
 
     entries = []
@@ -86,7 +92,8 @@ def pack(tensors: Mapping[str, Any], version: int, bucket_bytes: int, algo: str,
                         "offset": offset, "nbytes": nbytes})
         srcs.append((t, dt))
         offset += -(-nbytes // ALIGN) * ALIGN
-    flat = torch.empty(offset, dtype=torch.uint8)
+    flat = out if out is not None and out.numel() == offset and out.dtype == torch.uint8 else torch.empty(
+        offset, dtype=torch.uint8)
     for e, (t, dt) in zip(entries, srcs, strict=True):
         if e["nbytes"]:
             _view(flat, e, dt).copy_(t)

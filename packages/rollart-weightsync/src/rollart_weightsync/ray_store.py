@@ -40,7 +40,7 @@ class RayWeightStoreConfig(BaseModel):
     """Size of one object in the object store."""
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
     """Convert floating tensors to this dtype on push."""
-    checksum: Literal["crc32", "sha256", "none"] = "crc32"
+    checksum: Literal["blake3", "crc32", "sha256", "none"] = "blake3"
     keep_last: int = Field(2, ge=1)
     """Retention: committed versions whose objects are kept."""
     poll_s: float = Field(0.05, gt=0)
