@@ -135,3 +135,55 @@ async def test_redundancy_cancels_exactly_the_surplus(ray_env_pool, llm) -> None
             await m.wait_ready("calc", G + k)
         assert mid_generation >= 1  # cancellation really hit in-flight generation requests
         assert m.stats["replacements"] == 0
+
+
+async def test_replicated_envs_mask_single_replica_failures(ray_env_pool, llm) -> None:
+    """Each trajectory runs on 2 replicas (replicas: 2); a crashing or hanging replica is masked by the
+    other; finished trajectories are exactly what a single environment gives for the same actions."""
+    from rollart_env import (
+        EnvManager,
+        EnvManagerConfig,
+        FaultSpec,
+        FrozenLakeConfig,
+        FrozenLakeEnv,
+        plan_episode,
+    )
+
+    n = 16
+    spec = FaultSpec(seed=3, crash_prob=0.2, hang_prob=0.1, fault_within_calls=1, per_instance=True,
+                     step_latency_s=0.01, step_latency_sigma=1.0)  # faults at reset: every one is hit
+    faulty = sum(plan_episode(spec, 0, (i, 1)).fault != "none" for i in range(2 * n))
+    assert faulty >= 4
+    options = {"size": 4, "max_steps": 4}
+    cfg = EnvManagerConfig.model_validate({
+        "groups": {"lake": {"impl": "frozenlake", "options": options, "num_envs": 2 * n, "replicas": 2,
+                            "faults": spec.model_dump()}},
+        "envs_per_actor": 16, "step_timeout_s": 1.0, "reset_timeout_s": 1.0,
+    })
+    async with EnvManager(cfg) as m:
+        await m.wait_ready("lake", 2 * n)
+        trajs = [Trajectory(f"rep-{i}", "lake", "frozenlake", f"g{i}", seed=i, start_version=0) for i in range(n)]
+        kw = runner_kwargs(llm, sampling=SamplingParams(max_tokens=1), max_turns=4)
+        await asyncio.gather(*(m.run_trajectory(t, **kw) for t in trajs))
+        counts = fate_counts(trajs)
+        assert sum(counts.values()) == n and m.stats["replica_leases"] == n
+        # a trajectory fails only if both its replicas fail
+        assert counts.get("finished", 0) >= n - faulty // 2, counts
+        for t in trajs:
+            if t.fate is not Fate.FINISHED:
+                continue
+            single = FrozenLakeEnv(FrozenLakeConfig(**options))
+            await single.reset(t.seed)
+            ret, last = 0.0, None
+            for turn in t.turns:
+                last = await single.step(turn.action_text)
+                ret += last.reward
+            assert ret == t.env_return and (last.terminated, last.truncated) == (t.terminated, t.truncated)
+        # every faulty replica was retired (crash at once, hang at its timeout or drain) and replaced
+        deadline = time.monotonic() + 30
+        while m.stats["replacements"] < faulty:
+            assert time.monotonic() < deadline, m.snapshot()
+            await asyncio.sleep(0.05)
+        assert m.stats["replacements"] == faulty
+        await m.wait_ready("lake", 2 * n)
+    await engine_idle(llm["engine"])

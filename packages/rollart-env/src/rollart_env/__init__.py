@@ -10,6 +10,8 @@ Public API:
 - :class:`EnvManager` — environments in Ray actors, timeouts, failure masking and replacement
 - :func:`run_group` — redundant rollouts (launch G + k, keep the first G finished); :func:`run_batch` —
   the same per batch (launch B + m groups, keep the first B complete)
+- :class:`ReplicatedEnv` — hedged calls across replicas of a deterministic env (the EnvManager's
+  ``replicas``): first answer wins, a straggling, crashing or hanging replica is masked
 - :class:`FaultyEnv` (``faulty``) — seeded fault injection for tests and benchmarks
 
 Nothing heavy is imported here: gymnasium, aiohttp and Ray load only when used.
@@ -29,6 +31,7 @@ from rollart_env.frozenlake import (
 from rollart_env.manager import EnvGroupConfig, EnvManager, EnvManagerConfig, EnvWorker, ManagedEnv
 from rollart_env.redundancy import BatchOutcome, GroupOutcome, RedundancyConfig, run_batch, run_group
 from rollart_env.remote import EnvServer, RemoteEnv, RemoteEnvConfig
+from rollart_env.replicas import ReplicatedEnv
 from rollart_env.sokoban import SokobanConfig, SokobanEnv
 
 __all__ = [
@@ -60,6 +63,7 @@ __all__ = [
     "ManagedEnv",
     "RedundancyConfig",
     "RemoteEnv",
+    "ReplicatedEnv",
     "RemoteEnvConfig",
     "SokobanConfig",
     "SokobanEnv",

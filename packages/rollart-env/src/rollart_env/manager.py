@@ -38,6 +38,7 @@ from rollart_core.extras import require
 from rollart_core.registry import resolve, validate_options
 from rollart_core.types import Fate, StepResult, Trajectory
 from rollart_env.faults import FaultSpec
+from rollart_env.replicas import ReplicatedEnv
 
 __all__ = ["EnvGroupConfig", "EnvManager", "EnvManagerConfig", "EnvWorker", "ManagedEnv"]
 
@@ -56,6 +57,12 @@ class EnvGroupConfig(BaseModel):
     """Environments kept alive for this task (replacements restore the count)."""
     faults: FaultSpec | None = None
     """Wrap every instance in :class:`~rollart_env.faults.FaultyEnv` (tests, benchmarks)."""
+    replicas: int | None = Field(None, ge=1)
+    """Environments per trajectory (:class:`~rollart_env.replicas.ReplicatedEnv`): every call goes to
+    each, the first answer wins, so one replica's straggling step, crash or hang is masked without
+    more generation. Only for environments deterministic given seed and actions. Extra replicas are
+    taken from idle ready environments no waiting trajectory needs (size ``num_envs`` for
+    ``replicas`` x concurrent trajectories); 1 disables; None: the manager's ``replicas``."""
 
 
 class EnvManagerConfig(BaseModel):
@@ -79,6 +86,9 @@ class EnvManagerConfig(BaseModel):
     """Reuse a healthy environment for the next episode (False: a fresh one per episode)."""
     max_start_failures: int = Field(5, ge=1)
     """Consecutive failed starts of a group after which acquiring from it raises EnvError."""
+    replicas: int = Field(1, ge=1)
+    """Default environment replicas per trajectory for groups that do not set ``replicas`` (a run
+    config reaches it as ``env_manager.options.replicas``); 1 = no replication."""
 
     @model_validator(mode="after")
     def _check(self) -> EnvManagerConfig:
@@ -221,6 +231,7 @@ class EnvManager:
         self._ids = itertools.count()
         self._queues: dict[str, asyncio.Queue[_Slot | None]] = {}
         self._start_failures: Counter[str] = Counter()
+        self._waiting: Counter[str] = Counter()
         self._broken: dict[str, str] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closing = False
@@ -365,8 +376,47 @@ class EnvManager:
 
     # leasing ---------------------------------------------------------------------------------
 
-    async def acquire(self, group: str) -> ManagedEnv:
-        """Wait for a ready environment of ``group``; EnvTimeoutError after ``acquire_timeout_s``."""
+    async def acquire(self, group: str) -> ManagedEnv | ReplicatedEnv:
+        """Wait for a ready environment of ``group``; EnvTimeoutError after ``acquire_timeout_s``.
+
+        With ``replicas > 1`` the lease is a :class:`ReplicatedEnv` over this environment and up to
+        ``replicas - 1`` more ready ones (fewer if none are idle: no waiting for them)."""
+        first = await self._acquire_one(group)
+        want = (self.config.groups[group].replicas or self.config.replicas) - 1
+        if not want:
+            return first
+        extra = self._take_idle(group, want, avoid=first._slot.actor)
+        if len(extra) < want:
+            self.stats["replica_shortfall"] += want - len(extra)
+        if not extra:
+            return first
+        return ReplicatedEnv([first, *extra], stats=self.stats)
+
+    def _take_idle(self, group: str, n: int, avoid: _Actor) -> list[ManagedEnv]:
+        """Up to ``n`` ready slots that no waiting acquire() needs, on other actors first."""
+        q = self._queues[group]
+        ready: list[_Slot] = []
+        while not q.empty():
+            slot = q.get_nowait()
+            if slot is None:
+                q.put_nowait(None)
+                break
+            if slot.state == "ready" and slot.actor.alive:
+                ready.append(slot)
+        spare = max(0, len(ready) - self._waiting[group])
+        ready.sort(key=lambda s: s.actor is avoid)  # stable: other actors first, queue order kept
+        take = ready[:min(n, spare)]
+        for slot in ready:
+            if slot not in take:
+                q.put_nowait(slot)
+        out = []
+        for slot in take:
+            slot.state = "busy"
+            self.stats["replica_leases"] += 1
+            out.append(ManagedEnv(self, slot))
+        return out
+
+    async def _acquire_one(self, group: str) -> ManagedEnv:
         if not self._started:
             raise EnvError("EnvManager.start() was not called")
         if group not in self._queues:
@@ -382,10 +432,13 @@ class EnvManager:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise EnvTimeoutError(f"no ready {group!r} environment within {timeout}s")
+            self._waiting[group] += 1
             try:
                 slot = await asyncio.wait_for(q.get(), timeout=remaining)
             except TimeoutError:
                 continue
+            finally:
+                self._waiting[group] -= 1
             if slot is None:
                 q.put_nowait(None)  # pass the wake-up on to the next waiter
                 continue
