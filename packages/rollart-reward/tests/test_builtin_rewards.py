@@ -4,6 +4,7 @@ tests in the sandbox; the trajectory wire format; in-process executors and Ray t
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -20,6 +21,7 @@ from rollart_reward.rewards import (
     FormatReward,
     MathVerifyReward,
     NumberMatchReward,
+    SyntheticConfig,
     SyntheticReward,
 )
 from rollart_reward.wire import idempotency_key, trajectory_from_dict, trajectory_to_dict
@@ -119,6 +121,19 @@ async def test_inline_and_pool_executors_metrics() -> None:
     s = pool.stats()
     assert s["calls"] == 4 and s["peak_in_flight"] == 2 and s["queue_delay_s_max"] >= 0.09
     assert 0.5 < s["utilisation"] <= 1.0  # 4 x 0.1 s busy over 2 slots x ~0.2 s
+
+
+async def test_synthetic_cpu_mode_burns_a_fixed_amount_of_cpu_time() -> None:
+    """``cpu`` mode is real computation (CPU time of the calling thread), ``sleep`` mode is none."""
+    cpu = SyntheticReward(SyntheticConfig(mode="cpu", work_s=0.1))
+    t_cpu, t_wall = time.thread_time(), time.perf_counter()
+    assert (await cpu.score(traj(""))).details == {"work_s": 0.1}
+    assert time.thread_time() - t_cpu >= 0.1 and time.perf_counter() - t_wall >= 0.1
+    t_cpu = time.thread_time()
+    await SyntheticReward(SyntheticConfig(mode="sleep", work_s=0.1)).score(traj(""))
+    assert time.thread_time() - t_cpu < 0.05
+    with pytest.raises(ValueError, match="mode"):
+        SyntheticConfig(mode="burn")
 
 
 @pytest.mark.ray

@@ -181,6 +181,14 @@ async def test_autoscaling_up_under_burst_and_down_to_zero(runtime: str) -> None
     assert s["busy_s"] >= 18 * 0.4 * 0.95 and 0 < s["utilisation"] <= 1
     assert ex.stats()["cold_starts"] >= 1  # reported back to the client by X-Rollart-Cold-Start
     await until(zero, 10, "scale back to zero after the burst")
+    # provisioned = every worker's lifetime (cold start + calls + >= 0.5 s keep-alive each);
+    # billed = per request (duration rounded up to 1 ms, plus the init of a cold call), no keep-alive
+    s = stats(runtime)
+    assert s["workers"] == 0 and s["calls"] == 18
+    cold_init = s["cold_starts"] * s["cold_start_s_mean"]
+    assert s["busy_s"] < s["billed_s"] <= s["busy_s"] + cold_init + 18 * 0.001 + 1e-6, s
+    assert s["provisioned_s"] >= s["busy_s"] + s["cold_starts"] * 0.5 * 0.95 > s["billed_s"], s
+    assert s["utilisation"] < s["utilisation_billed"] <= 1.0
 
 
 @pytest.mark.parametrize("adapter,invocation", [("lambda", "sync"), ("fc", "sync"), ("fc", "async")])

@@ -2,7 +2,9 @@
 
 ``utilisation = busy_s / provisioned_s``: busy is the time reward code ran; provisioned is the time
 capacity was held for it (fixed pools: slots x wall time; elastic runtimes: the lifetime of every
-worker, cold starts and idle tails included).
+worker, cold starts and idle tails included). ``billed_s`` is what a per-request serverless bill
+counts instead (AWS Lambda / Function Compute on-demand: each invocation's duration rounded up to 1 ms,
+plus the init phase of a cold start; idle keep-alive is not billed), reported as ``utilisation_billed``.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ __all__ = ["UtilisationMeter"]
 
 class UtilisationMeter:
     """Counters for one executor or runtime. ``slots``: fixed capacity (None: provisioned is reported
-    by :meth:`add_provisioned`)."""
+    by :meth:`add_provisioned`). ``billed``: report ``billed_s`` (recorded per call) in :meth:`stats`."""
 
-    def __init__(self, slots: int | None = None) -> None:
+    def __init__(self, slots: int | None = None, billed: bool = False) -> None:
         self.slots = slots
+        self.billed = billed
         self.reset()
 
     def reset(self) -> None:
@@ -26,6 +29,7 @@ class UtilisationMeter:
         self.failures = 0
         self.retries = 0
         self.busy_s = 0.0
+        self.billed_s = 0.0
         self.queue_s = 0.0
         self.queue_max_s = 0.0
         self.cold_starts = 0
@@ -40,10 +44,12 @@ class UtilisationMeter:
     def leave(self) -> None:
         self.in_flight -= 1
 
-    def record(self, *, busy_s: float, queue_s: float = 0.0, ok: bool = True, cold: bool = False) -> None:
+    def record(self, *, busy_s: float, queue_s: float = 0.0, ok: bool = True, cold: bool = False,
+               billed_s: float = 0.0) -> None:
         self.calls += 1
         self.failures += 0 if ok else 1
         self.busy_s += busy_s
+        self.billed_s += billed_s
         self.queue_s += queue_s
         self.queue_max_s = max(self.queue_max_s, queue_s)
         self.cold_starts += int(cold)
@@ -58,7 +64,7 @@ class UtilisationMeter:
 
     def stats(self, provisioned_extra: float = 0.0) -> dict[str, float]:
         prov = self.provisioned_s(provisioned_extra)
-        return {
+        out: dict[str, float] = {
             "calls": self.calls,
             "failures": self.failures,
             "retries": self.retries,
@@ -71,3 +77,7 @@ class UtilisationMeter:
             "in_flight": self.in_flight,
             "peak_in_flight": self.peak_in_flight,
         }
+        if self.billed:
+            out["billed_s"] = round(self.billed_s, 6)
+            out["utilisation_billed"] = self.busy_s / self.billed_s if self.billed_s > 0 else 0.0
+        return out

@@ -226,8 +226,10 @@ class SyntheticConfig(BaseModel):
 
     work_s: float = Field(0.05, ge=0)
     """Default work per call; ``info['work_s']`` overrides it per trajectory."""
-    mode: Literal["sleep", "spin"] = "sleep"
-    """``sleep`` waits (I/O-bound rewards: remote judges, sandboxes); ``spin`` burns CPU."""
+    mode: Literal["sleep", "spin", "cpu"] = "sleep"
+    """``sleep`` waits (I/O-bound rewards: remote judges, sandboxes); ``spin`` burns CPU for ``work_s`` of
+    wall time; ``cpu`` burns ``work_s`` of this thread's CPU time (a fixed amount of computation, so it
+    takes longer when the core is shared, like a real compute-bound reward)."""
 
 
 class SyntheticReward:
@@ -245,8 +247,9 @@ class SyntheticReward:
         if self.config.mode == "sleep":
             await asyncio.sleep(work)
         else:
-            end = time.perf_counter() + work
-            while time.perf_counter() < end:
+            clock = time.thread_time if self.config.mode == "cpu" else time.perf_counter
+            end = clock() + work
+            while clock() < end:
                 pass
         if trajectory.info.get("fail"):
             raise RuntimeError(f"synthetic failure for {trajectory.traj_id}")

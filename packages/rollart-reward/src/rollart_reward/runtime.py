@@ -16,7 +16,8 @@ Invocation shapes served:
 - ``POST /2023-03-30/functions/{name}/invocations``: Function Compute-style (``x-fc-invocation-type``
   ``Sync`` | ``Async`` with a caller-chosen ``x-fc-async-task-id``), and
   ``GET /2023-03-30/functions/{name}/async-tasks/{id}`` to poll an async task.
-- ``GET /stats`` (workers, cold starts, concurrency, busy/provisioned time, faults),
+- ``GET /stats`` (workers, cold starts, concurrency, busy/provisioned time — provisioned is every
+  worker's lifetime, cold start and keep-alive included — and per-request billed time, faults),
   ``GET /executions/{key}``, ``GET /healthz``; ``POST /admin/faults`` and ``POST /admin/reset``
   only with ``admin=True``.
 
@@ -30,6 +31,7 @@ import asyncio
 import collections
 import json
 import logging
+import math
 import os
 import random
 import signal
@@ -96,6 +98,7 @@ class _Worker:
                  spawned: float) -> None:
         self.pid, self.reader, self.writer = pid, reader, writer
         self.spawned = spawned
+        self.init_s = 0.0  # cold start: fork requested -> worker ready
         self.idle_since = spawned
         self.calls = 0
         self.ids = 0
@@ -130,7 +133,7 @@ class FunctionRuntime:
             from rollart_core.errors import ConfigError
 
             raise ConfigError("runtime: min_workers must be <= max_workers")
-        self.meter = UtilisationMeter(slots=None)
+        self.meter = UtilisationMeter(slots=None, billed=True)
         self.faults = self.config.faults
         self._rng = random.Random(self.faults.seed)
         self._workers: list[_Worker] = []
@@ -249,6 +252,7 @@ class FunctionRuntime:
             await tpl.stdin.drain()
             w = await asyncio.wait_for(fut, 30)
             w.spawned = t0
+            w.init_s = time.monotonic() - t0
         except BaseException as exc:
             self._starting -= 1
             self._hellos.pop(token, None)
@@ -370,11 +374,14 @@ class FunctionRuntime:
             try:
                 reply = await w.call(trajectory, self.config.call_timeout_s)
             except BaseException:
-                self.meter.record(busy_s=time.monotonic() - t0, queue_s=queue_s, ok=False, cold=False)
+                busy = time.monotonic() - t0
+                self.meter.record(busy_s=busy, queue_s=queue_s, ok=False, cold=False,
+                                  billed_s=math.ceil(busy * 1000) / 1000 + (w.init_s if cold else 0.0))
                 await self._retire(w)
                 raise
-            self.meter.record(busy_s=float(reply.get("busy_s", time.monotonic() - t0)), queue_s=queue_s,
-                              ok="error" not in reply)
+            busy = float(reply.get("busy_s", time.monotonic() - t0))
+            billed = math.ceil(busy * 1000) / 1000 + (w.init_s if cold else 0.0)  # per-request bill
+            self.meter.record(busy_s=busy, queue_s=queue_s, ok="error" not in reply, billed_s=billed)
             self._release(w)
         finally:
             self.meter.leave()
