@@ -30,9 +30,10 @@ HTTP executor as client):
   dedicated worker runs calls one at a time, so each is a solo call; f = 1 on an idle core, more when
   other jobs share the core). Cold starts (a real fork of a warm template), scale-to-zero, instance
   reuse and per-instance provisioning are real.
-  The variants sweep the keep-alive: ``offloaded`` is the runtime's default policy (adaptive: keep
-  an idle instance max(--idle-timeout, moving average of the cold start)); ``offloaded_ka<k>``
-  keep idle instances exactly k seconds.
+  The variants sweep the keep-alive: ``offloaded`` is the runtime's default policy (``learned``: the
+  keep-alive that minimised provisioned time over the recent idle periods, at most the ski-rental
+  value); ``offloaded_ski`` keeps an idle instance max(--idle-timeout, moving average of the cold
+  start) (ski rental); ``offloaded_ka<k>`` keep idle instances exactly k seconds.
 
 Reported per variant: utilisation = busy / provisioned, provisioned = every instance's lifetime
 (cold start and keep-alive included; the conservative count); ``util_billed`` = busy / a per-request
@@ -163,7 +164,7 @@ async def main() -> None:
     p.add_argument("--duty", type=float, default=0.065, help="colocated duty cycle the training phase is derived from")
     p.add_argument("--train-s", type=float, default=None, help="training phase per step (default: from --duty)")
     p.add_argument("--max-train-s", type=float, default=120.0)
-    p.add_argument("--idle-timeout", type=float, default=0.02, help="offloaded (adaptive policy): minimum keep-alive")
+    p.add_argument("--idle-timeout", type=float, default=0.02, help="offloaded: ski-rental floor (learned: ceiling = max(this, cold start))")
     p.add_argument("--keep-alive", default="0.01,0.1,0.5,2.0", help="fixed keep-alive sweep (s), comma-separated")
     p.add_argument("--calibration-calls", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
@@ -182,8 +183,11 @@ async def main() -> None:
                        "--idle-timeout", "3600"]),
         ("offloaded", ["--options", json.dumps({"mode": "sleep"}), "--min-workers", "0",
                        "--max-workers", str(a.per_step), "--idle-timeout", str(a.idle_timeout)]),
+        ("offloaded_ski", ["--options", json.dumps({"mode": "sleep"}), "--min-workers", "0",
+                           "--max-workers", str(a.per_step), "--idle-timeout", str(a.idle_timeout),
+                           "--idle-policy", "ski_rental"]),
     ] + [(f"offloaded_ka{k:g}", ["--options", json.dumps({"mode": "sleep"}), "--min-workers", "0",
-                                 "--max-workers", str(a.per_step), "--idle-timeout", str(k), "--no-adaptive-idle"])
+                                 "--max-workers", str(a.per_step), "--idle-timeout", str(k), "--idle-policy", "fixed"])
          for k in keep_alives]
     procs: dict[str, tuple[subprocess.Popen[str], str]] = {}
     try:
@@ -237,7 +241,8 @@ async def main() -> None:
             "platform": "local dedicated worker (1 core, real CPU work)" if name == "colocated"
             else "FAKE cloud platform (emulated instance compute, real instances)",
             "keep_alive": "fixed (dedicated)" if name == "colocated" else
-            (f"adaptive max({a.idle_timeout:g}s, cold-start EWMA)" if name == "offloaded" else name.split("_ka")[1]),
+            ("learned (runtime default)" if name == "offloaded" else
+             f"ski rental max({a.idle_timeout:g}s, cold-start EWMA)" if name == "offloaded_ski" else name.split("_ka")[1]),
             "utilisation": s["utilisation"],  # a dedicated worker is paid for all the time: no per-request bill
             "utilisation_billed": None if name == "colocated" else s["utilisation_billed"],
             "busy_s": s["busy_s"], "provisioned_s": s["provisioned_s"],
@@ -265,8 +270,8 @@ async def main() -> None:
     print(f"{'variant':<24}{'keep-alive':>12}{'inst':>6}{'util':>8}{'util_bill':>10}{'busy_s':>8}{'prov_s':>8}"
           f"{'rollout_s/step':>16}{'ratio':>7}{'cold':>6}{'cold_s':>8}{'queue_s':>9}")
     for r in rows:
-        ka = "dedicated" if r["variant"] == "colocated" else ("adaptive" if r["variant"] == "offloaded"
-                                                               else r["keep_alive"] + "s")
+        ka = {"colocated": "dedicated", "offloaded": "learned", "offloaded_ski": "ski rental"}.get(
+            r["variant"], r["keep_alive"] + "s")
         tag = "" if r["variant"] == "colocated" else " [FAKE]"
         print(f"{r['variant'] + tag:<24}{ka:>12}{r['peak_workers']:>6}{r['utilisation']:>8.1%}"
               f"{'-' if r['utilisation_billed'] is None else format(r['utilisation_billed'], '.1%'):>10}{r['busy_s']:>8.1f}{r['provisioned_s']:>8.1f}"

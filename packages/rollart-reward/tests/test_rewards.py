@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 import pytest
@@ -180,3 +181,18 @@ async def test_executor_works_with_builtin_reward() -> None:
     res = await ex.score(make_traj(terminated=True, info={"success": True}))
     assert res.score == 1.0
     assert ex.calls == 1 and ex.failures == 0
+
+
+@pytest.mark.parametrize("gaps,cold,ceiling,expected", [
+    ([math.inf] * 20, 0.05, 0.2, 0.0),  # no idle worker ever got a call: keep none
+    ([0.03] * 20, 0.05, 0.2, 0.03),  # every idle worker is called again after 30 ms: keep 30 ms
+    ([0.03] * 15 + [math.inf] * 5, 0.05, 0.2, 0.03),  # mostly reused: 15 x 0.02 saved > 5 x 0.03 spent
+    ([0.03] * 10 + [math.inf] * 10, 0.05, 0.2, 0.0),  # half reused: 10 x 0.02 saved < 10 x 0.03 spent
+    ([0.03] * 5 + [math.inf] * 15, 0.02, 0.2, 0.0),  # cheap cold starts, rare reuse: keep none
+    ([0.5] * 20, 1.0, 0.2, 0.0),  # gaps beyond the ceiling (ski rental) cannot be caught: keep none
+])
+def test_learned_keep_alive_minimises_provisioned_time(gaps: list[float], cold: float, ceiling: float,
+                                                       expected: float) -> None:
+    from rollart_reward.runtime import learned_keep_alive
+
+    assert learned_keep_alive(gaps, cold, ceiling) == pytest.approx(expected)

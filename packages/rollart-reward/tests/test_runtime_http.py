@@ -48,7 +48,7 @@ def _serve_cmd() -> list[str]:
 def runtime() -> Iterator[str]:
     proc = subprocess.Popen(
         [*_serve_cmd(), "serve", "--function", "synthetic", "--max-workers", "6", "--idle-timeout", "0.5",
-         "--admin", "--options", json.dumps({"work_s": 0.02})],
+         "--idle-policy", "fixed", "--admin", "--options", json.dumps({"work_s": 0.02})],
         stdout=subprocess.PIPE, text=True,
     )
     try:
@@ -189,6 +189,39 @@ async def test_autoscaling_up_under_burst_and_down_to_zero(runtime: str) -> None
     assert s["busy_s"] < s["billed_s"] <= s["busy_s"] + cold_init + 18 * 0.001 + 1e-6, s
     assert s["provisioned_s"] >= s["busy_s"] + s["cold_starts"] * 0.5 * 0.95 > s["billed_s"], s
     assert s["utilisation"] < s["utilisation_billed"] <= 1.0
+
+
+async def test_learned_keep_alive_stops_paying_for_idle_workers_that_never_get_a_call() -> None:
+    """Isolated calls (each worker stopped before the next call comes): the learned policy starts at
+    the ski-rental keep-alive and, once it has seen enough such idle periods, keeps workers idle for 0 s."""
+    proc = subprocess.Popen([*_serve_cmd(), "serve", "--function", "synthetic", "--max-workers", "2",
+                             "--idle-timeout", "0.15", "--options", json.dumps({"work_s": 0.005})],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()  # type: ignore[union-attr]
+        assert line.startswith("serving synthetic on http://127.0.0.1:"), line
+        url = line.split()[-1]
+        assert stats(url)["keep_alive_s"] >= 0.15 and stats(url)["idle_policy"] == "learned"
+
+        async def zero() -> bool:
+            return stats(url)["workers"] == 0
+
+        ex = executor(url, timeout_s=10, cold_start_timeout_s=10)
+        try:
+            for i in range(18):
+                await ex.score(traj(f"iso{i}"))
+                await until(zero, 10, "the idle worker to be stopped")
+        finally:
+            await ex.aclose()
+        s = stats(url)
+        assert s["cold_starts"] == 18 and s["keep_alive_s"] == 0.0, s
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 @pytest.mark.parametrize("adapter,invocation", [("lambda", "sync"), ("fc", "sync"), ("fc", "async")])

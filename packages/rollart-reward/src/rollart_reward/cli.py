@@ -28,8 +28,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--min-workers", type=int, default=0)
     s.add_argument("--max-workers", type=int, default=8)
     s.add_argument("--idle-timeout", type=float, default=2.0, help="seconds before an idle worker stops")
-    s.add_argument("--no-adaptive-idle", action="store_true",
-                   help="stop idle workers after exactly --idle-timeout, even if cold starts cost more")
+    s.add_argument("--idle-policy", choices=("fixed", "ski_rental", "learned"), default="learned",
+                   help="keep-alive of idle workers: exactly --idle-timeout, at least a cold start's cost, "
+                        "or learned from recent idle periods (at most the ski-rental value)")
     s.add_argument("--call-timeout", type=float, default=60.0)
     s.add_argument("--admin", action="store_true", help="enable /admin/* (fault knobs, stats reset)")
     s.add_argument("--faults", default="{}", help="fault injection config as JSON (tests)")
@@ -43,7 +44,7 @@ async def _serve(args: argparse.Namespace) -> None:
     try:
         cfg = RuntimeConfig(function=args.function, options=json.loads(args.options), host=args.host,
                             port=args.port, min_workers=args.min_workers, max_workers=args.max_workers,
-                            idle_timeout_s=args.idle_timeout, adaptive_idle=not args.no_adaptive_idle,
+                            idle_timeout_s=args.idle_timeout, idle_policy=args.idle_policy,
                             call_timeout_s=args.call_timeout,
                             admin=args.admin, faults=FaultConfig.model_validate(json.loads(args.faults)))
     except (ValueError, json.JSONDecodeError) as exc:

@@ -39,7 +39,7 @@ import sys
 import tempfile
 import time
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -78,10 +78,14 @@ class RuntimeConfig(BaseModel):
     min_workers: int = Field(0, ge=0)
     max_workers: int = Field(8, ge=1)
     idle_timeout_s: float = Field(2.0, gt=0)
-    """A worker idle this long is stopped (down to ``min_workers``)."""
-    adaptive_idle: bool = True
-    """Keep idle workers at least as long as a cold start currently costs (moving average): stopping
-    a worker sooner costs more than it saves (ski rental)."""
+    """Keep-alive of an idle worker before it is stopped (down to ``min_workers``); see ``idle_policy``."""
+    idle_policy: Literal["fixed", "ski_rental", "learned"] = "learned"
+    """``fixed``: exactly ``idle_timeout_s``. ``ski_rental``: at least as long as a cold start currently
+    costs (moving average), so stopping never costs more than twice the best choice in hindsight.
+    ``learned``: at most the ski-rental keep-alive, chosen from the last idle periods (how long idle
+    workers waited for their next call, or that they never got one) to minimise provisioned time
+    (idle keep-alive plus the cold starts it causes), as in "Serverless in the Wild" (ATC'20); one
+    idle period in eight still uses the ski-rental keep-alive, so longer gaps stay observable."""
     call_timeout_s: float = Field(60.0, gt=0)
     """A call running longer kills its worker and fails (504)."""
     max_queue: int = Field(10_000, ge=1)
@@ -93,6 +97,17 @@ class RuntimeConfig(BaseModel):
     faults: FaultConfig = FaultConfig()
 
 
+def learned_keep_alive(gaps: list[float], cold_s: float, ceiling: float) -> float:
+    """The keep-alive in [0, ``ceiling``] that minimises provisioned time over the observed idle
+    periods: each costs min(gap, k) seconds idle, plus a cold start (``cold_s``) if the next call came
+    after k (or never: ``inf``). Candidates: 0, the ceiling and every observed gap below it."""
+    def cost(k: float) -> float:
+        return sum(min(g, k) + (cold_s if g > k else 0.0) for g in gaps)
+
+    candidates = [0.0, ceiling, *(g for g in gaps if g < ceiling)]
+    return min(candidates, key=lambda k: (cost(k), k))
+
+
 class _Worker:
     def __init__(self, pid: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                  spawned: float) -> None:
@@ -100,6 +115,7 @@ class _Worker:
         self.spawned = spawned
         self.init_s = 0.0  # cold start: fork requested -> worker ready
         self.idle_since = spawned
+        self.keep_alive = 0.0  # of the current idle period
         self.calls = 0
         self.ids = 0
 
@@ -148,6 +164,9 @@ class FunctionRuntime:
         self.peak_workers = 0
         self.cold_start_s: list[float] = []
         self._cold_ewma = 0.0
+        self._gaps: collections.deque[float] = collections.deque(maxlen=128)
+        """Recent idle periods: seconds until the worker's next call (inf: stopped before one came)."""
+        self._releases = 0
         self._runner: Any = None
         self._reaper: asyncio.Task[None] | None = None
         self._spawns: set[asyncio.Task[None]] = set()
@@ -284,11 +303,25 @@ class FunctionRuntime:
                 fut.set_result(w)
                 return
         w.idle_since = time.monotonic()
+        self._releases += 1
+        w.keep_alive = self._keep_alive(explore=self._releases % 8 == 0)
         self._idle.append(w)
+
+    def _keep_alive(self, explore: bool = False) -> float:
+        """Keep-alive for an idle period starting now (see ``RuntimeConfig.idle_policy``)."""
+        c = self.config
+        if c.idle_policy == "fixed":
+            return c.idle_timeout_s
+        ski = max(c.idle_timeout_s, self._cold_ewma)
+        if c.idle_policy == "ski_rental" or explore or len(self._gaps) < 16:
+            return ski
+        return learned_keep_alive(list(self._gaps), self._cold_ewma, ski)
 
     async def _acquire(self) -> _Worker:
         if self._idle:
-            return self._idle.pop()  # most recently used: lets the others go idle and scale down
+            w = self._idle.pop()  # most recently used: lets the others go idle and scale down
+            self._gaps.append(time.monotonic() - w.idle_since)
+            return w
         if len(self._waiters) >= self.config.max_queue:
             raise _Overloaded()
         fut: asyncio.Future[_Worker] = asyncio.get_running_loop().create_future()
@@ -314,16 +347,14 @@ class FunctionRuntime:
 
     async def _reap_idle(self) -> None:
         while True:
-            await asyncio.sleep(min(0.05, self.config.idle_timeout_s / 4))
+            await asyncio.sleep(min(0.02, self.config.idle_timeout_s / 4))
             now = time.monotonic()
-            keep = self.config.idle_timeout_s
-            if self.config.adaptive_idle:
-                keep = max(keep, self._cold_ewma)
             for w in list(self._idle):
                 if len(self._workers) <= self.config.min_workers:
                     break
-                if now - w.idle_since >= keep:
+                if now - w.idle_since >= w.keep_alive:
                     self._idle.remove(w)
+                    self._gaps.append(math.inf)  # no call came within its keep-alive
                     await self._retire(w)
 
     # ---------------------------------------------------------------- execution
@@ -526,6 +557,7 @@ class FunctionRuntime:
             "template_load_s": getattr(self, "template_load_s", 0.0),
             "cold_start_s_mean": sum(self.cold_start_s) / len(self.cold_start_s) if self.cold_start_s else 0.0,
             "max_executions_per_key": max(execs, default=0),
+            "keep_alive_s": self._keep_alive(), "idle_policy": self.config.idle_policy,
             "keys_executed_more_than_once": sum(1 for n in execs if n > 1),
             **dict(self.counters),
         })
