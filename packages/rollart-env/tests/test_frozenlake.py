@@ -333,3 +333,12 @@ def test_invalid_config_raises_validation_error_naming_field(kwargs: dict, field
 def test_default_config_is_valid() -> None:
     c = FrozenLakeConfig()
     assert 2 <= c.size <= 12 and 0.0 <= c.hole_prob < 0.8
+
+
+async def test_instructions_off_leaves_the_map_as_the_whole_prompt() -> None:
+    with_text, bare = FrozenLakeEnv(), FrozenLakeEnv(FrozenLakeConfig(instructions=False))
+    assert with_text.system_prompt and "L, D, R or U" in with_text.system_prompt
+    assert bare.system_prompt is None and FrozenLakeEnv.system_prompt == with_text.system_prompt
+    # the observation (the map with the player marked) is unchanged
+    assert await bare.reset(5) == await with_text.reset(5)
+    assert (await bare.step("D")).observation == (await with_text.step("D")).observation

@@ -75,6 +75,10 @@ class TaskConfig(_Model):
     """Redundant rollouts: launch ``group_size + redundancy`` per group and cancel the surplus
     (fate ``cancelled_redundant``) once ``group_size`` have finished; 0 disables."""
     max_turns: int = Field(8, ge=1)
+    context: Literal["full", "last_turn"] = "full"
+    """What each turn's prompt holds. ``full``: the whole history (first turn, then every action and
+    observation). ``last_turn``: only the system prompt and the current observation (a Markov
+    policy; each turn is then trained as a sequence of its own, with that turn's advantage)."""
     pool: str | None = None
     """Engine group (by name) that serves this task; None = any."""
     pd: Literal["auto", "on", "off"] = "off"

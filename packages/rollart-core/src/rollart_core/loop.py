@@ -177,7 +177,8 @@ async def evaluate(p: Pipeline, episodes: int, *, tag: str = "eval") -> dict[str
             traj = Trajectory(f"{tag}-{task.name}-{e}", task.name, task.env.impl, f"{tag}-{e}",
                               derive_seed("heldout", ti, e), p.trainer.version)
             jobs.append(run_trajectory(traj, env=p.make_env(task, ti), generator=p.proxy, chat=p.chat,
-                                       scorer=p.rewards[task.name], sampling=task.sampling, max_turns=task.max_turns))
+                                       scorer=p.rewards[task.name], sampling=task.sampling, max_turns=task.max_turns,
+                                       context=task.context))
     done = await asyncio.gather(*jobs)
     ok = [t for t in done if t.fate is not None and t.fate.value == "finished"]
     return {

@@ -50,8 +50,14 @@ async def run_trajectory(
     sampling: SamplingParams,
     max_turns: int,
     on_done: Callable[[Trajectory], Any] | None = None,
+    context: str = "full",
 ) -> Trajectory:
-    """Run ``traj`` (task, ids, seed and start version already set) to completion and score it."""
+    """Run ``traj`` (task, ids, seed and start version already set) to completion and score it.
+
+    ``context``: ``full`` prompts every turn with the whole history; ``last_turn`` with the system
+    prompt and the current observation only (each such turn is marked ``new_sequence``)."""
+    if context not in ("full", "last_turn"):
+        raise ValueError(f"context must be 'full' or 'last_turn', got {context!r}")
     t_start = time.perf_counter()
     if env.action_vocabulary:
         sampling = sampling.model_copy(update={"allowed_token_ids": tuple(chat.action_token_ids(env.action_vocabulary))})
@@ -62,12 +68,13 @@ async def run_trajectory(
         obs, info = await env.reset(traj.seed)
         _timed(traj, "env", t0)
         traj.info.update(info)
-        context = chat.first_turn(env.system_prompt, obs)
+        prompt = chat.first_turn(env.system_prompt, obs)
         history: list[int] = []
         for k in range(max_turns):
-            history += context
-            turn = Turn(context_ids=context, allowed_token_ids=sampling.allowed_token_ids,
-                        temperature=sampling.temperature)
+            new_sequence = k > 0 and context == "last_turn"
+            history = list(prompt) if new_sequence else history + prompt
+            turn = Turn(context_ids=prompt, allowed_token_ids=sampling.allowed_token_ids,
+                        temperature=sampling.temperature, new_sequence=new_sequence)
             traj.turns.append(turn)
             t0 = time.perf_counter()
             request_id = f"{traj.traj_id}-t{k}"
@@ -93,7 +100,10 @@ async def run_trajectory(
             if step.terminated or step.truncated:
                 traj.terminated, traj.truncated = step.terminated, step.truncated
                 break
-            context = chat.next_turn(step.observation, out.token_ids)
+            if context == "last_turn":
+                prompt = chat.first_turn(env.system_prompt, step.observation)
+            else:
+                prompt = chat.next_turn(step.observation, out.token_ids)
         else:
             traj.truncated = True
         t0 = time.perf_counter()

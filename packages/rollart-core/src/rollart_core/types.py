@@ -135,6 +135,9 @@ class Turn:
     allowed_token_ids: tuple[int, ...] | None = None
     """The sampling restriction the outputs were drawn under (the trainer can apply the same)."""
     temperature: float = 1.0
+    new_sequence: bool = False
+    """``context_ids`` is this turn's whole prompt: it does not continue the earlier turns' tokens
+    (current-state-only prompts, task ``context: last_turn``). See :meth:`Trajectory.sequences`."""
 
 
 @dataclass(slots=True)
@@ -156,6 +159,19 @@ class Trajectory:
     error: str | None = None
     timings: dict[str, float] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)
+
+    def sequences(self) -> list[Trajectory]:
+        """The token sequences the policy actually saw, as trajectories sharing this one's ids,
+        reward and fate: one per run of turns that extend each other (a turn with ``new_sequence``
+        starts the next). Just ``[self]`` for an ordinary multi-turn trajectory."""
+        if not any(t.new_sequence for t in self.turns[1:]):
+            return [self]
+        out: list[Trajectory] = []
+        for t in self.turns:
+            if not out or t.new_sequence:
+                out.append(dataclasses.replace(self, turns=[]))
+            out[-1].turns.append(t)
+        return out
 
     def token_ids(self) -> list[int]:
         out: list[int] = []

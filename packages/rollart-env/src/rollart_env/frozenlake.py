@@ -30,6 +30,9 @@ class FrozenLakeConfig(BaseModel):
     invalid_penalty: float = 0.0
     """Reward for an action that does not parse (the episode continues)."""
     slippery: bool = False
+    instructions: bool = True
+    """Send the task's instructions as the system prompt. False: the observation (the map) is the
+    whole prompt, a third of the tokens; a randomly initialised policy cannot read instructions."""
 
 
 MAX_MAP_DRAWS = 10_000
@@ -79,10 +82,12 @@ class FrozenLakeEnv:
 
     Config = FrozenLakeConfig
     action_vocabulary = tuple(ACTIONS)
-    system_prompt = "Move on the frozen lake from S to G without falling into a hole H. Reply with one letter: L, D, R or U."
+    system_prompt: str | None = "Move on the frozen lake from S to G without falling into a hole H. Reply with one letter: L, D, R or U."
 
     def __init__(self, config: FrozenLakeConfig | None = None) -> None:
         self.config = config or FrozenLakeConfig()
+        if not self.config.instructions:
+            self.system_prompt = None
         self.rows: list[str] = []
         self.pos = (0, 0)
         self.steps = 0

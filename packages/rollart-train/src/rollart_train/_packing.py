@@ -19,7 +19,7 @@ import torch
 
 from rollart_core.types import Trajectory
 
-__all__ = ["MicroBatch", "SeqData", "assign_bins", "build_micro_batch", "pack_bins", "seq_data"]
+__all__ = ["MicroBatch", "SeqData", "assign_bins", "build_micro_batch", "pack_bins", "seq_data", "split_sequences"]
 
 
 @dataclass(slots=True)
@@ -34,6 +34,25 @@ class SeqData:
     """One advantage for every token, or a list with one per token position."""
     spec: dict[int, tuple[tuple[int, ...] | None, float]] | None = None
     """position → (allowed token ids, temperature) of generated tokens, when matching sampling."""
+
+
+def split_sequences(
+    batch: Sequence[Trajectory], advantages: Sequence[float | Sequence[float]]
+) -> tuple[list[Trajectory], list[float | list[float]]]:
+    """Every trajectory's :meth:`~rollart_core.types.Trajectory.sequences` (the token sequences the
+    policy saw; several when each turn's prompt held only the current observation), each with its
+    share of the advantages: the trajectory's one advantage, or the per-turn advantages of its turns."""
+    out_t: list[Trajectory] = []
+    out_a: list[float | list[float]] = []
+    for t, a in zip(batch, advantages, strict=True):
+        if not isinstance(a, (int, float)) and len(a) != len(t.turns):
+            raise ValueError(f"{len(a)} advantages for {len(t.turns)} turns")
+        k = 0
+        for s in t.sequences():
+            out_t.append(s)
+            out_a.append(float(a) if isinstance(a, (int, float)) else [float(x) for x in a[k:k + len(s.turns)]])
+            k += len(s.turns)
+    return out_t, out_a
 
 
 def seq_data(t: Trajectory, advantage: float | Sequence[float], match_sampling: bool) -> SeqData:

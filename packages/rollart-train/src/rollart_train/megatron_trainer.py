@@ -299,6 +299,9 @@ class MegatronTrainer:
 
         if not batch:
             raise TrainerError("train_step called with an empty batch")
+        if any(len(t.sequences()) > 1 for t in batch):
+            raise TrainerError("MegatronTrainer trains one sequence per trajectory; per-turn sequences "
+                               "(task context: last_turn) need the torch trainer for now")
         c = self.config
         t0 = time.perf_counter()
         adv = grpo_advantages(batch, scale_by_std=c.scale_adv_by_std)

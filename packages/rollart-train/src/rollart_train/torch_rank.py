@@ -28,7 +28,15 @@ import torch
 
 from rollart_core.errors import TrainerError
 from rollart_core.types import Trajectory
-from rollart_train._packing import MicroBatch, SeqData, assign_bins, build_micro_batch, pack_bins, seq_data
+from rollart_train._packing import (
+    MicroBatch,
+    SeqData,
+    assign_bins,
+    build_micro_batch,
+    pack_bins,
+    seq_data,
+    split_sequences,
+)
 from rollart_train.losses import (
     decoupled_ppo_loss,
     entropy_from_logits,
@@ -207,13 +215,15 @@ class TorchRankWorker:
             adv = step_advantages(batch, gamma=c.gamma, step_weight=c.step_adv_weight, scale_by_std=c.scale_adv_by_std)
         else:
             adv = grpo_advantages(batch, scale_by_std=c.scale_adv_by_std)
-        seqs = [seq_data(t, a, c.match_sampling) for t, a in zip(batch, adv, strict=True)]
+        # one sequence per trajectory, or per turn when each turn's prompt was the current state only
+        seq_trajs, seq_adv = split_sequences(batch, adv)
+        seqs = [seq_data(t, a, c.match_sampling) for t, a in zip(seq_trajs, seq_adv, strict=True)]
         n_tokens = sum(sum(s.mask[1:]) for s in seqs)
         if n_tokens == 0:
             raise TrainerError("batch has no generated tokens to train on")
         train_idx = [i for i, s in enumerate(seqs) if any(s.mask[1:])]
         if c.skip_zero_adv:
-            informative = [i for i in train_idx if _any_nonzero(adv[i])]
+            informative = [i for i in train_idx if _any_nonzero(seq_adv[i])]
             train_idx = informative or train_idx[:1]  # keep one sequence: the step still runs
         k = min(c.mini_batches, len(train_idx))
         parts = [train_idx[j * len(train_idx) // k:(j + 1) * len(train_idx) // k] for j in range(k)]
