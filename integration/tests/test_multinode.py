@@ -5,8 +5,8 @@ land on their pool's node; plan validation names the worker and the missing reso
 to the H20 pool through the real LLMProxy is served only by the H20 worker.
 
 The nodes use a private ``--temp-dir`` and their own ports. Each is a ``ray start --block`` child of
-the test; teardown ends those processes and their recorded descendants by PID (never ``ray stop``)
-and checks that none is left.
+the test; teardown ends exactly those processes and their recorded descendants, by PID (nothing
+cluster-wide), and checks that none is left.
 """
 
 from __future__ import annotations

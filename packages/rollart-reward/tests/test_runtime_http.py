@@ -6,6 +6,7 @@ function errors, circuit-breaker fallback, autoscaling up and down to zero, plat
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -44,13 +45,11 @@ def _serve_cmd() -> list[str]:
     return [exe] if exe else [sys.executable, "-m", "rollart_reward.cli"]
 
 
-@pytest.fixture(scope="module")
-def runtime() -> Iterator[str]:
-    proc = subprocess.Popen(
-        [*_serve_cmd(), "serve", "--function", "synthetic", "--max-workers", "6", "--idle-timeout", "0.5",
-         "--idle-policy", "fixed", "--admin", "--options", json.dumps({"work_s": 0.02})],
-        stdout=subprocess.PIPE, text=True,
-    )
+@contextlib.contextmanager
+def serving(*args: str) -> Iterator[str]:
+    """``rollart-reward serve --function synthetic ARGS`` as a real process; yields its URL, ends it by PID."""
+    proc = subprocess.Popen([*_serve_cmd(), "serve", "--function", "synthetic", *args], stdout=subprocess.PIPE,
+                            text=True)
     try:
         line = proc.stdout.readline()  # type: ignore[union-attr]
         assert line.startswith("serving synthetic on http://127.0.0.1:"), line
@@ -62,6 +61,13 @@ def runtime() -> Iterator[str]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def runtime() -> Iterator[str]:
+    with serving("--max-workers", "6", "--idle-timeout", "0.5", "--idle-policy", "fixed", "--admin",
+                 "--options", json.dumps({"work_s": 0.02})) as url:
+        yield url
 
 
 def admin(url: str, faults: dict[str, Any] | None = None) -> None:
@@ -194,13 +200,7 @@ async def test_autoscaling_up_under_burst_and_down_to_zero(runtime: str) -> None
 async def test_learned_keep_alive_stops_paying_for_idle_workers_that_never_get_a_call() -> None:
     """Isolated calls (each worker stopped before the next call comes): the learned policy starts at
     the ski-rental keep-alive and, once it has seen enough such idle periods, keeps workers idle for 0 s."""
-    proc = subprocess.Popen([*_serve_cmd(), "serve", "--function", "synthetic", "--max-workers", "2",
-                             "--idle-timeout", "0.15", "--options", json.dumps({"work_s": 0.005})],
-                            stdout=subprocess.PIPE, text=True)
-    try:
-        line = proc.stdout.readline()  # type: ignore[union-attr]
-        assert line.startswith("serving synthetic on http://127.0.0.1:"), line
-        url = line.split()[-1]
+    with serving("--max-workers", "2", "--idle-timeout", "0.15", "--options", json.dumps({"work_s": 0.005})) as url:
         assert stats(url)["keep_alive_s"] >= 0.15 and stats(url)["idle_policy"] == "learned"
 
         async def zero() -> bool:
@@ -215,13 +215,6 @@ async def test_learned_keep_alive_stops_paying_for_idle_workers_that_never_get_a
             await ex.aclose()
         s = stats(url)
         assert s["cold_starts"] == 18 and s["keep_alive_s"] == 0.0, s
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.mark.parametrize("adapter,invocation", [("lambda", "sync"), ("fc", "sync"), ("fc", "async")])

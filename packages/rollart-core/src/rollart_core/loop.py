@@ -27,6 +27,7 @@ from rollart_core.checkpoint import resume, save_checkpoint
 from rollart_core.config import RunConfig
 from rollart_core.metrics import MetricsSink, default_sinks
 from rollart_core.pipeline import Pipeline
+from rollart_core.protocols import SupportsWeightPrefetch
 from rollart_core.rollout import Rollout, derive_seed
 from rollart_core.runner import run_trajectory
 from rollart_core.timeline import record
@@ -123,7 +124,7 @@ async def _push_and_prefetch(p: Pipeline, version: int, weights: dict[str, Any])
     """Push the trainer's weights (in the store's thread); once they land, the engines pull and stage
     them while generating, so the later update pauses generation only for the swap."""
     await asyncio.wrap_future(p.store.push(version, weights))
-    if hasattr(p.proxy, "prefetch_weights"):
+    if isinstance(p.proxy, SupportsWeightPrefetch):
         await p.proxy.prefetch_weights(version)
 
 

@@ -322,10 +322,15 @@ class VllmEngine:
         self._require_started()
         if version <= self._version:
             return
+        staging = self._stage(version)
+        if staging[0] == version:
+            await asyncio.shield(staging[1])
+
+    def _stage(self, version: int) -> tuple[int, asyncio.Task[tuple[list[Any], bool]]]:
+        """The preparation in flight, started for ``version`` unless a newer one already is."""
         if self._staging is None or self._staging[0] < version:
             self._staging = (version, asyncio.create_task(self._prepare(version), name=f"{self.name}-stage-v{version}"))
-        if self._staging[0] == version:
-            await asyncio.shield(self._staging[1])
+        return self._staging
 
     async def _prepare(self, version: int, stage: bool = True) -> tuple[list[Any], bool]:
         """Pull and pack ``version``; stage it in the worker(s). Returns the packed tensors and whether
@@ -360,12 +365,9 @@ class VllmEngine:
         async with self._lock:
             if version <= self._version:
                 return 0.0
-            if self._staging is None or self._staging[0] < version:
-                self._staging = (version, asyncio.create_task(self._prepare(version)))
-            if self._staging[0] != version:  # a newer version is being staged
+            staged_version, task = self._stage(version)
+            if staged_version != version:  # a newer version is being staged: load this one in place
                 task = asyncio.create_task(self._prepare(version, stage=False))
-            else:
-                task = self._staging[1]
             named, staged = await task
             if self._staging is not None and self._staging[0] == version:
                 self._staging = None

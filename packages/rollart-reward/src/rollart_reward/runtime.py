@@ -100,12 +100,21 @@ class RuntimeConfig(BaseModel):
 def learned_keep_alive(gaps: list[float], cold_s: float, ceiling: float) -> float:
     """The keep-alive in [0, ``ceiling``] that minimises provisioned time over the observed idle
     periods: each costs min(gap, k) seconds idle, plus a cold start (``cold_s``) if the next call came
-    after k (or never: ``inf``). Candidates: 0, the ceiling and every observed gap below it."""
-    def cost(k: float) -> float:
-        return sum(min(g, k) + (cold_s if g > k else 0.0) for g in gaps)
+    after k (or never: ``inf``). Candidates: 0, the ceiling and every observed gap below it.
 
-    candidates = [0.0, ceiling, *(g for g in gaps if g < ceiling)]
-    return min(candidates, key=lambda k: (cost(k), k))
+    Runs on every worker release: one sort and a running sum, not a cost sum per candidate."""
+    gs = sorted(gaps)
+    best_cost, best_k = len(gs) * cold_s, 0.0  # k = 0: every period ends in a cold start
+    below = 0.0  # sum of the gaps <= k
+    i = 0
+    for k in sorted({g for g in gs if g < ceiling} | {ceiling}):
+        while i < len(gs) and gs[i] <= k:
+            below += gs[i]
+            i += 1
+        cost = below + (len(gs) - i) * (k + cold_s)
+        if cost < best_cost - 1e-12:  # a float tie keeps the shorter keep-alive
+            best_cost, best_k = cost, k
+    return best_k
 
 
 class _Worker:
