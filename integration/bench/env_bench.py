@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -139,7 +141,12 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    model = Path(args.model) if args.model else Path(tempfile.mkdtemp(prefix="env-bench-")) / "tiny"
+    if args.model:
+        model = Path(args.model)
+    else:
+        tmp = tempfile.mkdtemp(prefix="env-bench-")
+        atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+        model = Path(tmp) / "tiny"
     if not is_model_dir(model):
         create_tiny_model(model)
     G, k, groups = args.group_size, args.redundancy, args.groups

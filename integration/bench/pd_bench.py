@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import json
 import os
 import random
+import shutil
 import statistics
 import tempfile
 import time
@@ -78,6 +80,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     tmp = Path(tempfile.mkdtemp(prefix="pd-bench-"))
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
     model = create_tiny_model(tmp / "tiny", dtype="float32")
     kv_dir = tmp / "kv"
     kv_dir.mkdir()

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -37,6 +39,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     tmp = Path(tempfile.mkdtemp(prefix="proxy-bench-"))
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
     model = create_tiny_model(tmp / "tiny", dtype="float32")
     engine = VllmEngine(VllmEngineConfig(max_model_len=512, dtype="float32", max_num_seqs=max(64, args.requests)),
                         model_path=str(model), name="e0")

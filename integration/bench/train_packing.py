@@ -11,7 +11,9 @@ alternate within each repetition; the table shows median seconds per step and th
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import shutil
 import statistics
 import tempfile
 import time
@@ -44,7 +46,9 @@ def main() -> None:
     from rollart_train import TorchTrainer, TorchTrainerConfig, create_tiny_model
 
     n, reps = (32, 2) if args.quick else (64, 4)
-    model = create_tiny_model(Path(tempfile.mkdtemp()) / "tiny")
+    tmp = tempfile.mkdtemp(prefix="train-packing-")
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+    model = create_tiny_model(Path(tmp) / "tiny")
     batch = make_batch(n, 0)
     lengths = [len(t.token_ids()) for t in batch]
     variants = {
