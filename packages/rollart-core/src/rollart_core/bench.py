@@ -33,6 +33,7 @@ from rollart_core.bench_workload import (
     SIZES,
     BenchSize,
     mode_config,
+    train_threads,
     workload_config,
 )
 from rollart_core.buffer import SampleBuffer
@@ -56,8 +57,13 @@ def _rewards(p: Any, cfg: RunConfig) -> dict[str, Any]:
             for i, t in enumerate(cfg.tasks)}
 
 
-def _use(p: Any, cfg: RunConfig) -> None:
-    """Point the shared pipeline at one mode's config: its tasks, reward executors and a fresh buffer."""
+def _use(p: Any, cfg: RunConfig, threads: int | None = None) -> None:
+    """Point the shared pipeline at one mode's config: its tasks, reward executors, a fresh buffer,
+    and the trainer's share of the cores (``threads``; None: all)."""
+    set_threads = getattr(p.trainer, "set_num_threads", None)
+    if set_threads is None:
+        raise ConfigError(f"rollart bench needs a trainer with set_num_threads (the torch trainer), got {cfg.trainer.impl!r}")
+    set_threads(threads or os.cpu_count() or 1)
     p.config = cfg
     p.rewards = _rewards(p, cfg)
     p.buffer = SampleBuffer(cfg.train.alpha)
@@ -191,11 +197,12 @@ async def _reward_capacity(ex: Any, workers: int, duration: float) -> dict[str, 
     return {"traj_per_s": n[0] / s, "calls_per_s": n[0] / s, "calls": n[0], "concurrency": workers, "seconds": s}
 
 
-async def run_segment(p: Any, cfg: RunConfig, keep_intervals: bool) -> dict[str, Any]:
-    """One mode for ``cfg.train.steps`` steps on the shared pipeline, with its busy intervals."""
+async def run_segment(p: Any, cfg: RunConfig, keep_intervals: bool, threads: int | None = None) -> dict[str, Any]:
+    """One mode for ``cfg.train.steps`` steps on the shared pipeline (its trainer on ``threads``
+    threads; None: all cores), with its busy intervals."""
     from rollart_core.loop import train
 
-    _use(p, cfg)
+    _use(p, cfg, threads)
     rows = MemorySink()
     with Timeline() as tl:
         t0 = time.perf_counter()
@@ -333,7 +340,7 @@ async def run_bench(size_name: str, size: BenchSize, modes: list[str], out_dir: 
         log.info("capacity: %s", cap)
         for r in range(size.rounds):
             for m in modes:
-                seg = await run_segment(p, cfgs[m], keep_intervals=r == size.rounds - 1)
+                seg = await run_segment(p, cfgs[m], keep_intervals=r == size.rounds - 1, threads=train_threads(MODES[m]))
                 seg["round"] = r
                 segments[m].append(seg)
                 print(f"round {r + 1}/{size.rounds} {m:<22} {seg['trained'] / seg['wall_s']:7.2f} traj/s "

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+import os
 import random
 from pathlib import Path
 from typing import Any, Literal
@@ -27,7 +28,7 @@ from rollart_core.config import ComponentConfig, RunConfig
 from rollart_core.registry import build
 from rollart_core.types import RewardResult, StepResult, Trajectory
 
-__all__ = ["MODES", "SIZES", "BenchSize", "BurstyReward", "ModeSpec", "StragglerEnv", "mode_config",
+__all__ = ["MODES", "train_threads", "SIZES", "BenchSize", "BurstyReward", "ModeSpec", "StragglerEnv", "mode_config",
            "workload_config"]
 
 
@@ -83,23 +84,31 @@ class ModeSpec(_Model):
     abort_stale: bool = True
     async_weight_sync: bool = True
     max_pending_steps: int | None = None
+    train_cores: Literal["all", "half"] = "all"
+    """Threads of the trainer (its own process in every mode: the torch trainer's ``spawn``):
+    ``all`` cores time-share the machine with generation, the best for a mode that never runs them
+    at once (Sync+); ``half`` partitions the cores so that training overlaps generation instead of
+    starving it, the CPU counterpart of giving training and rollout their own GPUs (modes that
+    overlap them)."""
     label: str = ""
 
 
 MODES: dict[str, ModeSpec] = {
     "sync": ModeSpec(mode="sync", alpha=0, label="Sync+"),
-    "one_off": ModeSpec(mode="one_off", alpha=1, label="One-off"),
-    "async_a1": ModeSpec(mode="async", alpha=1, max_pending_steps=2, label="async α=1"),
-    "async_a2": ModeSpec(mode="async", alpha=2, max_pending_steps=3, label="async α=2"),
+    "one_off": ModeSpec(mode="one_off", alpha=1, train_cores="half", label="One-off"),
+    "async_a1": ModeSpec(mode="async", alpha=1, max_pending_steps=2, train_cores="half", label="async α=1"),
+    "async_a2": ModeSpec(mode="async", alpha=2, max_pending_steps=3, train_cores="half", label="async α=2"),
     "admission": ModeSpec(mode="async", alpha=1, max_pending_steps=2, redundancy=False, reward="colocated",
-                          abort_stale=False, label="admission-only α=1"),
+                          abort_stale=False, train_cores="half", label="admission-only α=1"),
     # ablations of async α=1 (full size)
     "abl_no_redundancy": ModeSpec(mode="async", alpha=1, max_pending_steps=2, redundancy=False,
-                                  label="async α=1, no redundancy"),
+                                  train_cores="half", label="async α=1, no redundancy"),
     "abl_colocated_reward": ModeSpec(mode="async", alpha=1, max_pending_steps=2, reward="colocated",
-                                     label="async α=1, colocated reward"),
+                                     train_cores="half", label="async α=1, colocated reward"),
     "abl_sync_weights": ModeSpec(mode="async", alpha=1, max_pending_steps=2, async_weight_sync=False,
-                                 label="async α=1, synchronous weight sync"),
+                                 train_cores="half", label="async α=1, synchronous weight sync"),
+    "abl_shared_trainer": ModeSpec(mode="async", alpha=1, max_pending_steps=2,
+                                   label="async α=1, trainer on all cores"),
 }
 DEFAULT_MODES = {"micro": ["sync", "async_a1"], "quick": ["sync", "one_off", "async_a1", "async_a2", "admission"],
                  "full": list(MODES)}
@@ -132,7 +141,7 @@ def workload_config(size: BenchSize, out_dir: Path, model_path: Path, *, faults:
              "env": {"impl": "rollart_core.bench_workload:StragglerEnv", "options": {"env": lake, "faults": fault_spec}},
              "sampling": {"max_tokens": 1, "temperature": 1.0}},
         ],
-        "trainer": {"impl": "torch", "options": {"lr": size.lr}},
+        "trainer": {"impl": "torch", "options": {"lr": size.lr, "spawn": True}},
         "weight_store": {"impl": "filesystem", "options": {"root": str(out_dir / "weights")}},
         "train": {"mode": "sync", "alpha": 0, "steps": size.steps},
         "ray": {"num_cpus": 2},
@@ -148,6 +157,11 @@ def mode_config(base: RunConfig, spec: ModeSpec, size: BenchSize) -> RunConfig:
         t.redundancy = size.redundancy if spec.redundancy else 0
         t.reward_executor = reward_executor(spec.reward, size)
     return RunConfig.model_validate(cfg.model_dump())
+
+
+def train_threads(spec: ModeSpec) -> int:
+    cores = os.cpu_count() or 1
+    return cores if spec.train_cores == "all" else max(1, cores // 2)
 
 
 def reward_executor(kind: str, size: BenchSize) -> ComponentConfig:

@@ -89,8 +89,14 @@ class TorchTrainerConfig(BaseModel):
     device: str = "cpu"
     """``cpu`` or ``cuda`` (several ranks on GPU: rank r uses ``cuda:r``)."""
     world_size: int = Field(1, ge=1)
-    """Ranks of FSDP2 data parallelism. 1: in-process, no process group. >1: that many processes
-    are spawned (gloo on CPU, NCCL on GPU) and driven from this object."""
+    """Ranks of FSDP2 data parallelism. 1: in-process unless ``spawn``, no process group. >1: that
+    many processes are spawned (gloo on CPU, NCCL on GPU) and driven from this object."""
+    spawn: bool = False
+    """Run even a single rank in its own spawned process. A step then never holds the caller's GIL:
+    an asyncio control plane that trains in a thread (``rollart_core.loop`` in async mode) keeps
+    serving rollout while the step runs. In process, a small model's Python-heavy step starves the
+    event loop (generation beside training measured ~10x slower on a 2-core CPU machine). Costs a
+    process start and one shared-memory copy of the weights per ``named_weights``."""
     attn_implementation: str | None = None
     """Hugging Face attention implementation (default ``sdpa``; ``flash_attention_2`` uses varlen
     attention for packed micro-batches)."""

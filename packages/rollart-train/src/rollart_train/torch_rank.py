@@ -398,6 +398,9 @@ class TorchRankWorker:
         self.extra_state = dict(state.get("extra") or {})
         log.info("resumed from %s at version %d", ckpt, self.version)
 
+    def set_num_threads(self, n: int) -> None:
+        torch.set_num_threads(n)
+
     def state(self) -> dict[str, Any]:
         return {"version": self.version, **self.counters, "extra": self.extra_state,
                 "resumed_from": str(self.resumed_from) if self.resumed_from else None}

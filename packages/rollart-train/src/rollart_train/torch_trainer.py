@@ -3,8 +3,9 @@
 It implements rollart's Trainer protocol (``version``, ``train_step``, ``named_weights``, ``save``)
 over one or several ranks:
 
-- ``world_size: 1`` (default, what the pipeline uses): one in-process
-  :class:`~rollart_train.torch_rank.TorchRankWorker`, no process group, no extra process.
+- ``world_size: 1`` (default): one in-process :class:`~rollart_train.torch_rank.TorchRankWorker`,
+  no process group, no extra process; with ``spawn: true`` the one rank runs in a spawned process
+  (the caller's GIL and event loop stay free while it trains).
 - ``world_size: N``: N spawned processes form a process group (gloo on CPU, NCCL on GPU) and shard
   the model with FSDP2; this object sends every call to all of them (:mod:`rollart_train._multirank`)
   and returns rank 0's answer. ``named_weights`` gathers full tensors (``DTensor.full_tensor``).
@@ -38,7 +39,7 @@ class TorchTrainer:
         self.model_path = Path(model_path)
         self._local: TorchRankWorker | None = None
         self._ranks = None
-        if c.world_size == 1:
+        if c.world_size == 1 and not c.spawn:
             self._local = TorchRankWorker(c, self.model_path)
             state = self._local.state()
         else:
@@ -76,7 +77,7 @@ class TorchTrainer:
     def model(self) -> torch.nn.Module:
         """The module itself (one in-process rank only)."""
         if self._local is None:
-            raise TrainerError("the model lives in the spawned ranks (world_size > 1)")
+            raise TrainerError("the model lives in the spawned ranks (world_size > 1 or spawn)")
         return self._local.model
 
     @property
@@ -94,6 +95,14 @@ class TorchTrainer:
         metrics = self._call("train_step", list(batch), self.config)
         self.version = int(metrics["version"])
         return metrics
+
+    def set_num_threads(self, n: int) -> None:
+        """torch intra-op threads of every rank from now on (in process: the caller's whole process).
+        Lets a caller move cores between training and generation, e.g. all of them while rollout is
+        idle (Sync+) and half while both run (async) on a machine they share."""
+        if n < 1:
+            raise TrainerError(f"set_num_threads: need at least 1 thread, got {n}")
+        self._call("set_num_threads", n)
 
     def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
         if self._local is not None:
