@@ -7,7 +7,9 @@ the other: running both at once would make them fight for the same 2 cores), eva
 on held-out map seeds every ``--eval-every`` steps. Writes ``learning.json`` (both curves, with wall
 time) and ``learning.png`` into ``--out``, and prints when each mode first reached the sync run's
 final success rate, and when (seconds and episodes) each first reached ``--target`` (0.8, the
-issue's bar). Every point also records ``episodes``: the trajectories trained on so far (sample
+issue's bar). The trainer runs in its own process (torch trainer ``spawn``), on all cores in sync
+mode and on half of them in async mode, where training overlaps rollout (as ``rollart bench``);
+``--in-process-trainer`` keeps the config's trainer as it is. Every point also records ``episodes``: the trajectories trained on so far (sample
 efficiency, independent of how busy the machine was). ``--modes sync`` runs one mode only.
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -44,9 +47,13 @@ class _Curve:
         pass
 
 
-def _run(cfg_path: Path, mode: str, alpha: int, minutes: float, eval_every: int, out: Path) -> list[dict[str, Any]]:
+def _run(cfg_path: Path, mode: str, alpha: int, minutes: float, eval_every: int, out: Path,
+         in_process_trainer: bool = False) -> list[dict[str, Any]]:
     cfg = load_config(cfg_path)
     cfg.train.mode, cfg.train.alpha = mode, alpha  # type: ignore[assignment]
+    if not in_process_trainer:
+        cores = os.cpu_count() or 1
+        cfg.trainer.options.update(spawn=True, num_threads=cores if mode == "sync" else max(1, cores // 2))
     cfg.train.steps = 100_000
     cfg.train.eval_every = eval_every
     cfg.train.save_every = 0
@@ -82,6 +89,8 @@ def main() -> None:
     ap.add_argument("--target", type=float, default=0.8, help="held-out success to time (the issue's bar)")
     ap.add_argument("--modes", default="sync,async_a1", help="which of sync, async_a1 to run (in this order)")
     ap.add_argument("--quick", action="store_true", help="a 2-minute smoke run per mode")
+    ap.add_argument("--in-process-trainer", action="store_true",
+                    help="train in the control process (the config's trainer options unchanged)")
     args = ap.parse_args()
     if args.quick:
         args.minutes, args.eval_every = 2.0, 2
@@ -91,12 +100,14 @@ def main() -> None:
     chosen = args.modes.split(",")
     if not chosen or any(m not in modes for m in chosen):
         ap.error(f"--modes: a comma-separated subset of {list(modes)}")
-    curves = {m: _run(Path(args.config), *modes[m], args.minutes, args.eval_every, out) for m in chosen}
+    curves = {m: _run(Path(args.config), *modes[m], args.minutes, args.eval_every, out, args.in_process_trainer)
+              for m in chosen}
     evals = {k: [p for p in v if "eval_success" in p] for k, v in curves.items()}
     first = evals[chosen[0]]
     sync_final = first[-1]["eval_success"] if first else 0.0
     summary = {
-        "machine": {"platform": platform.platform(), "cpus": __import__("os").cpu_count()},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "trainer": "in process" if args.in_process_trainer else "spawned: all cores in sync, half in async",
         "minutes_per_mode": args.minutes,
         "sync_final_eval_success": sync_final,
         "best_eval_success": {k: max((p["eval_success"] for p in v), default=None) for k, v in evals.items()},
