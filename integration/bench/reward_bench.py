@@ -13,7 +13,8 @@ by ``--max-train-s`` (f_cal: see below; the cap makes the duty higher on a loade
 ``--quick``).
 
 Variants, interleaved within every step (same finish times; the colocated burst first, then each
-offloaded variant's burst, each alone on the machine, then the training phase), each behind its own
+offloaded variant's burst in an order that rotates from step to step, each alone on the machine,
+then the training phase), each behind its own
 reference function runtime (``rollart-reward serve``: real processes, real HTTP on 127.0.0.1, the
 HTTP executor as client):
 
@@ -208,9 +209,12 @@ async def main() -> None:
             f_steps: list[float] = []
             t_run = time.monotonic()
             for s, step in enumerate(load):
-                # colocated first, then each offloaded variant, each burst alone on the machine
+                # colocated first, then each offloaded variant, each burst alone on the machine; the
+                # offloaded order rotates every step (the first one after the colocated burst had up to
+                # 2.5x slower cold starts than the others in full runs: no variant always takes that place)
                 busy0 = (await stats(c, cu))["busy_s"]
-                for name in urls:
+                offl = [n for n in urls if n != "colocated"]
+                for name in ["colocated", *offl[s % len(offl):], *offl[:s % len(offl)]]:
                     f = 1.0 if name == "colocated" else f_steps[-1]
                     step_times[name].append(await burst(exs[name], name, s, step, f))
                     if name == "colocated":  # FIFO on one worker: every call's service time is a solo one

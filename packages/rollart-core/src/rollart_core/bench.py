@@ -1,7 +1,9 @@
 """``rollart bench``: async vs One-off vs Sync+ (and an admission-only async baseline), side by side.
 
-One pipeline (tiny model, one vLLM-CPU engine in a Ray actor, torch trainer, filesystem weight
-store) serves every mode, so model, engines and environments are the same; the modes run
+One pipeline (tiny model, one vLLM-CPU engine in a Ray actor, torch trainer in its own process,
+filesystem weight store) serves every mode, so model, engines and environments are the same; the
+trainer gets all cores in Sync+ and half of them in the modes that overlap it with rollout
+(``ModeSpec.train_cores``); the modes run
 interleaved, one segment of ``steps`` training steps each per round (A B C … A B C …), so noise on
 a shared machine hits all of them. Before the rounds, each stage's standalone capacity is measured
 in the same run (generation alone on a saturating load, the trainer alone, env calls alone, reward

@@ -28,8 +28,8 @@ from rollart_core.config import ComponentConfig, RunConfig
 from rollart_core.registry import build
 from rollart_core.types import RewardResult, StepResult, Trajectory
 
-__all__ = ["MODES", "train_threads", "SIZES", "BenchSize", "BurstyReward", "ModeSpec", "StragglerEnv", "mode_config",
-           "workload_config"]
+__all__ = ["MODES", "SIZES", "BenchSize", "BurstyReward", "ModeSpec", "StragglerEnv", "mode_config",
+           "train_threads", "workload_config"]
 
 
 class _Model(BaseModel):
@@ -107,8 +107,8 @@ MODES: dict[str, ModeSpec] = {
                                      train_cores="half", label="async α=1, colocated reward"),
     "abl_sync_weights": ModeSpec(mode="async", alpha=1, max_pending_steps=2, async_weight_sync=False,
                                  train_cores="half", label="async α=1, synchronous weight sync"),
-    "abl_shared_trainer": ModeSpec(mode="async", alpha=1, max_pending_steps=2,
-                                   label="async α=1, trainer on all cores"),
+    "abl_trainer_all_cores": ModeSpec(mode="async", alpha=1, max_pending_steps=2,
+                                      label="async α=1, trainer on all cores"),
 }
 DEFAULT_MODES = {"micro": ["sync", "async_a1"], "quick": ["sync", "one_off", "async_a1", "async_a2", "admission"],
                  "full": list(MODES)}
