@@ -81,3 +81,47 @@ async def test_resume_continues_steps_and_buffer_without_duplicates(tmp_path: Pa
     assert len(set(trained_1 + trained_2)) == len(trained_1) + len(trained_2)  # no group trained twice
     assert saved_groups <= set(trained_2) | set(second["dropped_groups"])  # restored content was used
     assert set(trained_1).isdisjoint(saved_groups)
+
+
+
+async def test_async_loop_with_a_spawned_trainer_cancels_cleanly(tmp_path: Path, tiny_model: Path) -> None:
+    """Async mode with the trainer in its own process on one thread (the CPU split), cancelled right
+    after a step (its weight push just started), as a time-boxed job is: the cancellation propagates,
+    the push and the producer running beside the loop are stopped before the engines go (no "exception
+    was never retrieved"), and the trainer's process exits with the pipeline."""
+    import asyncio
+    import gc
+    import multiprocessing
+    import os
+
+    cfg = slice_config(tmp_path, model_path=tiny_model, steps=1000)
+    cfg.train.mode, cfg.train.alpha = "async", 1  # type: ignore[assignment]
+    cfg.trainer.options.update(spawn=True, num_threads=1)
+    loop = asyncio.get_running_loop()
+    unhandled: list[dict] = []
+    old_handler = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, ctx: unhandled.append(ctx))
+    rank_pids: list[int] = []
+    task: asyncio.Task | None = None
+
+    class _CancelAtStep2(_Collect):
+        def log(self, step: int, metrics: dict) -> None:
+            super().log(step, metrics)
+            if step == 2 and task is not None:
+                rank_pids.extend(c.pid for c in multiprocessing.active_children() if c.name.startswith("rollart-train-rank"))
+                task.cancel()
+
+    sink = _CancelAtStep2()
+    try:
+        task = asyncio.create_task(train(cfg, sink=sink))
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 300)
+        gc.collect()
+        await asyncio.sleep(0.5)  # let any orphaned callback run and report
+    finally:
+        loop.set_exception_handler(old_handler)
+    assert [m["version"] for _, m in sink.rows] == [1, 2]
+    assert not unhandled, unhandled
+    assert len(rank_pids) == 1 and rank_pids[0] != os.getpid()
+    with pytest.raises(ProcessLookupError):
+        os.kill(rank_pids[0], 0)

@@ -60,52 +60,60 @@ async def train(cfg: RunConfig, sink: MetricsSink | None = None, pipeline: Pipel
         elif mode == "one_off":
             ro.launch_step()
         pushed: asyncio.Task[None] | None = None
-        for step in range(first, cfg.train.steps + 1):
-            t_step = time.perf_counter()
-            if mode == "sync":
-                ro.launch_step()
-            # 1. Get Batch (behind the staleness gate)
-            batch = await p.buffer.get_batch(num_groups, version=p.trainer.version)
-            wait_s = time.perf_counter() - t_step
-            if mode == "one_off":
-                ro.launch_step()  # the next step's rollout overlaps this step's training
-            # 2-5. Suspend, Update, Resume, Recompute KV (sync/one_off already updated after training)
-            t_sync = time.perf_counter()
-            if pushed is not None:
-                await pushed  # landed and staged on the engines while rollout went on
-                pauses = await p.proxy.update_weights(p.trainer.version)
-                ro.served_version = p.trainer.version
-                pushed = None
-                record("weight_sync", t_sync, time.perf_counter())
-            else:
-                pauses = {}
-            sync_s = time.perf_counter() - t_sync
-            if not batch:
-                log.warning("step %d: no trainable trajectory in the batch (fates %s)", step, dict(ro.fates))
-                continue
-            # 6. Train (rollout goes on meanwhile), push the new weights asynchronously
-            inflight_at_train = len(ro.inflight)
-            t_train = time.perf_counter()
-            m = await asyncio.to_thread(p.trainer.train_step, batch)
-            record("train", t_train, time.perf_counter())
-            pushed = asyncio.create_task(_push_and_prefetch(p, p.trainer.version, dict(p.trainer.named_weights())))
-            aborted = ro.abort_stale(p.trainer.version, alpha) if mode != "sync" and cfg.train.abort_stale else 0
-            if mode != "async" or not cfg.train.async_weight_sync:  # Sync+ / One-off update right after training
+        try:
+            for step in range(first, cfg.train.steps + 1):
+                t_step = time.perf_counter()
+                if mode == "sync":
+                    ro.launch_step()
+                # 1. Get Batch (behind the staleness gate)
+                batch = await p.buffer.get_batch(num_groups, version=p.trainer.version)
+                wait_s = time.perf_counter() - t_step
+                if mode == "one_off":
+                    ro.launch_step()  # the next step's rollout overlaps this step's training
+                # 2-5. Suspend, Update, Resume, Recompute KV (sync/one_off already updated after training)
                 t_sync = time.perf_counter()
-                await pushed
-                pauses = await p.proxy.update_weights(p.trainer.version)
-                ro.served_version, pushed = p.trainer.version, None
-                sync_s += time.perf_counter() - t_sync
-                record("weight_sync", t_sync, time.perf_counter())
-            metrics = _step_metrics(ro, batch, m, step_s=time.perf_counter() - t_step, wait_s=wait_s, sync_s=sync_s,
-                                    pauses=pauses, aborted=aborted, elapsed=time.perf_counter() - t_start,
-                                    inflight_at_train=inflight_at_train)
-            if cfg.train.eval_every and step % cfg.train.eval_every == 0:
-                metrics.update(await evaluate(p, cfg.train.eval_episodes))
-            if cfg.train.save_every and step % cfg.train.save_every == 0:
-                await save_checkpoint(p, ro, step, cfg.output_dir / f"checkpoint-{step}")
-            sink.log(step, metrics)
-            history.append(metrics)
+                if pushed is not None:
+                    await pushed  # landed and staged on the engines while rollout went on
+                    pauses = await p.proxy.update_weights(p.trainer.version)
+                    ro.served_version = p.trainer.version
+                    pushed = None
+                    record("weight_sync", t_sync, time.perf_counter())
+                else:
+                    pauses = {}
+                sync_s = time.perf_counter() - t_sync
+                if not batch:
+                    log.warning("step %d: no trainable trajectory in the batch (fates %s)", step, dict(ro.fates))
+                    continue
+                # 6. Train (rollout goes on meanwhile), push the new weights asynchronously
+                inflight_at_train = len(ro.inflight)
+                t_train = time.perf_counter()
+                m = await asyncio.to_thread(p.trainer.train_step, batch)
+                record("train", t_train, time.perf_counter())
+                pushed = asyncio.create_task(_push_and_prefetch(p, p.trainer.version, dict(p.trainer.named_weights())))
+                aborted = ro.abort_stale(p.trainer.version, alpha) if mode != "sync" and cfg.train.abort_stale else 0
+                if mode != "async" or not cfg.train.async_weight_sync:  # Sync+ / One-off update right after training
+                    t_sync = time.perf_counter()
+                    await pushed
+                    pauses = await p.proxy.update_weights(p.trainer.version)
+                    ro.served_version, pushed = p.trainer.version, None
+                    sync_s += time.perf_counter() - t_sync
+                    record("weight_sync", t_sync, time.perf_counter())
+                metrics = _step_metrics(ro, batch, m, step_s=time.perf_counter() - t_step, wait_s=wait_s, sync_s=sync_s,
+                                        pauses=pauses, aborted=aborted, elapsed=time.perf_counter() - t_start,
+                                        inflight_at_train=inflight_at_train)
+                if cfg.train.eval_every and step % cfg.train.eval_every == 0:
+                    metrics.update(await evaluate(p, cfg.train.eval_episodes))
+                if cfg.train.save_every and step % cfg.train.save_every == 0:
+                    await save_checkpoint(p, ro, step, cfg.output_dir / f"checkpoint-{step}")
+                sink.log(step, metrics)
+                history.append(metrics)
+        except BaseException:  # cancelled or failed mid-step: stop what runs beside the loop, then re-raise
+            tasks = [t for t in (pushed, producer) if t is not None]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await ro.cancel_all()
+            raise
         if pushed is not None:  # the last push lands before returning (a borrowed pipeline goes on)
             await pushed
         if producer is not None:

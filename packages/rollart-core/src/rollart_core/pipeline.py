@@ -205,4 +205,7 @@ class Pipeline:
         store = getattr(self, "store", None)
         if store is not None and hasattr(store, "close"):
             store.close()
+        trainer = getattr(self, "trainer", None)
+        if trainer is not None and hasattr(trainer, "close"):  # e.g. spawned trainer ranks
+            await asyncio.to_thread(trainer.close)
         await self._stack.aclose()
