@@ -9,8 +9,9 @@ time) and ``learning.png`` into ``--out``, and prints when each mode first reach
 final success rate, and when (seconds and episodes) each first reached ``--target`` (0.8, the
 issue's bar). The trainer runs in its own process (torch trainer ``spawn``), on all cores in sync
 mode and on half of them in async mode, where training overlaps rollout (as ``rollart bench``);
-``--in-process-trainer`` keeps the config's trainer as it is. Every point also records ``episodes``: the trajectories trained on so far (sample
-efficiency, independent of how busy the machine was). ``--modes sync`` runs one mode only.
+``--in-process-trainer`` keeps the config's trainer as it is. Every point also records
+``episodes``: the trajectories trained on so far (sample efficiency, independent of how busy the
+machine was). ``--modes sync`` runs one mode only.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rollart_core.bench_workload import train_threads
 from rollart_core.config import load_config
 from rollart_core.loop import train
 
@@ -52,8 +54,7 @@ def _run(cfg_path: Path, mode: str, alpha: int, minutes: float, eval_every: int,
     cfg = load_config(cfg_path)
     cfg.train.mode, cfg.train.alpha = mode, alpha  # type: ignore[assignment]
     if not in_process_trainer:
-        cores = os.cpu_count() or 1
-        cfg.trainer.options.update(spawn=True, num_threads=cores if mode == "sync" else max(1, cores // 2))
+        cfg.trainer.options.update(spawn=True, num_threads=train_threads("all" if mode == "sync" else "half"))
     cfg.train.steps = 100_000
     cfg.train.eval_every = eval_every
     cfg.train.save_every = 0

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import tempfile
 import time
@@ -33,6 +32,7 @@ from typing import Any, ClassVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from rollart_core.bench_workload import train_threads
 from rollart_core.metrics import MemorySink
 from rollart_core.simulate import simulate
 from rollart_core.types import Trajectory
@@ -51,8 +51,7 @@ class RecordingTrainer(TorchTrainer):
 
 
 def _threads(mode: str) -> int:
-    cores = os.cpu_count() or 1
-    return cores if mode == "sync" else max(1, cores // 2)
+    return train_threads("all" if mode == "sync" else "half")  # as rollart bench splits the cores
 
 
 def measured_rate(rows: list[dict[str, Any]], skip: int = 1) -> float:

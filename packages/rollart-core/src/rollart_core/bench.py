@@ -59,13 +59,13 @@ def _rewards(p: Any, cfg: RunConfig) -> dict[str, Any]:
             for i, t in enumerate(cfg.tasks)}
 
 
-def _use(p: Any, cfg: RunConfig, threads: int | None = None) -> None:
+def _use(p: Any, cfg: RunConfig, threads: int) -> None:
     """Point the shared pipeline at one mode's config: its tasks, reward executors, a fresh buffer,
-    and the trainer's share of the cores (``threads``; None: all)."""
+    and the trainer's share of the cores (``threads``)."""
     set_threads = getattr(p.trainer, "set_num_threads", None)
     if set_threads is None:
         raise ConfigError(f"rollart bench needs a trainer with set_num_threads (the torch trainer), got {cfg.trainer.impl!r}")
-    set_threads(threads or os.cpu_count() or 1)
+    set_threads(threads)
     p.config = cfg
     p.rewards = _rewards(p, cfg)
     p.buffer = SampleBuffer(cfg.train.alpha)
@@ -86,7 +86,7 @@ async def measure_capacity(p: Any, free: RunConfig, faulty: RunConfig, size: Ben
     free = free.model_copy(deep=True)
     for t in free.tasks:
         t.redundancy = 0
-    _use(p, free)
+    _use(p, free, train_threads("all"))
     num_groups = sum(t.groups_per_step for t in free.tasks)
     # generation alone: envs and rewards free, a saturating number of trajectories at once
     warm = Rollout(p)
@@ -199,9 +199,9 @@ async def _reward_capacity(ex: Any, workers: int, duration: float) -> dict[str, 
     return {"traj_per_s": n[0] / s, "calls_per_s": n[0] / s, "calls": n[0], "concurrency": workers, "seconds": s}
 
 
-async def run_segment(p: Any, cfg: RunConfig, keep_intervals: bool, threads: int | None = None) -> dict[str, Any]:
+async def run_segment(p: Any, cfg: RunConfig, keep_intervals: bool, threads: int) -> dict[str, Any]:
     """One mode for ``cfg.train.steps`` steps on the shared pipeline (its trainer on ``threads``
-    threads; None: all cores), with its busy intervals."""
+    threads), with its busy intervals."""
     from rollart_core.loop import train
 
     _use(p, cfg, threads)
@@ -342,7 +342,7 @@ async def run_bench(size_name: str, size: BenchSize, modes: list[str], out_dir: 
         log.info("capacity: %s", cap)
         for r in range(size.rounds):
             for m in modes:
-                seg = await run_segment(p, cfgs[m], keep_intervals=r == size.rounds - 1, threads=train_threads(MODES[m]))
+                seg = await run_segment(p, cfgs[m], keep_intervals=r == size.rounds - 1, threads=train_threads(MODES[m].train_cores))
                 seg["round"] = r
                 segments[m].append(seg)
                 print(f"round {r + 1}/{size.rounds} {m:<22} {seg['trained'] / seg['wall_s']:7.2f} traj/s "

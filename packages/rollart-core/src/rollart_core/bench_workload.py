@@ -159,9 +159,10 @@ def mode_config(base: RunConfig, spec: ModeSpec, size: BenchSize) -> RunConfig:
     return RunConfig.model_validate(cfg.model_dump())
 
 
-def train_threads(spec: ModeSpec) -> int:
+def train_threads(train_cores: Literal["all", "half"]) -> int:
+    """The trainer's threads for a :attr:`ModeSpec.train_cores` share of this machine's cores."""
     cores = os.cpu_count() or 1
-    return cores if spec.train_cores == "all" else max(1, cores // 2)
+    return cores if train_cores == "all" else max(1, cores // 2)
 
 
 def reward_executor(kind: str, size: BenchSize) -> ComponentConfig:

@@ -107,19 +107,14 @@ async def train(cfg: RunConfig, sink: MetricsSink | None = None, pipeline: Pipel
                     await save_checkpoint(p, ro, step, cfg.output_dir / f"checkpoint-{step}")
                 sink.log(step, metrics)
                 history.append(metrics)
-        except BaseException:  # cancelled or failed mid-step: stop what runs beside the loop, then re-raise
-            tasks = [t for t in (pushed, producer) if t is not None]
-            for t in tasks:
+            if pushed is not None:  # the last push lands before returning (a borrowed pipeline goes on)
+                await pushed
+        finally:  # also when cancelled or failed mid-step: stop what runs beside the loop
+            beside = [t for t in (pushed, producer) if t is not None]
+            for t in beside:
                 t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*beside, return_exceptions=True)
             await ro.cancel_all()
-            raise
-        if pushed is not None:  # the last push lands before returning (a borrowed pipeline goes on)
-            await pushed
-        if producer is not None:
-            producer.cancel()
-            await asyncio.gather(producer, return_exceptions=True)
-        await ro.cancel_all()
         summary = {"mode": mode, "alpha": alpha, "steps": len(history), "final_version": p.trainer.version,
                    "launched": ro.launched, "fates": dict(ro.fates), "wall_s": time.perf_counter() - t_start,
                    "dropped_groups": sorted(p.buffer.dropped_groups),

@@ -1,7 +1,7 @@
 """Spawned FSDP2 ranks driven over pipes from the process that owns the :class:`TorchTrainer`.
 
 Every rank is a ``spawn``-ed process running :func:`_rank_main`: it joins a process group
-(gloo on CPU, NCCL on GPU; rendezvous on 127.0.0.1 and a free port), builds a
+(gloo on CPU, NCCL on GPU; rendezvous on 127.0.0.1 and a free port; none for a single rank), builds a
 :class:`~rollart_train.torch_rank.TorchRankWorker`, then executes commands ``(method, args)`` from its
 pipe in order. The driver sends each command to every rank (the methods are collective), waits for all
 answers and returns rank 0's. Tensors come back through torch's shared-memory pickling.
@@ -48,8 +48,9 @@ def _rank_main(rank: int, world_size: int, port: int, conn: Any, config: TorchTr
         backend = "nccl" if config.device == "cuda" else "gloo"
         if config.device == "cuda":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=config.rank_timeout_s))
+        if world_size > 1:  # one spawned rank alone (``spawn: true``) needs no process group
+            dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                    timeout=datetime.timedelta(seconds=config.rank_timeout_s))
         from rollart_train.torch_rank import TorchRankWorker
 
         worker = TorchRankWorker(config, model_path, rank=rank, world_size=world_size)
@@ -72,7 +73,8 @@ def _rank_main(rank: int, world_size: int, port: int, conn: Any, config: TorchTr
             except Exception:
                 conn.send(("error", traceback.format_exc()))
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _shutdown(procs: list[Any], conns: list[Any]) -> None:

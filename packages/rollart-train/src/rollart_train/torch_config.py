@@ -97,8 +97,8 @@ class TorchTrainerConfig(BaseModel):
     serving rollout while the step runs. In process, a small model's Python-heavy step starves the
     event loop; give the spawned rank a share of the cores too (``num_threads``) where it shares the
     machine with the engines. On a 2-core CPU machine, generation beside a step: 24 ms per turn alone,
-    280 ms in process, 40 ms spawned on one thread. Costs a process start and one shared-memory copy
-    of the weights per ``named_weights``."""
+    280 ms in process, 40 ms spawned on one thread. Costs a process start; ``named_weights`` comes
+    back through shared memory, aliasing the rank's parameters as it does in process."""
     attn_implementation: str | None = None
     """Hugging Face attention implementation (default ``sdpa``; ``flash_attention_2`` uses varlen
     attention for packed micro-batches)."""
