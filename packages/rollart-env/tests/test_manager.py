@@ -118,6 +118,19 @@ async def test_episode_timeout(ray_cluster) -> None:
         assert m.stats["replacements"] == 1
 
 
+async def _wait_dead(handle, timeout_s: float = 30.0) -> None:
+    from ray.exceptions import RayActorError
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            await handle.info.remote()
+        except RayActorError:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"killed actor still answers after {timeout_s}s")
+
+
 async def test_actor_death_fails_its_envs_and_the_run_goes_on(ray_cluster) -> None:
     import ray
 
@@ -129,6 +142,9 @@ async def test_actor_death_fails_its_envs_and_the_run_goes_on(ray_cluster) -> No
             await e.reset(1)
         victim = m.slots[leased[0].env_id].actor
         ray.kill(victim.handle)
+        # ray.kill is asynchronous: calls sent right after it can still run. Wait until the
+        # actor answers with RayActorError (bounded), then drive the manager's own calls.
+        await _wait_dead(victim.handle)
         failed = 0
         for e in leased:
             try:
