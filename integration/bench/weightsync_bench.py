@@ -90,6 +90,7 @@ def store_bandwidth(name: str, store: Any, tensors: dict[str, Any], nbytes: int,
     import torch
 
     pushes, pulls = [], []
+    k = next(iter(tensors))
     for v in range(1, repeats + 1):
         t0 = time.perf_counter()
         store.push(v, tensors).result(600)
@@ -97,8 +98,8 @@ def store_bandwidth(name: str, store: Any, tensors: dict[str, Any], nbytes: int,
         t0 = time.perf_counter()
         out = store.pull(v)
         pulls.append(time.perf_counter() - t0)
-    k = next(iter(tensors))
-    assert torch.equal(out[k], tensors[k]), name
+        assert torch.equal(out[k], tensors[k]), name
+        del out  # as a receiver does once the weights are loaded
     push_s, pull_s = min(pushes), min(pulls)
     return {"backend": name, "push_gbps": nbytes / push_s / GB, "pull_gbps": nbytes / pull_s / GB,
             "round_trip_gbps": nbytes / (push_s + pull_s) / GB, "push_s": push_s, "pull_s": pull_s}
@@ -124,10 +125,14 @@ def part1(nbytes: int, repeats: int, with_ray: bool) -> dict[str, Any]:
         fs = FilesystemWeightStore(FilesystemWeightStoreConfig(root=Path(d), keep_last=1))
         res["backends"].append(store_bandwidth("filesystem", fs, tensors, nbytes, repeats))
         fs.close()
-    with MooncakeStoreServer(MooncakeServerConfig(segment_bytes=max(3 * nbytes + (64 << 20), 256 << 20))) as srv:
-        mc = MooncakeWeightStore(srv.store_config(keep_last=1, bucket_bytes=32 << 20))
-        res["backends"].append(store_bandwidth("mooncake", mc, tensors, nbytes, repeats))
-        mc.close()
+    # "mooncake": a regular client over TCP; "mooncake-shm": a dummy client of the holder run as
+    # Mooncake's real client, through shared memory (same host only)
+    for name, shm in (("mooncake", False), ("mooncake-shm", True)):
+        cfg = MooncakeServerConfig(segment_bytes=max(3 * nbytes + (64 << 20), 256 << 20), shared_memory=shm)
+        with MooncakeStoreServer(cfg) as srv:
+            mc = MooncakeWeightStore(srv.store_config(keep_last=1, bucket_bytes=8 << 20))
+            res["backends"].append(store_bandwidth(name, mc, tensors, nbytes, repeats))
+            mc.close()
     if with_ray:
         from rollart_core.cluster import RayCluster
         from rollart_core.config import RayConfig
@@ -140,6 +145,7 @@ def part1(nbytes: int, repeats: int, with_ray: bool) -> dict[str, Any]:
     for b in res["backends"]:
         b["round_trip_vs_tcp"] = b["round_trip_gbps"] / res["tcp_loopback_gbps"]
         b["pull_vs_tcp"] = b["pull_gbps"] / res["tcp_loopback_gbps"]
+        b["push_vs_tcp"] = b["push_gbps"] / res["tcp_loopback_gbps"]
         b["round_trip_vs_memcpy"] = b["round_trip_gbps"] / res["memcpy_gbps"]
     return res
 
@@ -262,10 +268,12 @@ def main() -> None:
     p1 = result["part1"]
     print(f"\nPart 1: {nbytes >> 20} MiB of fp32 weights; ceilings: memcpy {p1['memcpy_gbps']:.2f} GB/s, "
           f"loopback TCP {p1['tcp_loopback_gbps']:.2f} GB/s")
-    print(f"{'backend':<11}{'push GB/s':>10}{'pull GB/s':>10}{'push+pull GB/s':>16}{'pull/TCP':>10}{'rt/TCP':>8}{'rt/memcpy':>10}")
+    print(f"{'backend':<13}{'push GB/s':>10}{'pull GB/s':>10}{'push+pull GB/s':>16}{'push/TCP':>10}{'pull/TCP':>10}"
+          f"{'rt/TCP':>8}{'rt/memcpy':>10}")
     for b in p1["backends"]:
-        print(f"{b['backend']:<11}{b['push_gbps']:>10.2f}{b['pull_gbps']:>10.2f}{b['round_trip_gbps']:>16.2f}"
-              f"{b['pull_vs_tcp']:>10.2f}{b['round_trip_vs_tcp']:>8.2f}{b['round_trip_vs_memcpy']:>10.2f}")
+        print(f"{b['backend']:<13}{b['push_gbps']:>10.2f}{b['pull_gbps']:>10.2f}{b['round_trip_gbps']:>16.2f}"
+              f"{b['push_vs_tcp']:>10.2f}{b['pull_vs_tcp']:>10.2f}{b['round_trip_vs_tcp']:>8.2f}"
+              f"{b['round_trip_vs_memcpy']:>10.2f}")
     if not args.no_vllm:
         with tempfile.TemporaryDirectory() as d:
             p2 = asyncio.run(part2(3 if args.quick else 6, args.interval_s, Path(d)))

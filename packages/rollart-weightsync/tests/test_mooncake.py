@@ -23,9 +23,12 @@ from rollart_weightsync.mooncake import MooncakeWeightStoreConfig, _client, _res
 TIMEOUT = 60
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[MooncakeStoreServer]:
-    with MooncakeStoreServer(MooncakeServerConfig(segment_bytes=384 << 20)) as s:
+@pytest.fixture(scope="module", params=["tcp", "shm"])
+def server(request: pytest.FixtureRequest) -> Iterator[MooncakeStoreServer]:
+    """tcp: the holder is a Python client, stores reach it over TCP. shm: the holder is Mooncake's
+    real client and stores join it as dummy clients through shared memory."""
+    cfg = MooncakeServerConfig(segment_bytes=384 << 20, shared_memory=request.param == "shm")
+    with MooncakeStoreServer(cfg) as s:
         yield s
     assert s.master is None and s.holder is None
 
@@ -249,6 +252,34 @@ def test_picklable_and_registered(make, server: MooncakeStoreServer) -> None:
         build("weight_store", "mooncake", {"master": server.master_address, "nope": 1}, "ws")
 
 
+def test_shared_memory_segments_are_reused() -> None:
+    from rollart_weightsync.mooncake import _SHM
+
+    with MooncakeStoreServer(MooncakeServerConfig(segment_bytes=64 << 20, shared_memory=True)) as srv:
+        st = MooncakeWeightStore(srv.store_config(bucket_bytes=64 << 10, batch_buckets=2, keep_last=1))
+        shm = _SHM[id(_client(st.config))]
+        sd = model_state(3)
+        into = {"embed.weight": torch.zeros(3000, 64)}
+        for v in range(1, 4):
+            st.push(v, sd).result(TIMEOUT)
+            assert_bits_equal(st.pull(v), sd)  # pulled tensors view a segment; dropped here
+            st.pull(v, into=into)
+        before = shm.allocated
+        assert before >= 3  # the push buffer, a whole-version pull, the staging of a pull into tensors
+        for v in range(4, 8):
+            st.push(v, sd).result(TIMEOUT)
+            assert_bits_equal(st.pull(v), sd)
+            st.pull(v, into=into)
+        assert shm.allocated == before  # steady state: every segment came back to the free list
+        kept = st.pull(7)  # a pulled version kept alive holds its segment: the next pull gets another
+        again = st.pull(7)
+        assert kept["ids"].data_ptr() != again["ids"].data_ptr()
+        assert_bits_equal(kept, sd)
+        assert_bits_equal(again, sd)
+        assert st.stats["shm_fallbacks"] == 0
+        st.close()
+
+
 def test_unreachable_master_is_a_clear_error() -> None:
     from rollart_weightsync.mooncake_server import free_port
 
@@ -266,8 +297,9 @@ def test_mc_force_tcp_is_respected(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _resolve_protocol(cfg.model_copy(update={"protocol": "rdma"})) == "tcp"
 
 
-def test_holder_restart_next_push_recreates_version() -> None:
-    with MooncakeStoreServer(MooncakeServerConfig(segment_bytes=64 << 20)) as srv:
+@pytest.mark.parametrize("shared_memory", [False, True])
+def test_holder_restart_next_push_recreates_version(shared_memory: bool) -> None:
+    with MooncakeStoreServer(MooncakeServerConfig(segment_bytes=64 << 20, shared_memory=shared_memory)) as srv:
         st = MooncakeWeightStore(srv.store_config(bucket_bytes=64 << 10))
         st.push(1, model_state(1)).result(TIMEOUT)
         old_pid = srv.holder.pid  # type: ignore[union-attr]
@@ -278,6 +310,9 @@ def test_holder_restart_next_push_recreates_version() -> None:
         st.push(2, model_state(2)).result(TIMEOUT)
         assert st.latest_version() == 2
         assert_bits_equal(st.pull(2), model_state(2))
+        # the restarted real client does not map this process's shared memory: the store fell back
+        # to TCP (once) instead of failing
+        assert st.stats["shm_fallbacks"] == int(shared_memory)
         st.close()
         pids = (srv.master.pid, srv.holder.pid)  # type: ignore[union-attr]
     for pid in pids:
@@ -285,12 +320,15 @@ def test_holder_restart_next_push_recreates_version() -> None:
             os.kill(pid, 0)
 
 
-def test_serve_cli_runs_and_stops_by_signal() -> None:
-    proc = subprocess.Popen([sys.executable, "-m", "rollart_weightsync.cli", "serve", "--segment-gib", "0.05"],
+@pytest.mark.parametrize("shared_memory", [False, True])
+def test_serve_cli_runs_and_stops_by_signal(shared_memory: bool) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "rollart_weightsync.cli", "serve", "--segment-gib", "0.05",
+                             *(["--shared-memory"] if shared_memory else [])],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         info = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
-        st = MooncakeWeightStore(master=info["master"], prefix="cli")
+        assert (info["real_client"] is not None) == shared_memory
+        st = MooncakeWeightStore(master=info["master"], real_client=info["real_client"], prefix="cli")
         st.push(1, {"x": torch.ones(5)}).result(TIMEOUT)
         assert torch.equal(st.pull(1)["x"], torch.ones(5))
         st.close()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -75,10 +75,12 @@ def checksum(buf: Any, algo: str) -> str:
 
 
 def pack(tensors: Mapping[str, Any], version: int, bucket_bytes: int, algo: str,
-         dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> tuple[torch.Tensor, Manifest]:
+         dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
+         alloc: Callable[[int], torch.Tensor] | None = None) -> tuple[torch.Tensor, Manifest]:
     """Copy ``tensors`` (any device, DTensors gathered) into one flat CPU buffer; convert floating
     tensors to ``dtype``. Bucket checksums are left empty (filled by :func:`seal`). ``out``: a buffer
-    of a previous push to reuse when its size fits (a fresh one pays its page faults on every push)."""
+    of a previous push to reuse when its size fits (a fresh one pays its page faults on every push);
+    ``alloc(nbytes)``: where a new buffer comes from (default: ``torch.empty``)."""
     import torch
 
     entries = []
@@ -92,8 +94,10 @@ def pack(tensors: Mapping[str, Any], version: int, bucket_bytes: int, algo: str,
                         "offset": offset, "nbytes": nbytes})
         srcs.append((t, dt))
         offset += -(-nbytes // ALIGN) * ALIGN
-    flat = out if out is not None and out.numel() == offset and out.dtype == torch.uint8 else torch.empty(
-        offset, dtype=torch.uint8)
+    if out is not None and out.numel() == offset and out.dtype == torch.uint8:
+        flat = out
+    else:
+        flat = alloc(offset) if alloc is not None else torch.empty(offset, dtype=torch.uint8)
     for e, (t, dt) in zip(entries, srcs, strict=True):
         if e["nbytes"]:
             _view(flat, e, dt).copy_(t)

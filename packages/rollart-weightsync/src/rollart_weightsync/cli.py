@@ -21,6 +21,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--segment-gib", type=float, default=1.0, help="memory the holder contributes (GiB)")
     serve.add_argument("--protocol", default="tcp", choices=["tcp", "rdma"])
     serve.add_argument("--rdma-devices", default="")
+    serve.add_argument("--shared-memory", action="store_true",
+                       help="run the holder as Mooncake's real client: clients on this host that set "
+                            "real_client (printed) reach it through shared memory")
     args = parser.parse_args(argv)
 
     from rollart_core.errors import RollartError
@@ -29,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = MooncakeServerConfig(host=args.host, rpc_port=args.rpc_port, metrics_port=args.metrics_port,
                                    segment_bytes=int(args.segment_gib * (1 << 30)), protocol=args.protocol,
-                                   rdma_devices=args.rdma_devices)
+                                   rdma_devices=args.rdma_devices, shared_memory=args.shared_memory)
         server = MooncakeStoreServer(cfg)
         server.start()
     except (RollartError, ValueError) as exc:
@@ -44,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     print(json.dumps({"master": server.master_address, "metrics_port": server.metrics_port,
                       "master_pid": server.master.pid if server.master else None,
-                      "holder_pid": server.holder.pid if server.holder else None}), flush=True)
+                      "holder_pid": server.holder.pid if server.holder else None,
+                      "real_client": server.store_config().real_client}), flush=True)
     try:
         stop.wait()
     finally:

@@ -11,6 +11,15 @@ memory; the store's memory is the global segment of a long-lived holder process
 (:class:`~rollart_weightsync.mooncake_server.MooncakeStoreServer`), because Mooncake drops the
 objects of a client that exits. One writer per ``prefix`` is assumed (the trainer's rank 0).
 
+Two ways to reach the holder:
+
+- a regular client (``real_client=None``): transfers go through Mooncake's transfer engine, TCP or
+  RDMA, from any machine;
+- on the holder's own host, a *dummy* client of the holder run as Mooncake's standalone real client
+  (``MooncakeServerConfig(shared_memory=True)`` sets ``real_client``): this process's transfer
+  buffers are shared memory that the holder maps, so a put or get is one memcpy inside the holder
+  instead of a TCP stream through the loopback device.
+
 The object is picklable: a copy sent to a Ray actor or a vLLM worker reconnects lazily.
 """
 
@@ -41,6 +50,7 @@ __all__ = ["MooncakeWeightStore", "MooncakeWeightStoreConfig"]
 log = logging.getLogger(__name__)
 INSTALL = "pip install 'rollart-weightsync[mooncake]'  (CUDA)  or  'rollart-weightsync[mooncake-cpu]'  (no CUDA)"
 _NOT_FOUND = -704
+_SHM_NOT_MAPPED = -600  # INVALID_PARAMS: a (restarted) real client does not map our shared memory
 
 
 class MooncakeWeightStoreConfig(BaseModel):
@@ -63,7 +73,7 @@ class MooncakeWeightStoreConfig(BaseModel):
     bucket_bytes: int = Field(32 << 20, ge=4096)
     """Size of one stored object; a version is streamed bucket by bucket."""
     batch_buckets: int = Field(4, ge=1)
-    """Buckets per batched transfer call (pull memory for ``into=``: bucket_bytes × this)."""
+    """Buckets per batched transfer call (pull memory for ``into=``: 2 staging buffers of bucket_bytes × this)."""
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
     """Convert floating tensors to this dtype on push (None: keep the trainer's dtype)."""
     checksum: Literal["blake3", "crc32", "sha256", "none"] = "blake3"
@@ -76,6 +86,9 @@ class MooncakeWeightStoreConfig(BaseModel):
     """How long a push retries failed puts (e.g. while the master notices a restarted holder)."""
     hard_pin: bool = True
     """Pin objects so the master's eviction never drops part of a committed version."""
+    real_client: str | None = Field(None, pattern=r"^[^:\s]+:[0-9]{1,5}$")
+    """``host:port`` of the holder run as Mooncake's real client on this host: join it as a dummy
+    client over shared memory (see the module docstring). None: a regular TCP/RDMA client."""
 
 
 _CLIENTS: dict[tuple[Any, ...], Any] = {}
@@ -94,25 +107,82 @@ def _resolve_protocol(cfg: MooncakeWeightStoreConfig) -> str:
 def _client(cfg: MooncakeWeightStoreConfig) -> Any:
     """One Mooncake client per process and endpoint (pickled copies in one process share it)."""
     protocol = _resolve_protocol(cfg)
-    key = (cfg.master, cfg.metadata_server, protocol, cfg.rdma_devices, cfg.local_hostname)
+    key = (cfg.master, cfg.metadata_server, protocol, cfg.rdma_devices, cfg.local_hostname, cfg.real_client)
     with _CLIENTS_LOCK:
         if key in _CLIENTS:
             return _CLIENTS[key]
         require("mooncake.store", INSTALL)
         from mooncake.store import MooncakeDistributedStore
 
-        host, _, port = cfg.master.rpartition(":")
-        try:  # fail fast: setup() against a dead master retries for a long time
-            socket.create_connection((host, int(port)), timeout=3).close()
-        except (OSError, ValueError) as exc:
-            raise WeightSyncError(f"mooncake master {cfg.master!r} is not reachable: {exc}") from None
+        for what, addr in (("master", cfg.master), ("real client", cfg.real_client)):
+            if addr is None:
+                continue
+            host, _, port = addr.rpartition(":")
+            try:  # fail fast: setup() against a dead master retries for a long time
+                socket.create_connection((host, int(port)), timeout=3).close()
+            except (OSError, ValueError) as exc:
+                raise WeightSyncError(f"mooncake {what} {addr!r} is not reachable: {exc}") from None
         c = MooncakeDistributedStore()
-        rc = c.setup(cfg.local_hostname, cfg.metadata_server, 0, cfg.local_buffer_bytes, protocol,
-                     cfg.rdma_devices, cfg.master)
+        if cfg.real_client:
+            rc = c.setup_dummy(0, cfg.local_buffer_bytes, cfg.real_client)
+        else:
+            rc = c.setup(cfg.local_hostname, cfg.metadata_server, 0, cfg.local_buffer_bytes, protocol,
+                         cfg.rdma_devices, cfg.master)
         if rc != 0:
-            raise WeightSyncError(f"mooncake client setup failed (code {rc}) for master {cfg.master}")
+            raise WeightSyncError(f"mooncake client setup failed (code {rc}) for master {cfg.master}"
+                                  + (f" through real client {cfg.real_client}" if cfg.real_client else ""))
         _CLIENTS[key] = c
+        if cfg.real_client:
+            _SHM[id(c)] = _ShmBuffers(c)
         return c
+
+
+class _ShmBuffers:
+    """Transfer buffers of a dummy client: shared memory segments that the real client maps.
+
+    Mooncake only moves a dummy client's data to or from such segments, registered whole. A segment
+    is allocated per size when none is free and goes back to the free list when the last tensor
+    viewing it is gone (a pulled version's tensors included). Segments are kept for the process's
+    life: Mooncake's Python API frees them only with the client."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self._free: dict[int, list[int]] = {}
+        self._lock = threading.Lock()
+        self.allocated = 0
+        """Segments allocated so far (reuse keeps this at the number used at once)."""
+        self.lost = False
+        """The real client stopped mapping our segments (it was restarted): use a regular client."""
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        import ctypes
+        import weakref
+
+        import torch
+
+        with self._lock:
+            free = self._free.get(nbytes)
+            ptr = free.pop() if free else 0
+        if not ptr:
+            ptr = self._client.alloc_from_mem_pool(nbytes)
+            if not ptr or self._client.register_buffer(ptr, nbytes) != 0:
+                raise WeightSyncError(f"mooncake dummy client could not get {nbytes} bytes of shared memory "
+                                      "registered with the real client (is /dev/shm large enough?)")
+            self.allocated += 1
+        arr = (ctypes.c_uint8 * nbytes).from_address(ptr)
+        weakref.finalize(arr, self._release, nbytes, ptr)  # the tensor below keeps arr alive
+        return torch.frombuffer(arr, dtype=torch.uint8)
+
+    def _release(self, nbytes: int, ptr: int) -> None:
+        with self._lock:
+            self._free.setdefault(nbytes, []).append(ptr)
+
+
+_SHM: dict[int, _ShmBuffers] = {}
+
+
+class _ShmLost(Exception):
+    """A transfer of a dummy client failed because its real client does not map its segments."""
 
 
 class MooncakeWeightStore:
@@ -132,13 +202,28 @@ class MooncakeWeightStore:
         self._spare: torch.Tensor | None = None
         """The flat buffer of the last committed push, reused by the next push of the same size."""
         self._spare_lock = threading.Lock()
-        self.stats = {"pushes": 0, "pulls": 0, "refetches": 0, "push_retries": 0}
+        self.stats = {"pushes": 0, "pulls": 0, "refetches": 0, "push_retries": 0, "shm_fallbacks": 0}
 
     def __getstate__(self) -> dict[str, Any]:  # threads and the client stay behind
         return {"config": self.config}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["config"])  # type: ignore[misc]
+
+    def _conn(self) -> Any:
+        """This process's client: the dummy client while the real client maps our shared memory,
+        else (no ``real_client``, or it was restarted) a regular TCP/RDMA client."""
+        c = _client(self.config)
+        shm = _SHM.get(id(c))
+        if shm is not None and shm.lost:
+            return _client(self.config.model_copy(update={"real_client": None}))
+        return c
+
+    def _shm_lost(self, c: Any, what: str) -> None:
+        _SHM[id(c)].lost = True
+        self.stats["shm_fallbacks"] += 1
+        log.warning("mooncake real client %s no longer maps this process's shared memory (restarted?); "
+                    "%s and later transfers go over %s", self.config.real_client, what, _resolve_protocol(self.config))
 
     # keys ------------------------------------------------------------------------------------
 
@@ -172,45 +257,64 @@ class MooncakeWeightStore:
         dtype = getattr(torch, self.config.dtype) if self.config.dtype else None
         with self._spare_lock:
             spare, self._spare = self._spare, None
-        flat, manifest = _layout.pack(tensors, version, self.config.bucket_bytes, self.config.checksum, dtype, spare)
+        shm = _SHM.get(id(self._conn()))
+        flat, manifest = _layout.pack(tensors, version, self.config.bucket_bytes, self.config.checksum, dtype, spare,
+                                      alloc=shm.take if shm is not None else None)
         if self._pusher is None:
             self._pusher = Pusher("mooncake-weight-push")
         return self._pusher.submit(lambda: self._commit(flat, manifest))
 
     def _commit(self, flat: torch.Tensor, manifest: _layout.Manifest) -> None:
-        c = _client(self.config)
+        c = self._conn()
+        try:
+            self._put_version(c, flat, manifest)
+        except _ShmLost:
+            self._shm_lost(c, f"version {manifest.version}")
+            self._put_version(self._conn(), flat, manifest)
+        finally:
+            with self._spare_lock:
+                self._spare = flat
+        self._update_index(self._conn(), manifest.version, len(manifest.ranges()) if manifest.total_bytes else 0)
+        self.stats["pushes"] += 1
+        self._subs.notify()
+
+    def _put_version(self, c: Any, flat: torch.Tensor, manifest: _layout.Manifest) -> None:
         v = manifest.version
-        _layout.seal(flat, manifest)
         ranges = manifest.ranges() if manifest.total_bytes else []
         ptr = flat.data_ptr()
-        if ranges:
+        shm = _SHM.get(id(c))
+        if ranges and shm is None:  # a dummy client's buffers are registered when allocated
             c.register_buffer(ptr, flat.numel())
+        # the checksums only go into the manifest, written last: compute them (GIL released) while
+        # the buckets are being put
+        sealer = ThreadPoolExecutor(1, thread_name_prefix="mooncake-seal")
         try:
+            sealed = sealer.submit(_layout.seal, flat, manifest)
             rcfg = self._rcfg()
             step = self.config.batch_buckets
             for g in range(0, len(ranges), step):
                 idx = range(g, min(g + step, len(ranges)))
                 keys = [self.bucket_key(v, i) for i in idx]
                 self._retry(f"version {v} buckets {idx.start}..{idx.stop - 1}", lambda k=keys, i=idx: c.batch_upsert_from(
-                    k, [ptr + ranges[j][0] for j in i], [ranges[j][1] - ranges[j][0] for j in i], rcfg))
+                    k, [ptr + ranges[j][0] for j in i], [ranges[j][1] - ranges[j][0] for j in i], rcfg),
+                    shm=shm is not None)
+            sealed.result()
             raw = manifest.to_bytes()
             self._retry(f"version {v} manifest", lambda: [c.upsert(self.manifest_key(v), raw, rcfg)])
         finally:
-            if ranges:
+            sealer.shutdown(wait=True)
+            if ranges and shm is None:
                 c.unregister_buffer(ptr)
-            with self._spare_lock:
-                self._spare = flat
-        self._update_index(c, v, len(ranges))
-        self.stats["pushes"] += 1
-        self._subs.notify()
 
-    def _retry(self, what: str, call: Callable[[], list[int]]) -> None:
+    def _retry(self, what: str, call: Callable[[], list[int]], shm: bool = False) -> None:
         deadline = time.monotonic() + self.config.push_retry_s
         while True:
             codes = call()
             bad = [rc for rc in codes if rc != 0]
             if not bad:
                 return
+            if shm and _SHM_NOT_MAPPED in bad:
+                raise _ShmLost(what)
             if time.monotonic() >= deadline:
                 raise WeightSyncError(f"mooncake put of {what} failed (codes {sorted(set(bad))}); "
                                       "is the store holder running and its segment large enough?")
@@ -253,61 +357,78 @@ class MooncakeWeightStore:
         return all(code in (0, _NOT_FOUND) for code in [rc, *codes])
 
     def latest_version(self) -> int | None:
-        return self._read_index(_client(self.config))["latest"]
+        return self._read_index(self._conn())["latest"]
 
     def committed_versions(self) -> list[int]:
-        return sorted(int(v) for v in self._read_index(_client(self.config))["versions"])
+        return sorted(int(v) for v in self._read_index(self._conn())["versions"])
 
     # pull ------------------------------------------------------------------------------------
 
     def manifest(self, version: int) -> _layout.Manifest:
-        raw = _client(self.config).get(self.manifest_key(version))
+        raw = self._conn().get(self.manifest_key(version))
         if not raw:
             raise WeightSyncError(f"version {version} is not committed in mooncake store "
                                   f"{self.config.prefix!r} (latest: {self.latest_version()})")
         return _layout.Manifest.from_bytes(raw, f"version {version}")
 
     def pull(self, version: int, into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        c = self._conn()
+        try:
+            return self._pull(c, version, into)
+        except _ShmLost:
+            self._shm_lost(c, f"the pull of version {version}")
+            return self._pull(self._conn(), version, into)
+
+    def _pull(self, c: Any, version: int, into: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
         import torch
 
-        c = _client(self.config)
+        shm = _SHM.get(id(c))
         m = self.manifest(version)
         check_into(into, m.shapes)
         ranges = m.ranges() if m.total_bytes else []
         step = self.config.batch_buckets
+        def alloc(nbytes: int) -> torch.Tensor:
+            return shm.take(nbytes) if shm is not None else torch.empty(nbytes, dtype=torch.uint8)
+
         if into is None:  # zero-copy: buckets land in one buffer that the tensors then view
-            flat = torch.empty(m.total_bytes, dtype=torch.uint8)
-            self._fetch_all(c, m, flat, ranges, step, lambda piece, start: None, whole=True)
+            flat = alloc(m.total_bytes)
+            self._fetch_all(c, m, [flat], ranges, step, lambda piece, start: None, whole=True)
             self.stats["pulls"] += 1
             return _layout.unpack(flat, m)
-        targets = dict(into)
+        out = dict(into)
         for e in m.tensors:
-            if e["name"] not in targets:
-                targets[e["name"]] = torch.empty(e["shape"], dtype=getattr(torch, e["dtype"]))
+            if e["name"] not in out:
+                out[e["name"]] = torch.empty(e["shape"], dtype=getattr(torch, e["dtype"]))
         partial: dict[str, torch.Tensor] = {}
-        staging = torch.empty(min(m.total_bytes, m.bucket_bytes * step), dtype=torch.uint8)
-        self._fetch_all(c, m, staging, ranges, step,
-                        lambda piece, start: _layout.copy_out(piece, start, m, targets, partial), whole=False)
+        n = min(m.total_bytes, m.bucket_bytes * step)
+        self._fetch_all(c, m, [alloc(n), alloc(n)], ranges, step,
+                        lambda piece, start: _layout.copy_out(piece, start, m, out, partial), whole=False)
         self.stats["pulls"] += 1
-        return targets
+        return out
 
-    def _fetch_all(self, c: Any, m: _layout.Manifest, buf: torch.Tensor, ranges: list[tuple[int, int]],
+    def _fetch_all(self, c: Any, m: _layout.Manifest, bufs: list[torch.Tensor], ranges: list[tuple[int, int]],
                    step: int, consume: Callable[[torch.Tensor, int], None], *, whole: bool) -> None:
+        """Fetch the version group by group (``step`` buckets per call) into ``bufs``: one buffer for
+        the whole version, or staging buffers used in turn. Group g is verified and consumed in a
+        thread (checksums release the GIL) while group g+1 is transferred; a staging buffer is
+        refilled only after its group was consumed."""
         if not ranges:
             return
-        ptr = buf.data_ptr()
-        c.register_buffer(ptr, buf.numel())
-        # With one buffer for the whole version, group g is verified (checksums release the GIL) while
-        # group g+1 is transferred; a reused staging buffer must be consumed before it is refilled.
-        pool = ThreadPoolExecutor(1, thread_name_prefix="mooncake-verify") if whole else None
+        registered = [] if id(c) in _SHM else bufs  # a dummy client's buffers are registered already
+        for b in registered:
+            c.register_buffer(b.data_ptr(), b.numel())
+        pool = ThreadPoolExecutor(1, thread_name_prefix="mooncake-verify") if whole or len(bufs) > 1 else None
         pending: Future[None] | None = None
         try:
-            for g in range(0, len(ranges), step):
+            for k, g in enumerate(range(0, len(ranges), step)):
                 idx = list(range(g, min(g + step, len(ranges))))
                 base = 0 if whole else ranges[g][0]
+                buf = bufs[k % len(bufs)]
                 views = [buf[ranges[i][0] - base: ranges[i][1] - base] for i in idx]
                 keys = [self.bucket_key(m.version, i) for i in idx]
                 codes = c.batch_get_into(keys, [v.data_ptr() for v in views], [v.numel() for v in views])
+                if _SHM_NOT_MAPPED in codes and id(c) in _SHM:
+                    raise _ShmLost(keys[0])
                 if pending is not None:
                     pending.result()
 
@@ -326,7 +447,8 @@ class MooncakeWeightStore:
         finally:
             if pool is not None:
                 pool.shutdown(wait=True)
-            c.unregister_buffer(ptr)
+            for b in registered:
+                c.unregister_buffer(b.data_ptr())
 
     def _verify(self, c: Any, m: _layout.Manifest, i: int, key: str, view: torch.Tensor, rc: int) -> None:
         n = view.numel()

@@ -8,6 +8,11 @@ start-up, and are stopped by PID.
     with MooncakeStoreServer(MooncakeServerConfig(segment_bytes=1 << 30)) as server:
         store = MooncakeWeightStore(server.store_config(bucket_bytes=16 << 20))
 
+With ``shared_memory=True`` the holder is Mooncake's standalone real client (``mooncake_client``):
+it still serves every machine over TCP/RDMA, and clients on its host that get ``real_client`` in
+their config (``store_config`` sets it) join it as dummy clients whose transfers are memcpys in
+shared memory.
+
 ``rollart-weightsync serve`` runs the same in the foreground.
 """
 
@@ -58,6 +63,10 @@ class MooncakeServerConfig(BaseModel):
     startup_timeout_s: float = Field(60.0, gt=0)
     log_dir: Path | None = None
     """Where master and holder logs go; None: a temporary directory, removed on stop."""
+    shared_memory: bool = False
+    """Run the holder as Mooncake's real client so same-host clients reach it through shared memory."""
+    real_client_threads: int = Field(2, ge=1)
+    """Service threads of the real client (``shared_memory`` only)."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -77,6 +86,7 @@ class MooncakeStoreServer:
         self.holder: subprocess.Popen[bytes] | None = None
         self.rpc_port: int | None = None
         self.metrics_port: int | None = None
+        self.real_client_port: int | None = None
         self._tmp: str | None = None
 
     @property
@@ -88,6 +98,8 @@ class MooncakeStoreServer:
     def store_config(self, **options: Any) -> MooncakeWeightStoreConfig:
         """A :class:`MooncakeWeightStoreConfig` pointing at this server."""
         options.setdefault("local_hostname", self.config.host)
+        if self.config.shared_memory:
+            options.setdefault("real_client", f"{self.config.host}:{self.real_client_port}")
         return MooncakeWeightStoreConfig(master=self.master_address, **options)
 
     def __enter__(self) -> MooncakeStoreServer:
@@ -108,9 +120,7 @@ class MooncakeStoreServer:
     def start(self) -> None:
         require("mooncake.store", INSTALL)
         c = self.config
-        binary = shutil.which("mooncake_master", path=os.path.dirname(sys.executable)) or shutil.which("mooncake_master")
-        if binary is None:
-            raise WeightSyncError(f"mooncake_master not found next to {sys.executable} nor on PATH ({INSTALL})")
+        binary = _binary("mooncake_master")
         self.rpc_port = c.rpc_port or free_port(c.host)
         self.metrics_port = c.metrics_port or free_port(c.host)
         cmd = [binary, f"-rpc_port={self.rpc_port}", f"-rpc_address={c.host}",
@@ -127,23 +137,27 @@ class MooncakeStoreServer:
         log.info("mooncake store at %s (master pid %d, holder pid %d)", self.master_address,
                  self.master.pid, self.holder.pid if self.holder else -1)
 
-    def _wait_port(self, port: int) -> None:
+    def _wait_port(self, port: int, proc: subprocess.Popen[bytes] | None = None, name: str = "master") -> None:
+        proc = proc if proc is not None else self.master
+        what = "mooncake_master" if name == "master" else f"mooncake {name}"
         deadline = time.monotonic() + self.config.startup_timeout_s
         while time.monotonic() < deadline:
-            if self.master is not None and self.master.poll() is not None:
-                raise WeightSyncError(f"mooncake_master exited with {self.master.returncode}; "
-                                      f"see {self._log_path('master.log')}")
+            if proc is not None and proc.poll() is not None:
+                raise WeightSyncError(f"{what} exited with {proc.returncode}; see {self._log_path(name + '.log')}")
             try:
                 socket.create_connection((self.config.host, port), timeout=0.5).close()
                 return
             except OSError:
                 time.sleep(0.05)
-        raise WeightSyncError(f"mooncake_master did not listen on {self.config.host}:{port} "
+        raise WeightSyncError(f"{what} did not listen on {self.config.host}:{port} "
                               f"within {self.config.startup_timeout_s} s")
 
     def start_holder(self) -> None:
         """Start the holder and wait for it to contribute its segment."""
         c = self.config
+        if c.shared_memory:
+            self._start_real_client()
+            return
         cmd = [sys.executable, "-m", "rollart_weightsync.mooncake_server", self.master_address,
                str(c.segment_bytes), c.host, c.protocol, c.rdma_devices]
         with open(self._log_path("holder.log"), "ab") as logf:
@@ -161,6 +175,20 @@ class MooncakeStoreServer:
             raise WeightSyncError(f"mooncake store holder did not start (said {line!r}, exit code "
                                   f"{self.holder.poll()}); see {self._log_path('holder.log')}")
 
+    def _start_real_client(self) -> None:
+        """The holder as ``mooncake_client``: it mounts its segment, then listens (on the same port
+        after a restart, so dummy clients find it again)."""
+        c = self.config
+        protocol = "tcp" if os.environ.get("MC_FORCE_TCP", "").lower() in ("1", "true", "yes", "on") else c.protocol
+        self.real_client_port = self.real_client_port or free_port(c.host)
+        cmd = [_binary("mooncake_client"), f"-host={c.host}", f"-port={self.real_client_port}",
+               f"-master_server_address={self.master_address}", "-metadata_server=P2PHANDSHAKE",
+               f"-global_segment_size={c.segment_bytes}", f"-protocol={protocol}",
+               f"-device_names={c.rdma_devices}", f"-threads={c.real_client_threads}"]
+        with open(self._log_path("holder.log"), "ab") as logf:
+            self.holder = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self._wait_port(self.real_client_port, self.holder, "holder")
+
     def stop_holder(self, kill: bool = False) -> None:
         _stop(self.holder, kill=kill)
         self.holder = None
@@ -177,6 +205,13 @@ class MooncakeStoreServer:
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
+
+
+def _binary(name: str) -> str:
+    found = shutil.which(name, path=os.path.dirname(sys.executable)) or shutil.which(name)
+    if found is None:
+        raise WeightSyncError(f"{name} not found next to {sys.executable} nor on PATH ({INSTALL})")
+    return found
 
 
 def _stop(proc: subprocess.Popen[bytes] | None, kill: bool = False) -> None:
