@@ -74,13 +74,14 @@ def checksum(buf: Any, algo: str) -> str:
     return hashlib.sha256(view).hexdigest()
 
 
-def pack(tensors: Mapping[str, Any], version: int, bucket_bytes: int, algo: str,
+def plan(tensors: Mapping[str, Any], version: int, bucket_bytes: int, algo: str,
          dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
-         alloc: Callable[[int], torch.Tensor] | None = None) -> tuple[torch.Tensor, Manifest]:
-    """Copy ``tensors`` (any device, DTensors gathered) into one flat CPU buffer; convert floating
-    tensors to ``dtype``. Bucket checksums are left empty (filled by :func:`seal`). ``out``: a buffer
-    of a previous push to reuse when its size fits (a fresh one pays its page faults on every push);
-    ``alloc(nbytes)``: where a new buffer comes from (default: ``torch.empty``)."""
+         alloc: Callable[[int], torch.Tensor] | None = None) -> tuple[torch.Tensor, Manifest, list[Any]]:
+    """Lay ``tensors`` (any device, DTensors gathered) out in one flat CPU buffer, floating tensors
+    converted to ``dtype``, without copying yet: returns the buffer, the manifest (bucket checksums
+    empty until :func:`seal`) and the sources for :func:`fill`. ``out``: a buffer of a previous push
+    to reuse when its size fits (a fresh one pays its page faults on every push); ``alloc(nbytes)``:
+    where a new buffer comes from (default: ``torch.empty``)."""
     import torch
 
     entries = []
@@ -98,10 +99,28 @@ def pack(tensors: Mapping[str, Any], version: int, bucket_bytes: int, algo: str,
         flat = out
     else:
         flat = alloc(offset) if alloc is not None else torch.empty(offset, dtype=torch.uint8)
-    for e, (t, dt) in zip(entries, srcs, strict=True):
+    return flat, Manifest(version, offset, bucket_bytes, algo, entries, []), srcs
+
+
+def fill(flat: torch.Tensor, manifest: Manifest, srcs: list[Any],
+         progress: Callable[[int], None] | None = None) -> None:
+    """Copy the sources into ``flat`` in stream order; ``progress(n)``: the first n bytes are final."""
+    for e, (t, dt) in zip(manifest.tensors, srcs, strict=True):
         if e["nbytes"]:
             _view(flat, e, dt).copy_(t)
-    return flat, Manifest(version, offset, bucket_bytes, algo, entries, [])
+        if progress is not None:
+            progress(e["offset"] + e["nbytes"])
+    if progress is not None:
+        progress(manifest.total_bytes)
+
+
+def pack(tensors: Mapping[str, Any], version: int, bucket_bytes: int, algo: str,
+         dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
+         alloc: Callable[[int], torch.Tensor] | None = None) -> tuple[torch.Tensor, Manifest]:
+    """:func:`plan` then :func:`fill`: the flat buffer holding a copy of ``tensors``, and its manifest."""
+    flat, manifest, srcs = plan(tensors, version, bucket_bytes, algo, dtype, out, alloc)
+    fill(flat, manifest, srcs)
+    return flat, manifest
 
 
 def seal(flat: torch.Tensor, manifest: Manifest) -> None:

@@ -185,6 +185,32 @@ class _ShmLost(Exception):
     """A transfer of a dummy client failed because its real client does not map its segments."""
 
 
+class _Packed:
+    """How much of a push's flat buffer is final: the caller packs while the commit puts the
+    buckets already packed and checksums them."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._bytes = 0
+        self._error: BaseException | None = None
+
+    def advance(self, nbytes: int) -> None:
+        with self._cv:
+            self._bytes = max(self._bytes, nbytes)
+            self._cv.notify_all()
+
+    def fail(self, exc: BaseException) -> None:
+        with self._cv:
+            self._error = exc
+            self._cv.notify_all()
+
+    def wait(self, nbytes: int) -> None:
+        with self._cv:
+            self._cv.wait_for(lambda: self._bytes >= nbytes or self._error is not None)
+            if self._bytes < nbytes:
+                raise WeightSyncError(f"packing the pushed tensors failed: {self._error!r}")
+
+
 class MooncakeWeightStore:
     """See the module docstring. ``push`` returns at once; ``pull`` streams bucket by bucket."""
 
@@ -258,19 +284,28 @@ class MooncakeWeightStore:
         with self._spare_lock:
             spare, self._spare = self._spare, None
         shm = _SHM.get(id(self._conn()))
-        flat, manifest = _layout.pack(tensors, version, self.config.bucket_bytes, self.config.checksum, dtype, spare,
-                                      alloc=shm.take if shm is not None else None)
+        flat, manifest, srcs = _layout.plan(tensors, version, self.config.bucket_bytes, self.config.checksum, dtype,
+                                            spare, alloc=shm.take if shm is not None else None)
         if self._pusher is None:
             self._pusher = Pusher("mooncake-weight-push")
-        return self._pusher.submit(lambda: self._commit(flat, manifest))
+        # the copy into the push buffer happens here, before push returns (the caller may change the
+        # tensors afterwards), while the commit already puts the buckets packed so far
+        packed = _Packed()
+        future = self._pusher.submit(lambda: self._commit(flat, manifest, packed))
+        try:
+            _layout.fill(flat, manifest, srcs, packed.advance)
+        except BaseException as exc:
+            packed.fail(exc)
+            raise
+        return future
 
-    def _commit(self, flat: torch.Tensor, manifest: _layout.Manifest) -> None:
+    def _commit(self, flat: torch.Tensor, manifest: _layout.Manifest, packed: _Packed) -> None:
         c = self._conn()
         try:
-            self._put_version(c, flat, manifest)
+            self._put_version(c, flat, manifest, packed)
         except _ShmLost:
             self._shm_lost(c, f"version {manifest.version}")
-            self._put_version(self._conn(), flat, manifest)
+            self._put_version(self._conn(), flat, manifest, packed)
         finally:
             with self._spare_lock:
                 self._spare = flat
@@ -278,7 +313,7 @@ class MooncakeWeightStore:
         self.stats["pushes"] += 1
         self._subs.notify()
 
-    def _put_version(self, c: Any, flat: torch.Tensor, manifest: _layout.Manifest) -> None:
+    def _put_version(self, c: Any, flat: torch.Tensor, manifest: _layout.Manifest, packed: _Packed) -> None:
         v = manifest.version
         ranges = manifest.ranges() if manifest.total_bytes else []
         ptr = flat.data_ptr()
@@ -288,12 +323,21 @@ class MooncakeWeightStore:
         # the checksums only go into the manifest, written last: compute them (GIL released) while
         # the buckets are being put
         sealer = ThreadPoolExecutor(1, thread_name_prefix="mooncake-seal")
+
+        def seal() -> None:
+            sums = []
+            for start, end in ranges:
+                packed.wait(end)
+                sums.append(_layout.checksum(flat[start:end], manifest.checksum))
+            manifest.bucket_sums = sums
+
         try:
-            sealed = sealer.submit(_layout.seal, flat, manifest)
+            sealed = sealer.submit(seal)
             rcfg = self._rcfg()
             step = self.config.batch_buckets
             for g in range(0, len(ranges), step):
                 idx = range(g, min(g + step, len(ranges)))
+                packed.wait(ranges[idx.stop - 1][1])
                 keys = [self.bucket_key(v, i) for i in idx]
                 self._retry(f"version {v} buckets {idx.start}..{idx.stop - 1}", lambda k=keys, i=idx: c.batch_upsert_from(
                     k, [ptr + ranges[j][0] for j in i], [ranges[j][1] - ranges[j][0] for j in i], rcfg),
