@@ -187,6 +187,35 @@ def test_train_step_mixed_lengths_and_multi_turn(trainer, tokenizer) -> None:
     assert trainer.version == 1
 
 
+def test_adaptive_entropy_control(tiny_model, tokenizer, tmp_path) -> None:
+    """Under ``entropy_target`` the coefficient climbs while the entropy is below the target, falls
+    once above, is what the loss uses, and is checkpointed."""
+    base = {"lr": 1e-2, "entropy_coef": 0.0}
+    fixed = TorchTrainer(TorchTrainerConfig(**base), model_path=tiny_model)
+    # a target above any entropy reachable here: the coefficient climbs every step, to the cap
+    adaptive = TorchTrainer(TorchTrainerConfig(**base, entropy_target=100.0, entropy_coef_step=0.5,
+                                               entropy_coef_max=1.0), model_path=tiny_model)
+    coefs = []
+    for tr in (fixed, adaptive):
+        for _ in range(4):
+            m = tr.train_step(make_group_batch(tr, tokenizer))
+            # the loss is the policy-gradient loss minus the coefficient in use times the entropy
+            assert m["loss"] == pytest.approx(m["pg_loss"] - m["entropy_coef"] * m["entropy"], rel=1e-4, abs=1e-6)
+            if tr is adaptive:
+                coefs.append(m["entropy_coef"])
+            else:
+                assert m["entropy_coef"] == 0.0
+    assert coefs == [0.0, 0.5, 1.0, 1.0]  # the coefficient used in each step
+    adaptive.save(tmp_path / "ckpt")
+    assert json.loads((tmp_path / "ckpt" / "rollart_trainer.json").read_text())["entropy_coef"] == 1.0
+    # resumed with a target below any entropy: starts from the saved 1.0 and steps down to 0
+    low = TorchTrainerConfig(**base, entropy_target=1e-6, entropy_coef_step=0.5, entropy_coef_max=1.0,
+                             resume_from=str(tmp_path / "ckpt"))
+    resumed = TorchTrainer(low, model_path=tiny_model)
+    used = [resumed.train_step(make_group_batch(resumed, tokenizer))["entropy_coef"] for _ in range(3)]
+    assert used == [1.0, 0.5, 0.0]
+
+
 def test_train_step_empty_batch_raises(ro_trainer) -> None:
     trainer = ro_trainer
     with pytest.raises(TrainerError):

@@ -49,7 +49,16 @@ class TorchTrainerConfig(BaseModel):
     ref_model_path: str | None = None
     """Reference policy for the KL penalty; default: the initial model (``model_path``)."""
     entropy_coef: float = Field(0.0, ge=0)
-    """Entropy bonus: ``loss -= entropy_coef * mean token entropy``."""
+    """Entropy bonus: ``loss -= entropy_coef * mean token entropy`` (the starting value when
+    ``entropy_target`` is set)."""
+    entropy_target: float | None = Field(None, gt=0)
+    """Adaptive entropy control (Skywork-OR1 style), in nats per generated token: after each step the
+    coefficient rises by ``entropy_coef_step`` (up to ``entropy_coef_max``) while the step's mean
+    entropy is below the target, and falls by as much (down to 0) while it is above. Keeps a
+    policy from collapsing to a deterministic one that no group can learn from any more (every
+    member gets the same reward: zero advantages). None: the coefficient stays ``entropy_coef``."""
+    entropy_coef_step: float = Field(0.002, gt=0)
+    entropy_coef_max: float = Field(0.1, gt=0)
     scale_adv_by_std: bool = True
     advantage: Literal["grpo", "gigpo"] = "grpo"
     """``grpo``: one group-relative advantage per trajectory. ``gigpo`` (multi-turn): plus a

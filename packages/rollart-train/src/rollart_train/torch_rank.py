@@ -99,6 +99,8 @@ class TorchRankWorker:
         self.version = 0
         self.counters = {"optimizer_steps": 0, "samples_seen": 0, "tokens_seen": 0, "skipped_steps": 0}
         self.extra_state: dict[str, Any] = {}
+        self.entropy_coef = c.entropy_coef
+        """The entropy bonus in use: ``entropy_coef``, moved step by step under ``entropy_target``."""
         if self.resumed_from is not None:
             self._load_state(self.resumed_from)
 
@@ -235,6 +237,9 @@ class TorchRankWorker:
         prox = self._no_grad_logprobs(self.model, plan) if c.loss == "decoupled_ppo" and stale else None
         ref = self._no_grad_logprobs(self.ref_model, plan) if self.ref_model is not None else None
         lr = self._set_lr(lr_factor(c, self.version))
+        if c.entropy_target is None:
+            self.entropy_coef = c.entropy_coef
+        entropy_coef = self.entropy_coef
         sums = torch.zeros(len(_STATS), dtype=torch.float64)
         grad_norms: list[float] = []
         for _epoch in range(c.ppo_epochs):
@@ -243,19 +248,24 @@ class TorchRankWorker:
                 for m, mb in enumerate(micros):
                     self._sync_grads(m == len(micros) - 1)
                     loss, stats = self._micro_loss(mb, part_tokens[p], None if prox is None else prox[p][m],
-                                                   None if ref is None else ref[p][m])
+                                                   None if ref is None else ref[p][m], entropy_coef)
                     (loss * self.world_size).backward()  # FSDP averages over ranks; the loss is already a global mean
                     sums += torch.tensor([float(stats[s]) * part_tokens[p] for s in _STATS], dtype=torch.float64)
                 grad_norms.append(self._step())
         sums = self._all_reduce(sums)
         total_w = float(sum(part_tokens)) * c.ppo_epochs
+        means = {s: float(v) / total_w for s, v in zip(_STATS, sums.tolist(), strict=True)}
+        if c.entropy_target is not None:  # the same all-reduced entropy on every rank
+            move = c.entropy_coef_step if means["entropy"] < c.entropy_target else -c.entropy_coef_step
+            self.entropy_coef = min(max(self.entropy_coef + move, 0.0), c.entropy_coef_max)
         self.version += 1
         self.counters["samples_seen"] += len(batch)
         self.counters["tokens_seen"] += sum(len(s.ids) for s in seqs)
         lag = (self.version - 1 - versions).double()
         rewards = [t.reward for t in batch]
         return {
-            **{s: float(v) / total_w for s, v in zip(_STATS, sums.tolist(), strict=True)},
+            **means,
+            "entropy_coef": entropy_coef,
             "grad_norm": grad_norms[-1],
             "grad_norm_max": max(grad_norms),
             "lr": lr,
@@ -288,8 +298,8 @@ class TorchRankWorker:
             out.append(row)
         return out
 
-    def _micro_loss(self, mb: MicroBatch, n: int, prox: torch.Tensor | None,
-                    ref: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _micro_loss(self, mb: MicroBatch, n: int, prox: torch.Tensor | None, ref: torch.Tensor | None,
+                    entropy_coef: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         c = self.config
         logits = self._logits(self.model, mb)
         logp = torch.log_softmax(logits, -1).gather(-1, mb.targets.unsqueeze(-1)).squeeze(-1)
@@ -301,9 +311,9 @@ class TorchRankWorker:
                                     tis_cap=c.tis_cap if decoupled else None, tis_mode=c.tis_mode, n=n)
         loss = pg
         st["pg_loss"] = pg.detach()
-        if c.entropy_coef > 0:
+        if entropy_coef > 0:
             ent = entropy_from_logits(logits)
-            loss = loss - c.entropy_coef * masked_mean(ent, mb.mask, n)
+            loss = loss - entropy_coef * masked_mean(ent, mb.mask, n)
         else:
             with torch.no_grad():
                 ent = entropy_from_logits(logits)
@@ -378,7 +388,7 @@ class TorchRankWorker:
                 shutil.copy(src / f, tmp / f)
         torch.save({"optimizer": osd, "rng": torch.get_rng_state()}, tmp / OPTIM_FILE)
         state = {"format": 1, "version": self.version, **self.counters, "world_size": self.world_size,
-                 "extra": extra if extra is not None else self.extra_state}
+                 "entropy_coef": self.entropy_coef, "extra": extra if extra is not None else self.extra_state}
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
         if out.exists():
             shutil.rmtree(out)
@@ -396,6 +406,7 @@ class TorchRankWorker:
         for k in self.counters:
             self.counters[k] = int(state.get(k, 0))
         self.extra_state = dict(state.get("extra") or {})
+        self.entropy_coef = float(state.get("entropy_coef", self.config.entropy_coef))
         log.info("resumed from %s at version %d", ckpt, self.version)
 
     def set_num_threads(self, n: int) -> None:
@@ -403,4 +414,5 @@ class TorchRankWorker:
 
     def state(self) -> dict[str, Any]:
         return {"version": self.version, **self.counters, "extra": self.extra_state,
+                "entropy_coef": self.entropy_coef,
                 "resumed_from": str(self.resumed_from) if self.resumed_from else None}
