@@ -96,6 +96,26 @@ def test_pull_into_preallocated_tensors(make) -> None:
         st.pull(3, into={"nope": torch.zeros(1)})
 
 
+def test_push_snapshots_before_returning_and_a_failed_pack_fails_its_future(make) -> None:
+    st = make(bucket_bytes=64 << 10, batch_buckets=1)
+    sd = model_state(2)
+    want = {k: v.clone() for k, v in sd.items()}
+    fut = st.push(1, sd)  # buckets are being put while push packs the rest; it returns once all is copied
+    for v in sd.values():
+        v.zero_()
+    fut.result(TIMEOUT)
+    assert_bits_equal(st.pull(1), want)
+    # a tensor that cannot be copied (meta device) fails push in the caller, and the commit that
+    # was already waiting for its bytes fails instead of hanging or committing a partial version
+    bad = {"a": torch.ones(1 << 16), "b": torch.empty(1 << 16, device="meta"), "c": torch.ones(4)}
+    with pytest.raises(NotImplementedError):
+        st.push(2, bad)
+    assert st.latest_version() == 1
+    st.push(3, want).result(TIMEOUT)  # the store carries on
+    assert st.latest_version() == 3 and 2 not in st.committed_versions()
+    assert_bits_equal(st.pull(3), want)
+
+
 def test_concurrent_push_while_reader_pulls_older(make) -> None:
     st = make(bucket_bytes=256 << 10, keep_last=5)
     v1 = model_state(1)

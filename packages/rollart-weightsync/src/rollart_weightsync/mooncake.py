@@ -160,6 +160,8 @@ class _ShmBuffers:
 
         import torch
 
+        if nbytes == 0:  # nothing to transfer (a version of empty tensors)
+            return torch.empty(0, dtype=torch.uint8)
         with self._lock:
             free = self._free.get(nbytes)
             ptr = free.pop() if free else 0
@@ -431,6 +433,7 @@ class MooncakeWeightStore:
         check_into(into, m.shapes)
         ranges = m.ranges() if m.total_bytes else []
         step = self.config.batch_buckets
+
         def alloc(nbytes: int) -> torch.Tensor:
             return shm.take(nbytes) if shm is not None else torch.empty(nbytes, dtype=torch.uint8)
 
