@@ -208,12 +208,15 @@ def test_adaptive_entropy_control(tiny_model, tokenizer, tmp_path) -> None:
     assert coefs == [0.0, 0.5, 1.0, 1.0]  # the coefficient used in each step
     adaptive.save(tmp_path / "ckpt")
     assert json.loads((tmp_path / "ckpt" / "rollart_trainer.json").read_text())["entropy_coef"] == 1.0
-    # resumed with a target below any entropy: starts from the saved 1.0 and steps down to 0
-    low = TorchTrainerConfig(**base, entropy_target=1e-6, entropy_coef_step=0.5, entropy_coef_max=1.0,
-                             resume_from=str(tmp_path / "ckpt"))
+    # resumed with a target below any entropy: starts from the saved 1.0 and steps down to the
+    # floor, entropy_coef
+    low = TorchTrainerConfig(**{**base, "entropy_coef": 0.25}, entropy_target=1e-6, entropy_coef_step=0.5,
+                             entropy_coef_max=1.0, resume_from=str(tmp_path / "ckpt"))
     resumed = TorchTrainer(low, model_path=tiny_model)
     used = [resumed.train_step(make_group_batch(resumed, tokenizer))["entropy_coef"] for _ in range(3)]
-    assert used == [1.0, 0.5, 0.0]
+    assert used == [1.0, 0.5, 0.25]
+    with pytest.raises(ValueError, match="entropy_coef_max"):
+        TorchTrainerConfig(entropy_coef=0.5, entropy_target=0.1, entropy_coef_max=0.2)
 
 
 def test_train_step_empty_batch_raises(ro_trainer) -> None:

@@ -49,14 +49,16 @@ class TorchTrainerConfig(BaseModel):
     ref_model_path: str | None = None
     """Reference policy for the KL penalty; default: the initial model (``model_path``)."""
     entropy_coef: float = Field(0.0, ge=0)
-    """Entropy bonus: ``loss -= entropy_coef * mean token entropy`` (the starting value when
-    ``entropy_target`` is set)."""
+    """Entropy bonus: ``loss -= entropy_coef * mean token entropy`` (with ``entropy_target``: the
+    starting value and the floor)."""
     entropy_target: float | None = Field(None, gt=0)
     """Adaptive entropy control (Skywork-OR1 style), in nats per generated token: after each step the
     coefficient rises by ``entropy_coef_step`` (up to ``entropy_coef_max``) while the step's mean
-    entropy is below the target, and falls by as much (down to 0) while it is above. Keeps a
-    policy from collapsing to a deterministic one that no group can learn from any more (every
-    member gets the same reward: zero advantages). None: the coefficient stays ``entropy_coef``."""
+    entropy is below the target, and falls by as much (down to ``entropy_coef``) while it is above.
+    Meant to keep a policy from collapsing to a deterministic one that no group can learn from any
+    more (every member gets the same reward: zero advantages). It has to act before the collapse:
+    at a near one-hot distribution the entropy's gradient vanishes. None: the coefficient stays
+    ``entropy_coef``."""
     entropy_coef_step: float = Field(0.002, gt=0)
     entropy_coef_max: float = Field(0.1, gt=0)
     scale_adv_by_std: bool = True
@@ -124,6 +126,9 @@ class TorchTrainerConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> TorchTrainerConfig:
+        if self.entropy_target is not None and self.entropy_coef > self.entropy_coef_max:
+            raise ValueError(f"entropy_coef ({self.entropy_coef}) is the floor of the adaptive coefficient and "
+                             f"must not exceed entropy_coef_max ({self.entropy_coef_max})")
         if self.tis_cap is not None and self.loss != "decoupled_ppo":
             raise ValueError("tis_cap needs loss: decoupled_ppo (under ppo_clip the old policy is the behaviour "
                              "policy, so the behaviour weight is always 1)")

@@ -257,7 +257,7 @@ class TorchRankWorker:
         means = {s: float(v) / total_w for s, v in zip(_STATS, sums.tolist(), strict=True)}
         if c.entropy_target is not None:  # the same all-reduced entropy on every rank
             move = c.entropy_coef_step if means["entropy"] < c.entropy_target else -c.entropy_coef_step
-            self.entropy_coef = min(max(self.entropy_coef + move, 0.0), c.entropy_coef_max)
+            self.entropy_coef = min(max(self.entropy_coef + move, c.entropy_coef), c.entropy_coef_max)
         self.version += 1
         self.counters["samples_seen"] += len(batch)
         self.counters["tokens_seen"] += sum(len(s.ids) for s in seqs)
