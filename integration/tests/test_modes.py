@@ -32,8 +32,10 @@ async def test_mode_invariants(mode: str, alpha: int, tmp_path: Path, tiny_model
     summary = await train(cfg, sink=sink)
     hist = summary["history"]
     assert summary["final_version"] == 3 and [h["version"] for h in hist] == [1, 2, 3]
-    # every launched trajectory is accounted for by exactly one fate
+    # every launched trajectory is accounted for by exactly one fate; without redundancy none is
+    # "cancelled_redundant" (those still in flight at the end are "cancelled_at_stop")
     assert sum(summary["fates"].values()) == summary["launched"] > 0
+    assert cfg.tasks[0].redundancy == 0 and "cancelled_redundant" not in summary["fates"]
     # no trajectory is trained with a policy lag above alpha, and training saw off-policy data
     assert all(h["lag_max"] <= alpha for h in hist)
     assert max(h["lag_max"] for h in hist) >= 1

@@ -126,8 +126,9 @@ class Rollout:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def cancel_all(self) -> None:
+        """End the run's rollout: every trajectory still in flight gets ``cancelled_at_stop``."""
         for traj, task in self.inflight.values():
-            traj.fate = traj.fate or Fate.CANCELLED_REDUNDANT
+            traj.fate = traj.fate or Fate.CANCELLED_AT_STOP
             task.cancel()
         await self.wait_all()
 

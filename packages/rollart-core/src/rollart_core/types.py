@@ -36,6 +36,8 @@ class Fate(str, enum.Enum):
     ENV_FAILED = "env_failed"
     TIMED_OUT = "timed_out"
     CANCELLED_REDUNDANT = "cancelled_redundant"
+    CANCELLED_AT_STOP = "cancelled_at_stop"
+    """Still running when the run ended (or was cancelled): never trained, not a failure."""
     REWARD_FAILED = "reward_failed"
     GENERATION_FAILED = "generation_failed"
 
