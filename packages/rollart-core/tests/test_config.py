@@ -108,3 +108,18 @@ def test_check_config_prints_resolved(tmp_path: Path) -> None:
     r = _cli("check-config", str(EXAMPLE))
     assert r.returncode == 0, r.stderr
     assert '"impl": "frozenlake"' in r.stdout
+
+
+def test_overlapping_mode_with_an_in_process_trainer_is_warned() -> None:
+    from rollart_core.pipeline import overlap_warning
+
+    data = _example()
+    data["trainer"] = {"impl": "torch", "options": {}}
+    for mode, options, warned in [("sync", {}, False), ("async", {}, True), ("one_off", {}, True),
+                                  ("async", {"spawn": True, "num_threads": 1}, False), ("async", {"world_size": 2}, False)]:
+        data["train"] = {**data.get("train", {}), "mode": mode, "alpha": 0 if mode == "sync" else 1}
+        data["trainer"]["options"] = options
+        msg = overlap_warning(RunConfig.model_validate(data))
+        assert (msg is not None) == warned, (mode, options)
+        if warned:
+            assert "spawn: true" in msg and mode in msg
