@@ -87,8 +87,8 @@ def markdown(res: dict[str, Any]) -> str:
            "traj/s: trained trajectories per second of wall time, in the steady state (after each segment's "
            "first step; a deep pipeline may consume groups finished during that step, which flatters it in "
            "short segments); whole-segment traj/s counts the fill-up too (which penalises it); util: fraction of the time at least one call "
-           "of the stage was running; fates count every launched trajectory once (cancelled_redundant includes "
-           "trajectories still in flight when a segment ends).", ""]
+           "of the stage was running; fates count every launched trajectory once (cancelled_at_stop: still in "
+           "flight when a segment ended).", ""]
     return "\n".join(md)
 
 
