@@ -123,8 +123,14 @@ def pack(tensors: Mapping[str, Any], version: int, bucket_bytes: int, algo: str,
     return flat, manifest
 
 
-def seal(flat: torch.Tensor, manifest: Manifest) -> None:
-    manifest.bucket_sums = [checksum(flat[s:e], manifest.checksum) for s, e in manifest.ranges()]
+def seal(flat: torch.Tensor, manifest: Manifest, ready: Callable[[int], None] | None = None) -> None:
+    """Fill the bucket checksums; ``ready(n)`` (if given) blocks until the first n bytes are final."""
+    sums = []
+    for s, e in manifest.ranges():
+        if ready is not None:
+            ready(e)
+        sums.append(checksum(flat[s:e], manifest.checksum))
+    manifest.bucket_sums = sums
 
 
 def unpack(flat: torch.Tensor, manifest: Manifest) -> dict[str, torch.Tensor]:

@@ -95,9 +95,13 @@ _CLIENTS: dict[tuple[Any, ...], Any] = {}
 _CLIENTS_LOCK = threading.Lock()
 
 
+def force_tcp() -> bool:
+    """``MC_FORCE_TCP`` set to a true value: Mooncake must use TCP whatever the config says."""
+    return os.environ.get("MC_FORCE_TCP", "").lower() in ("1", "true", "yes", "on")
+
+
 def _resolve_protocol(cfg: MooncakeWeightStoreConfig) -> str:
-    force_tcp = os.environ.get("MC_FORCE_TCP", "").lower() in ("1", "true", "yes", "on")
-    if force_tcp:
+    if force_tcp():
         return "tcp"
     if cfg.protocol == "auto":
         return "rdma" if cfg.rdma_devices else "tcp"
@@ -325,16 +329,8 @@ class MooncakeWeightStore:
         # the checksums only go into the manifest, written last: compute them (GIL released) while
         # the buckets are being put
         sealer = ThreadPoolExecutor(1, thread_name_prefix="mooncake-seal")
-
-        def seal() -> None:
-            sums = []
-            for start, end in ranges:
-                packed.wait(end)
-                sums.append(_layout.checksum(flat[start:end], manifest.checksum))
-            manifest.bucket_sums = sums
-
         try:
-            sealed = sealer.submit(seal)
+            sealed = sealer.submit(_layout.seal, flat, manifest, packed.wait)
             rcfg = self._rcfg()
             step = self.config.batch_buckets
             for g in range(0, len(ranges), step):
@@ -464,7 +460,7 @@ class MooncakeWeightStore:
         registered = [] if id(c) in _SHM else bufs  # a dummy client's buffers are registered already
         for b in registered:
             c.register_buffer(b.data_ptr(), b.numel())
-        pool = ThreadPoolExecutor(1, thread_name_prefix="mooncake-verify") if whole or len(bufs) > 1 else None
+        pool = ThreadPoolExecutor(1, thread_name_prefix="mooncake-verify")
         pending: Future[None] | None = None
         try:
             for k, g in enumerate(range(0, len(ranges), step)):
@@ -485,15 +481,11 @@ class MooncakeWeightStore:
                         self._verify(c, m, i, key, view, rc)
                         consume(view, ranges[i][0])
 
-                if pool is None:
-                    check()
-                else:
-                    pending = pool.submit(check)
+                pending = pool.submit(check)
             if pending is not None:
                 pending.result()
         finally:
-            if pool is not None:
-                pool.shutdown(wait=True)
+            pool.shutdown(wait=True)
             for b in registered:
                 c.unregister_buffer(b.data_ptr())
 

@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rollart_core.errors import WeightSyncError
 from rollart_core.extras import require
-from rollart_weightsync.mooncake import INSTALL, MooncakeWeightStoreConfig
+from rollart_weightsync.mooncake import INSTALL, MooncakeWeightStoreConfig, force_tcp
 
 __all__ = ["MooncakeServerConfig", "MooncakeStoreServer", "free_port"]
 
@@ -179,7 +179,7 @@ class MooncakeStoreServer:
         """The holder as ``mooncake_client``: it mounts its segment, then listens (on the same port
         after a restart, so dummy clients find it again)."""
         c = self.config
-        protocol = "tcp" if os.environ.get("MC_FORCE_TCP", "").lower() in ("1", "true", "yes", "on") else c.protocol
+        protocol = "tcp" if force_tcp() else c.protocol
         self.real_client_port = self.real_client_port or free_port(c.host)
         cmd = [_binary("mooncake_client"), f"-host={c.host}", f"-port={self.real_client_port}",
                f"-master_server_address={self.master_address}", "-metadata_server=P2PHANDSHAKE",
@@ -242,7 +242,7 @@ def _holder_main(master: str, segment_bytes: int, host: str, protocol: str, rdma
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    if os.environ.get("MC_FORCE_TCP", "").lower() in ("1", "true", "yes", "on"):
+    if force_tcp():
         protocol = "tcp"
     store = MooncakeDistributedStore()
     rc = store.setup(host, "P2PHANDSHAKE", segment_bytes, 16 << 20, protocol, rdma_devices, master)
