@@ -13,6 +13,16 @@ from .conftest import slice_config
 pytestmark = [pytest.mark.vllm, pytest.mark.ray]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def ray_session() -> object:
+    """One Ray session for the module: each run's pipeline joins it instead of starting and stopping
+    its own (RayCluster reuses an initialised Ray), which saves Ray's start-up per run."""
+    from rollart_core.cluster import RayCluster
+
+    with RayCluster(slice_config(Path("unused")).ray) as cluster:
+        yield cluster
+
+
 class _Collect:
     def __init__(self) -> None:
         self.rows: list[tuple[int, dict]] = []
@@ -24,7 +34,8 @@ class _Collect:
         pass
 
 
-@pytest.mark.parametrize(("mode", "alpha"), [("one_off", 1), ("async", 1)])
+# one_off is the batch-level middle of the same code path that sync and async cover (slow set: CI time)
+@pytest.mark.parametrize(("mode", "alpha"), [pytest.param("one_off", 1, marks=pytest.mark.slow), ("async", 1)])
 async def test_mode_invariants(mode: str, alpha: int, tmp_path: Path, tiny_model: Path) -> None:
     cfg = slice_config(tmp_path, model_path=tiny_model, steps=3)
     cfg.train.mode, cfg.train.alpha = mode, alpha  # type: ignore[assignment]
@@ -44,6 +55,7 @@ async def test_mode_invariants(mode: str, alpha: int, tmp_path: Path, tiny_model
     assert all(h["batch_size"] > 0 for h in hist)
 
 
+@pytest.mark.slow  # EnvManager redundancy itself is tested in test_env_manager (seconds); this is its wiring
 async def test_env_manager_and_redundancy_in_the_loop(tmp_path: Path, tiny_model: Path) -> None:
     """Environments in Ray actors (EnvManager) with redundant rollouts, driven by the loop."""
     from rollart_core.config import EnvManagerSection

@@ -75,8 +75,7 @@ async def pd(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Async
 
     pre, dec = engine("pre", "kv_producer"), engine("dec", "kv_consumer")
     try:
-        await pre.start()
-        await dec.start()
+        await asyncio.gather(pre.start(), dec.start())
         proxy = LLMProxy([WorkerHandle("pre", pre, pool="prefill"), WorkerHandle("dec", dec, pool="decode")],
                          task_pools={"agent": "decode"})
         router = PDRouter(proxy, PDConfig(pools={"decode": "prefill"}, task_policy={"agent": "on"},

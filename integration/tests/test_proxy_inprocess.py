@@ -62,8 +62,7 @@ async def engines(model_dir: Path) -> AsyncIterator[tuple[Any, Any, Any]]:
     b = VllmEngine(cfg.model_copy(update={"weight_update": "in_place"}), model_path=str(model_dir),
                    weight_store=store, name="b")
     try:
-        await a.start()
-        await b.start()
+        await asyncio.gather(a.start(), b.start())
         yield a, b, store
     finally:
         await a.shutdown()

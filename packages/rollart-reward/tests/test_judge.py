@@ -10,7 +10,7 @@ import pytest
 
 from rollart_core.types import Trajectory, Turn
 
-pytestmark = [pytest.mark.vllm, pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
 
 
 async def test_llm_judge_with_vllm_engine(tmp_path: Path) -> None:

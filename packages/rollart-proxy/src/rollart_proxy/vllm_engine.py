@@ -120,7 +120,9 @@ class VllmEngine:
             **c.engine_args,
         )
         t0 = time.perf_counter()
-        self._engine = AsyncLLM.from_engine_args(args)
+        # in a thread: the event loop stays responsive, and several engines of one process start
+        # side by side (the engine-core process's start-up is mostly imports and waiting)
+        self._engine = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         self._closing = False
         # vLLM labels every output token with the engine's weight version (spans over the
         # output): exact per-token versions even for tokens still queued during an update.
