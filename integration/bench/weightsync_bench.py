@@ -2,8 +2,10 @@
 
     uv run --no-sync python integration/bench/weightsync_bench.py [--quick] [--out weightsync.json]
 
-Part 1 — push+pull bandwidth of each back-end (memory, filesystem, ray, mooncake over TCP) on the
-same weights, next to memcpy and loopback-TCP ceilings measured in the same run.
+Part 1 — push+pull bandwidth of each back-end (memory, filesystem, ray, mooncake over TCP and through
+shared memory) on the same weights, next to memcpy and loopback-TCP ceilings measured in the same run:
+the steady state (best rounds after warm-up rounds, as in a run that pushes every step) and the
+first, cold round (a fresh store faults in every page it writes).
 Part 2 — generation pause per weight update on a real vLLM (CPU) engine while 8 requests generate:
 async staged (pull from the Mooncake store and load into a shadow model in the background, then swap
 in a short pause), async in place (pull in the background, vLLM's reload inside the pause), and a
@@ -86,12 +88,16 @@ def tcp_gbps(nbytes: int, repeats: int) -> float:
     return nbytes / min(times) / GB
 
 
-def store_bandwidth(name: str, store: Any, tensors: dict[str, Any], nbytes: int, repeats: int) -> dict[str, Any]:
+def store_bandwidth(name: str, store: Any, tensors: dict[str, Any], nbytes: int, repeats: int,
+                    warmup: int) -> dict[str, Any]:
+    """Best of ``repeats`` push/pull rounds after ``warmup`` rounds (steady state: a training run
+    pushes every step, so the store's memory has been written before); the first round's figures
+    are reported too (``cold``: a fresh store, every page faulted in on first write)."""
     import torch
 
     pushes, pulls = [], []
     k = next(iter(tensors))
-    for v in range(1, repeats + 1):
+    for v in range(1, warmup + repeats + 1):
         t0 = time.perf_counter()
         store.push(v, tensors).result(600)
         pushes.append(time.perf_counter() - t0)
@@ -100,12 +106,13 @@ def store_bandwidth(name: str, store: Any, tensors: dict[str, Any], nbytes: int,
         pulls.append(time.perf_counter() - t0)
         assert torch.equal(out[k], tensors[k]), name
         del out  # as a receiver does once the weights are loaded
-    push_s, pull_s = min(pushes), min(pulls)
+    push_s, pull_s = min(pushes[warmup:]), min(pulls[warmup:])
     return {"backend": name, "push_gbps": nbytes / push_s / GB, "pull_gbps": nbytes / pull_s / GB,
-            "round_trip_gbps": nbytes / (push_s + pull_s) / GB, "push_s": push_s, "pull_s": pull_s}
+            "round_trip_gbps": nbytes / (push_s + pull_s) / GB, "push_s": push_s, "pull_s": pull_s,
+            "cold_push_gbps": nbytes / pushes[0] / GB, "cold_pull_gbps": nbytes / pulls[0] / GB}
 
 
-def part1(nbytes: int, repeats: int, with_ray: bool) -> dict[str, Any]:
+def part1(nbytes: int, repeats: int, with_ray: bool, warmup: int = 3) -> dict[str, Any]:
     from rollart_weightsync import (
         FilesystemWeightStore,
         FilesystemWeightStoreConfig,
@@ -119,19 +126,22 @@ def part1(nbytes: int, repeats: int, with_ray: bool) -> dict[str, Any]:
     res: dict[str, Any] = {"bytes": nbytes, "memcpy_gbps": memcpy_gbps(nbytes, repeats),
                            "tcp_loopback_gbps": tcp_gbps(nbytes, repeats), "backends": []}
     mem = MemoryWeightStore()
-    res["backends"].append(store_bandwidth("memory", mem, tensors, nbytes, repeats))
+    res["backends"].append(store_bandwidth("memory", mem, tensors, nbytes, repeats, warmup))
     mem.close()
     with tempfile.TemporaryDirectory() as d:
         fs = FilesystemWeightStore(FilesystemWeightStoreConfig(root=Path(d), keep_last=1))
-        res["backends"].append(store_bandwidth("filesystem", fs, tensors, nbytes, repeats))
+        res["backends"].append(store_bandwidth("filesystem", fs, tensors, nbytes, repeats, warmup))
         fs.close()
     # "mooncake": a regular client over TCP; "mooncake-shm": a dummy client of the holder run as
     # Mooncake's real client, through shared memory (same host only)
     for name, shm in (("mooncake", False), ("mooncake-shm", True)):
-        cfg = MooncakeServerConfig(segment_bytes=max(3 * nbytes + (64 << 20), 256 << 20), shared_memory=shm)
+        # a short read lease: rounds follow each other at once here, and retention may only delete a
+        # pulled version once its lease is over (the default 5 s would fill the segment)
+        cfg = MooncakeServerConfig(segment_bytes=max(3 * nbytes + (64 << 20), 256 << 20), shared_memory=shm,
+                                   lease_ttl_ms=200)
         with MooncakeStoreServer(cfg) as srv:
             mc = MooncakeWeightStore(srv.store_config(keep_last=1, bucket_bytes=8 << 20))
-            res["backends"].append(store_bandwidth(name, mc, tensors, nbytes, repeats))
+            res["backends"].append(store_bandwidth(name, mc, tensors, nbytes, repeats, warmup))
             mc.close()
     if with_ray:
         from rollart_core.cluster import RayCluster
@@ -140,7 +150,7 @@ def part1(nbytes: int, repeats: int, with_ray: bool) -> dict[str, Any]:
 
         with RayCluster(RayConfig(num_cpus=2)):
             rs = RayWeightStore(name="bench", keep_last=1)
-            res["backends"].append(store_bandwidth("ray", rs, tensors, nbytes, repeats))
+            res["backends"].append(store_bandwidth("ray", rs, tensors, nbytes, repeats, warmup))
             rs.close()
     for b in res["backends"]:
         b["round_trip_vs_tcp"] = b["round_trip_gbps"] / res["tcp_loopback_gbps"]
@@ -259,21 +269,23 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small sizes (about a minute)")
     ap.add_argument("--out", default="weightsync_bench.json")
     ap.add_argument("--no-ray", action="store_true", help="skip the Ray back-end")
+    ap.add_argument("--warmup", type=int, default=3, help="push/pull rounds before the measured ones (steady state)")
     ap.add_argument("--no-vllm", action="store_true", help="skip part 2 (engine pause)")
     ap.add_argument("--interval-s", type=float, default=10.0, help="training step (update) interval to compare stalls with")
     args = ap.parse_args()
     nbytes = (64 << 20) if args.quick else (512 << 20)
     repeats = 2 if args.quick else 3
-    result: dict[str, Any] = {"quick": args.quick, "part1": part1(nbytes, repeats, not args.no_ray)}
+    result: dict[str, Any] = {"quick": args.quick, "part1": part1(nbytes, repeats, not args.no_ray, args.warmup)}
     p1 = result["part1"]
     print(f"\nPart 1: {nbytes >> 20} MiB of fp32 weights; ceilings: memcpy {p1['memcpy_gbps']:.2f} GB/s, "
-          f"loopback TCP {p1['tcp_loopback_gbps']:.2f} GB/s")
+          f"loopback TCP {p1['tcp_loopback_gbps']:.2f} GB/s; best of {repeats} rounds after {args.warmup} warm-up "
+          f"rounds (cold: the first round, into a fresh store)")
     print(f"{'backend':<13}{'push GB/s':>10}{'pull GB/s':>10}{'push+pull GB/s':>16}{'push/TCP':>10}{'pull/TCP':>10}"
-          f"{'rt/TCP':>8}{'rt/memcpy':>10}")
+          f"{'rt/TCP':>8}{'rt/memcpy':>10}{'cold push':>10}{'cold pull':>10}")
     for b in p1["backends"]:
         print(f"{b['backend']:<13}{b['push_gbps']:>10.2f}{b['pull_gbps']:>10.2f}{b['round_trip_gbps']:>16.2f}"
               f"{b['push_vs_tcp']:>10.2f}{b['pull_vs_tcp']:>10.2f}{b['round_trip_vs_tcp']:>8.2f}"
-              f"{b['round_trip_vs_memcpy']:>10.2f}")
+              f"{b['round_trip_vs_memcpy']:>10.2f}{b['cold_push_gbps']:>10.2f}{b['cold_pull_gbps']:>10.2f}")
     if not args.no_vllm:
         with tempfile.TemporaryDirectory() as d:
             p2 = asyncio.run(part2(3 if args.quick else 6, args.interval_s, Path(d)))
