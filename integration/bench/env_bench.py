@@ -15,7 +15,10 @@ by batch in the same run (the machine is shared and noisy):
   ``replicas``, :class:`rollart_env.ReplicatedEnv`): each reset/step goes to all r, the first
   answer wins, so a tail step, crash or hang of one replica is masked without more generation;
   k (``--replica-redundancy``) extra trajectories per group;
-- ``replicas_batch``: ``replicas`` plus m extra groups per batch.
+- ``replicas_batch``: ``replicas`` plus m extra groups per batch;
+- ``replicas_actor``: as ``replicas``, but the r replicas of an environment live in one env actor
+  (``replica_scope: actor``) and are hedged on its event loop: one Ray call per env call from the
+  caller instead of r.
 
 The column ``gen/b`` is the generation requests per batch (the load redundancy adds to the engine);
 ``--trace N`` prints, for the N slowest batches of each variant, the kept trajectory that finished
@@ -161,7 +164,9 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         "faults_on_batch": (faults, k, args.extra_groups, 1),
         "replicas": (faults, args.replica_redundancy, 0, r),
         "replicas_batch": (faults, args.replica_redundancy, args.extra_groups, r),
+        "replicas_actor": (faults, args.replica_redundancy, 0, r),
     }
+    in_actor = {"replicas_actor"}  # replica_scope "actor": the r replicas hedged inside one env actor
     variants = {n: v for n, v in variants.items() if n == "fault_free" or n in args.variants}
     results: dict[str, Any] = {}
     with RayCluster(RayConfig(num_cpus=4, resources={"env": 16})):
@@ -173,16 +178,18 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                           "sampling": SamplingParams(max_tokens=1), "max_turns": args.max_turns}
             managers = {}
             for name, (spec, kk, mm, rr) in variants.items():
+                scope = "actor" if name in in_actor else "actors"
+                n_envs = (groups + mm) * (G + kk) * (1 if scope == "actor" else rr)
                 cfg = EnvManagerConfig.model_validate({
-                    "groups": {"lake": {**lake, "num_envs": (groups + mm) * (G + kk) * rr, "faults": spec,
-                                        "replicas": rr}},
+                    "groups": {"lake": {**lake, "num_envs": n_envs, "faults": spec, "replicas": rr,
+                                        "replica_scope": scope}},
                     "envs_per_actor": 32, "step_timeout_s": args.step_timeout, "reset_timeout_s": args.step_timeout,
                     "num_cpus_per_actor": 0.1,
                 })
                 managers[name] = await EnvManager(cfg).start()
             for name, m in managers.items():
                 _, kk, mm, rr = variants[name]
-                await m.wait_ready("lake", (groups + mm) * (G + kk) * rr, timeout=120)
+                await m.wait_ready("lake", (groups + mm) * (G + kk) * (1 if name in in_actor else rr), timeout=120)
             times: dict[str, list[float]] = {n: [] for n in variants}
             fates: dict[str, dict[str, int]] = {n: {} for n in variants}
             counter = [0]
@@ -220,7 +227,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
-ALL_VARIANTS = ("fault_free", "faults_off", "faults_on", "faults_on_batch", "replicas", "replicas_batch")
+ALL_VARIANTS = ("fault_free", "faults_off", "faults_on", "faults_on_batch", "replicas", "replicas_batch",
+                "replicas_actor")
 
 
 def parse() -> argparse.Namespace:

@@ -137,9 +137,10 @@ def ray_cluster() -> Iterator[None]:
         yield
 
 
-def manager(num_envs: int, replicas: int = 2, faults: FaultSpec | None = None, **kw) -> EnvManager:
+def manager(num_envs: int, replicas: int = 2, faults: FaultSpec | None = None, scope: str = "actors",
+            **kw) -> EnvManager:
     group = {"impl": "frozenlake", "options": {"hole_prob": 0.0, "max_steps": 50}, "num_envs": num_envs,
-             "replicas": replicas, "faults": faults.model_dump() if faults else None}
+             "replicas": replicas, "faults": faults.model_dump() if faults else None, "replica_scope": scope}
     base = {"envs_per_actor": 2, "step_timeout_s": 1.0, "reset_timeout_s": 1.0, "start_timeout_s": 60}
     return EnvManager(EnvManagerConfig.model_validate({"groups": {"lake": group}, **base, **kw}))
 
@@ -204,3 +205,48 @@ async def test_waiting_trajectories_come_before_extra_replicas(ray_cluster) -> N
         e = await d.acquire("lake")
         assert isinstance(e, ReplicatedEnv) and e.live == 2
         await e.close()
+
+
+async def test_respawn_rebuilds_dropped_and_busy_replicas_at_the_next_reset() -> None:
+    crash = FaultSpec(crash_prob=1.0, fault_within_calls=1)  # crashes in its first reset
+    built: list[int] = []
+
+    async def respawn(i: int) -> FaultyEnv:
+        built.append(i)
+        return lake(step_latency_s=0.5) if i == 2 else lake()
+
+    slow = lake(step_latency_s=0.5)
+    env = ReplicatedEnv([FaultyEnv(inner=FrozenLakeEnv(LAKE), spec=crash), lake(), slow], respawn=respawn)
+    await env.reset(3)
+    assert env.live == 2 and await env.step("D")  # replica 0 crashed; the slow one still runs its calls
+    assert env._replicas[2].running
+    obs, info = await env.reset(5)  # next episode: the crashed and the busy replica are rebuilt
+    assert sorted(built) == [0, 2] and env.stats["replicas_respawned"] == 2 and info["replicas"] == 3
+    single = FrozenLakeEnv(LAKE)
+    assert obs == (await single.reset(5))[0] and await env.step("R") == await single.step("R")
+    await env.close()
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+async def test_in_actor_replicas_one_lease_one_call_and_a_hang_masked(ray_cluster) -> None:
+    spec = hang_spec()  # per instance: replica 0 of the one environment hangs in its first step
+    async with manager(1, faults=spec, envs_per_actor=1, step_timeout_s=5.0, scope="actor") as m:
+        await m.wait_ready("lake", 1)
+        env = await m.acquire("lake")
+        assert not isinstance(env, ReplicatedEnv) and m.stats["replica_leases"] == 0  # hedged in the actor
+        single = FrozenLakeEnv(LAKE)
+        assert (await env.reset(9))[0] == (await single.reset(9))[0]
+        t0 = time.perf_counter()
+        for a in "RDDR":
+            assert await env.step(a) == await single.step(a)
+        assert time.perf_counter() - t0 < 4.0 and m.stats["timeouts"] == 0  # the hang never held a call
+        actor = m.slots[env.env_id].actor.handle
+        info = await actor.info.remote()
+        assert info["calls"] == {"reset": 1, "step": 4}  # one Ray call per env call
+        assert info["replicas"]["hedged_calls"] == 5 and info["replicas"]["hedge_wins"] >= 4
+        await env.close()
+        env = await m.acquire("lake")  # reused: the hung replica is rebuilt at the next reset
+        assert (await env.reset(2))[0] == (await single.reset(2))[0]
+        assert (await actor.info.remote())["replicas"]["replicas_respawned"] == 1
+        await env.close()

@@ -28,7 +28,7 @@ import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -63,6 +63,13 @@ class EnvGroupConfig(BaseModel):
     more generation. Only for environments deterministic given seed and actions. Extra replicas are
     taken from idle ready environments no waiting trajectory needs (size ``num_envs`` for
     ``replicas`` x concurrent trajectories); 1 disables; None: the manager's ``replicas``."""
+    replica_scope: Literal["actors", "actor"] = "actors"
+    """``actors``: a trajectory's replicas are other ready environments of the group, on other actors
+    first (an actor's death is masked too; every env call is ``replicas`` Ray calls from the caller).
+    ``actor``: every environment of the group is itself ``replicas`` instances in one actor, hedged
+    on the actor's event loop: one Ray call per env call (for callers whose CPU is the limit), a
+    replica dropped in an episode is rebuilt at the next reset, and an actor's death takes all the
+    replicas (the trajectory fails as env_failed; ``num_envs`` counts the hedged environments)."""
 
 
 class EnvManagerConfig(BaseModel):
@@ -107,6 +114,8 @@ class EnvWorker:
         self.envs: dict[str, Any] = {}
         self._running: dict[str, set[asyncio.Task[Any]]] = {}
         self.calls: Counter[str] = Counter()
+        self.replica_stats: Counter[str] = Counter()
+        """Hedging counters of the in-actor replicated environments (``replica_scope: actor``)."""
 
     async def _tracked(self, env_id: str, coro: Any) -> Any:
         task = asyncio.current_task()
@@ -124,18 +133,30 @@ class EnvWorker:
         return env
 
     async def create(self, env_id: str, impl: str, options: dict[str, Any], faults: dict[str, Any] | None,
-                     instance: int) -> dict[str, Any]:
+                     instance: int, replicas: int = 1) -> dict[str, Any]:
+        """Build (and start) environment ``env_id``; ``replicas > 1``: a :class:`ReplicatedEnv` of
+        that many instances (fault-injection instances ``instance * replicas + i``: independent)."""
         from rollart_core.registry import build
 
-        env = build("env", impl, options, f"{env_id}.options")
-        if faults is not None:
-            from rollart_env.faults import FaultyEnv
+        def make(i: int) -> Any:
+            env = build("env", impl, options, f"{env_id}.options")
+            if faults is not None:
+                from rollart_env.faults import FaultyEnv
 
-            env = FaultyEnv(inner=env, spec=FaultSpec(**faults), instance=instance)
-        self.envs[env_id] = env
-        start = getattr(env, "start", None)
-        if callable(start):
-            await self._tracked(env_id, start())
+                env = FaultyEnv(inner=env, spec=FaultSpec(**faults), instance=instance * replicas + i)
+            return env
+
+        async def start(env: Any) -> Any:
+            start = getattr(env, "start", None)
+            if callable(start):
+                await start()
+            return env
+
+        parts = [make(i) for i in range(replicas)]
+        env: Any = parts[0] if replicas == 1 else ReplicatedEnv(
+            parts, stats=self.replica_stats, respawn=lambda i: start(make(i)))
+        self.envs[env_id] = env  # registered before its start: destroy() during a slow start closes it
+        await self._tracked(env_id, asyncio.gather(*(start(e) for e in parts)))
         vocab = env.action_vocabulary
         return {"action_vocabulary": tuple(vocab) if vocab else None, "system_prompt": env.system_prompt}
 
@@ -160,7 +181,7 @@ class EnvWorker:
 
     async def info(self) -> dict[str, Any]:
         return {"name": self.name, "envs": len(self.envs), "running": sum(map(len, self._running.values())),
-                "calls": dict(self.calls)}
+                "calls": dict(self.calls), "replicas": dict(self.replica_stats)}
 
 
 @dataclass(eq=False)
@@ -321,7 +342,8 @@ class EnvManager:
 
         g = self.config.groups[slot.group]
         faults = g.faults.model_dump() if g.faults is not None else None
-        ref = slot.actor.handle.create.remote(slot.env_id, g.impl, dict(g.options), faults, slot.instance)
+        in_actor = (g.replicas or self.config.replicas) if g.replica_scope == "actor" else 1
+        ref = slot.actor.handle.create.remote(slot.env_id, g.impl, dict(g.options), faults, slot.instance, in_actor)
         try:
             spec = await asyncio.wait_for(_await_ref(ref), timeout=self.config.start_timeout_s)
         except asyncio.CancelledError:
@@ -382,7 +404,8 @@ class EnvManager:
         With ``replicas > 1`` the lease is a :class:`ReplicatedEnv` over this environment and up to
         ``replicas - 1`` more ready ones (fewer if none are idle: no waiting for them)."""
         first = await self._acquire_one(group)
-        want = (self.config.groups[group].replicas or self.config.replicas) - 1
+        g = self.config.groups[group]
+        want = (g.replicas or self.config.replicas) - 1 if g.replica_scope == "actors" else 0
         if not want:
             return first
         extra = self._take_idle(group, want, avoid=first._slot.actor)

