@@ -169,7 +169,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     in_actor = {"replicas_actor"}  # replica_scope "actor": the r replicas hedged inside one env actor
     variants = {n: v for n, v in variants.items() if n == "fault_free" or n in args.variants}
     results: dict[str, Any] = {}
-    with RayCluster(RayConfig(num_cpus=4, resources={"env": 16})):
+    with RayCluster(RayConfig(num_cpus=4, resources={"env": 32})):
         engine = VllmEngine(VllmEngineConfig(max_model_len=512, dtype="float32", max_num_seqs=128), model_path=str(model))
         try:
             await engine.start()
