@@ -183,6 +183,7 @@ class VllmEngine:
         except BaseException:
             _ipc_release()
             raise
+        del building  # holds the engine: it must not outlive shutdown() in a frame kept for a traceback
         self._closing = False
         # vLLM labels every output token with the engine's weight version (spans over the
         # output): exact per-token versions even for tokens still queued during an update.
