@@ -176,20 +176,19 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             proxy = LLMProxy({"w0": engine})
             run_kwargs = {"generator": proxy, "chat": ChatMLFormat(model), "scorer": InlineExecutor(EnvReturnReward()),
                           "sampling": SamplingParams(max_tokens=1), "max_turns": args.max_turns}
-            managers = {}
+            managers, n_envs = {}, {}
             for name, (spec, kk, mm, rr) in variants.items():
                 scope = "actor" if name in in_actor else "actors"
-                n_envs = (groups + mm) * (G + kk) * (1 if scope == "actor" else rr)
+                n_envs[name] = (groups + mm) * (G + kk) * (1 if scope == "actor" else rr)
                 cfg = EnvManagerConfig.model_validate({
-                    "groups": {"lake": {**lake, "num_envs": n_envs, "faults": spec, "replicas": rr,
+                    "groups": {"lake": {**lake, "num_envs": n_envs[name], "faults": spec, "replicas": rr,
                                         "replica_scope": scope}},
                     "envs_per_actor": 32, "step_timeout_s": args.step_timeout, "reset_timeout_s": args.step_timeout,
                     "num_cpus_per_actor": 0.1,
                 })
                 managers[name] = await EnvManager(cfg).start()
             for name, m in managers.items():
-                _, kk, mm, rr = variants[name]
-                await m.wait_ready("lake", (groups + mm) * (G + kk) * (1 if name in in_actor else rr), timeout=120)
+                await m.wait_ready("lake", n_envs[name], timeout=120)
             times: dict[str, list[float]] = {n: [] for n in variants}
             fates: dict[str, dict[str, int]] = {n: {} for n in variants}
             counter = [0]

@@ -52,7 +52,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 async def engines(model_dir: Path) -> AsyncIterator[tuple[Any, Any, Any]]:
-    from rollart_proxy.vllm_engine import VllmEngine, VllmEngineConfig
+    from rollart_proxy.vllm_engine import VllmEngine, VllmEngineConfig, vllm_ipc_dir
     from rollart_weightsync import MemoryWeightStore
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -63,8 +63,6 @@ async def engines(model_dir: Path) -> AsyncIterator[tuple[Any, Any, Any]]:
                    weight_store=store, name="b")
     try:
         await asyncio.gather(a.start(), b.start())
-        from rollart_proxy.vllm_engine import vllm_ipc_dir
-
         assert os.listdir(vllm_ipc_dir() or "/nonexistent")  # vLLM's sockets are in our directory
         yield a, b, store
     finally:
@@ -72,8 +70,6 @@ async def engines(model_dir: Path) -> AsyncIterator[tuple[Any, Any, Any]]:
         await b.shutdown()
     # vLLM's IPC sockets went into this process's directory, and the last engine's stop removed them
     # (vLLM itself leaves them in the temp dir; no other module's in-process engine is alive now)
-    from rollart_proxy.vllm_engine import vllm_ipc_dir
-
     ipc = vllm_ipc_dir()
     assert ipc is not None and os.environ["VLLM_RPC_BASE_PATH"] == ipc and os.listdir(ipc) == []
 

@@ -147,9 +147,9 @@ class EnvWorker:
             return env
 
         async def start(env: Any) -> Any:
-            start = getattr(env, "start", None)
-            if callable(start):
-                await start()
+            fn = getattr(env, "start", None)
+            if callable(fn):
+                await fn()
             return env
 
         parts = [make(i) for i in range(replicas)]
@@ -342,7 +342,7 @@ class EnvManager:
 
         g = self.config.groups[slot.group]
         faults = g.faults.model_dump() if g.faults is not None else None
-        in_actor = (g.replicas or self.config.replicas) if g.replica_scope == "actor" else 1
+        in_actor = self._replicas(g) if g.replica_scope == "actor" else 1
         ref = slot.actor.handle.create.remote(slot.env_id, g.impl, dict(g.options), faults, slot.instance, in_actor)
         try:
             spec = await asyncio.wait_for(_await_ref(ref), timeout=self.config.start_timeout_s)
@@ -405,7 +405,7 @@ class EnvManager:
         ``replicas - 1`` more ready ones (fewer if none are idle: no waiting for them)."""
         first = await self._acquire_one(group)
         g = self.config.groups[group]
-        want = (g.replicas or self.config.replicas) - 1 if g.replica_scope == "actors" else 0
+        want = self._replicas(g) - 1 if g.replica_scope == "actors" else 0
         if not want:
             return first
         extra = self._take_idle(group, want, avoid=first._slot.actor)
@@ -414,6 +414,9 @@ class EnvManager:
         if not extra:
             return first
         return ReplicatedEnv([first, *extra], stats=self.stats)
+
+    def _replicas(self, g: EnvGroupConfig) -> int:
+        return g.replicas or self.config.replicas
 
     def _take_idle(self, group: str, n: int, avoid: _Actor) -> list[ManagedEnv]:
         """Up to ``n`` ready slots that no waiting acquire() needs, on other actors first."""

@@ -172,18 +172,16 @@ class VllmEngine:
         building = asyncio.ensure_future(asyncio.to_thread(AsyncLLM.from_engine_args, args))
         try:
             self._engine = await asyncio.shield(building)
-        except asyncio.CancelledError:  # the thread cannot be stopped: stop the engine it builds
+        except BaseException as exc:
             try:
-                await asyncio.wait([building])
-                if not building.cancelled() and building.exception() is None:
-                    building.result().shutdown()
+                if isinstance(exc, asyncio.CancelledError):  # the thread cannot be stopped: stop what it builds
+                    await asyncio.wait([building])
+                    if not building.cancelled() and building.exception() is None:
+                        building.result().shutdown()
             finally:
                 _ipc_release()
             raise
-        except BaseException:
-            _ipc_release()
-            raise
-        del building  # holds the engine: it must not outlive shutdown() in a frame kept for a traceback
+        del building  # holds the engine, and start()'s frame was seen to outlive the call (under pytest)
         self._closing = False
         # vLLM labels every output token with the engine's weight version (spans over the
         # output): exact per-token versions even for tokens still queued during an update.
