@@ -13,6 +13,7 @@ import torch
 from rollart_core.errors import TrainerError
 from rollart_core.types import Trajectory, Turn
 from rollart_train import TorchTrainer, TorchTrainerConfig
+from rollart_train._attention import SEGMENT_ATTENTION
 from rollart_train._packing import SeqData, assign_bins, build_micro_batch, pack_bins
 from rollart_train.tiny import create_tiny_model
 
@@ -99,14 +100,19 @@ def test_packed_micro_batch_layout() -> None:
     assert allowed[2].tolist() == [True, True, True, False, False]
 
 
-def test_packed_logprobs_equal_unpacked(ref) -> None:
+@pytest.mark.parametrize("layout", ["segments", "dense_mask"])
+def test_packed_logprobs_equal_unpacked(ref, layout) -> None:
     worker = ref._local
+    assert worker.attn_impl == SEGMENT_ATTENTION  # the default with packing
     batch = make_batch(ref, n=5)
     from rollart_train._packing import seq_data
 
     seqs = [seq_data(t, 0.0, False) for t in batch]
     packed = build_micro_batch(seqs, range(5), select="all", packed=True, pad_id=ref._local.pad_id,
-                               attn_impl=worker.attn_impl, mask_dtype=torch.float32)
+                               attn_impl=worker.attn_impl if layout == "segments" else "sdpa",
+                               mask_dtype=torch.float32)
+    assert (packed.cu_seqlens is not None) == (layout == "segments")
+    assert (packed.attention_mask is None) == (layout == "segments")
     with torch.no_grad():
         lp = torch.log_softmax(worker._logits(worker.model, packed), -1).gather(-1, packed.targets[:, None])[:, 0]
     padded = build_micro_batch(seqs, range(5), select="all", packed=False, pad_id=ref._local.pad_id,
@@ -139,6 +145,33 @@ def test_packed_attention_does_not_cross_sequences(ref) -> None:
 
     # b's logprobs do not change when the sequence packed before it changes
     torch.testing.assert_close(lps([a, b])[3:], lps([a2, b2])[3:], rtol=0, atol=1e-6)
+
+
+def test_segment_attention_matches_a_dense_mask_with_gqa_and_a_sliding_window() -> None:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from rollart_train._attention import segment_sdpa
+
+    class Attn(torch.nn.Module):
+        num_key_value_groups = 2
+        is_causal = True
+
+    g = torch.Generator().manual_seed(0)
+    lengths = [5, 1, 9, 4]
+    q = torch.randn(1, 4, sum(lengths), 8, generator=g)
+    k, v = (torch.randn(1, 2, sum(lengths), 8, generator=g) for _ in range(2))
+    cu = torch.tensor([0, 5, 6, 15, 19], dtype=torch.int32)
+    seg = torch.repeat_interleave(torch.arange(4), torch.tensor(lengths))
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    for window in (None, 3):
+        allowed = (seg[:, None] == seg[None, :]) & (pos[:, None] >= pos[None, :])
+        if window is not None:
+            allowed &= pos[:, None] - pos[None, :] < window
+        want, _ = sdpa_attention_forward(Attn(), q, k, v, allowed[None, None], sliding_window=window)
+        got, _ = segment_sdpa(Attn(), q, k, v, None, cu_seq_lens_q=cu, sliding_window=window)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="does not cover"):
+        segment_sdpa(Attn(), q, k, v, None, cu_seq_lens_q=cu[:-1])
 
 
 def test_packed_and_padded_training_give_the_same_update(tiny_model, ref) -> None:

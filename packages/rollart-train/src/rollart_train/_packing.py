@@ -2,8 +2,8 @@
 
 A packed micro-batch is one row ``[1, T]`` holding several sequences back to back; position ids restart
 at 0 for every sequence and the attention is block-diagonal causal (no token attends across a sequence
-boundary): an explicit 4-D mask for eager/SDPA attention, position ids alone for varlen (flash)
-attention. The padded layout (one sequence per row, right-padded) is kept for comparison.
+boundary): the sequence boundaries for the trainer's default segment attention (``_attention``),
+position ids alone for varlen (flash) attention, an explicit 4-D mask for plain eager/SDPA. The padded layout (one sequence per row, right-padded) is kept for comparison.
 
 Only the *selected targets* get logits: token ``j`` of a sequence is predicted by the hidden state at
 ``j - 1``; ``select="loss"`` keeps the generated tokens (loss mask 1), ``select="all"`` every token
@@ -12,12 +12,14 @@ after the first.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from rollart_core.types import Trajectory
+from rollart_train._attention import SEGMENT_ATTENTION
 
 __all__ = ["MicroBatch", "SeqData", "assign_bins", "build_micro_batch", "pack_bins", "seq_data", "split_sequences"]
 
@@ -76,7 +78,7 @@ class MicroBatch:
 
     input_ids: torch.Tensor  # [B, T]
     position_ids: torch.Tensor  # [B, T]
-    attention_mask: torch.Tensor | None  # [B, T] (padded), [1, 1, T, T] (packed, eager/SDPA) or None (varlen)
+    attention_mask: torch.Tensor | None  # [B, T] (padded), [1, 1, T, T] (packed, eager/SDPA) or None (varlen, segments)
     pred_index: torch.Tensor  # [n] flat index into B*T of the position that predicts each target
     targets: torch.Tensor  # [n]
     seq_index: torch.Tensor  # [n] index of the target's sequence in the whole batch
@@ -89,6 +91,7 @@ class MicroBatch:
     allowed_id: torch.Tensor | None  # [n], -1 = unrestricted
     allowed_sets: list[tuple[int, ...]]
     packed: bool
+    cu_seqlens: torch.Tensor | None = None  # [k+1] sequence boundaries in the packed row (segment attention)
 
     @property
     def num_targets(self) -> int:
@@ -185,9 +188,13 @@ def build_micro_batch(
             temp.append(t if t > 0 else 1.0)
             allow.append(-1 if allowed is None else allowed_sets.setdefault(tuple(allowed), len(allowed_sets)))
         offset += n
+    cu_seqlens = None
     if packed:
         if attn_impl.startswith("flash") or attn_impl.endswith("flash_attention_2"):
             attention_mask = None  # varlen attention splits sequences at position-id resets
+        elif attn_impl == SEGMENT_ATTENTION:
+            attention_mask = None  # attention per sequence, at these boundaries
+            cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
         else:
             attention_mask = _block_causal_mask(lengths, mask_dtype, boolean=attn_impl == "sdpa")
     else:
@@ -210,4 +217,5 @@ def build_micro_batch(
         allowed_id=torch.tensor(allow, dtype=torch.long) if allowed_sets else None,
         allowed_sets=list(allowed_sets),
         packed=packed,
+        cu_seqlens=cu_seqlens,
     )

@@ -111,8 +111,10 @@ class TorchTrainerConfig(BaseModel):
     280 ms in process, 40 ms spawned on one thread. Costs a process start; ``named_weights`` comes
     back through shared memory, aliasing the rank's parameters as it does in process."""
     attn_implementation: str | None = None
-    """Hugging Face attention implementation (default ``sdpa``; ``flash_attention_2`` uses varlen
-    attention for packed micro-batches)."""
+    """Hugging Face attention implementation. Default: with ``packing``, ``rollart_segment_sdpa`` (SDPA
+    on each packed sequence's slice, cost Σ nᵢ² instead of a dense ``[T, T]`` mask's T²), else
+    ``sdpa``. ``flash_attention_2`` uses varlen attention for packed micro-batches; ``sdpa`` or
+    ``eager`` named explicitly get the dense block-causal mask."""
     num_threads: int | None = Field(None, ge=1)
     """torch intra-op threads (per rank; several ranks default to CPUs / world_size)."""
     rank_timeout_s: float = Field(900.0, gt=0)

@@ -28,6 +28,7 @@ import torch
 
 from rollart_core.errors import TrainerError
 from rollart_core.types import Trajectory
+from rollart_train._attention import SEGMENT_ATTENTION, register_segment_attention
 from rollart_train._packing import (
     MicroBatch,
     SeqData,
@@ -110,8 +111,11 @@ class TorchRankWorker:
         from transformers import AutoModelForCausalLM
 
         kw: dict[str, Any] = {"dtype": self.param_dtype}
-        if self.config.attn_implementation:
-            kw["attn_implementation"] = self.config.attn_implementation
+        attn = self.config.attn_implementation
+        if attn is None and self.config.packing or attn == SEGMENT_ATTENTION:
+            attn = register_segment_attention()
+        if attn:
+            kw["attn_implementation"] = attn
         model = AutoModelForCausalLM.from_pretrained(path, **kw)
         if self.device.type != "cpu":
             model.to(self.device)
@@ -142,8 +146,9 @@ class TorchRankWorker:
         """float32 logits ``[n, V]`` of the positions that predict the selected targets, under each
         token's sampling temperature and allowed-token restriction when present."""
         with self._autocast():
+            segments = {} if mb.cu_seqlens is None else {"cu_seq_lens_q": mb.cu_seqlens}
             out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask,
-                        use_cache=False, logits_to_keep=mb.pred_index if mb.packed else 0)
+                        use_cache=False, logits_to_keep=mb.pred_index if mb.packed else 0, **segments)
         logits = out.logits
         logits = logits[0] if mb.packed else logits.reshape(-1, logits.shape[-1])[mb.pred_index]
         logits = logits.float()
