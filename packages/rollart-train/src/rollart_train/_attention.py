@@ -14,6 +14,7 @@ padded batch, generation) fall back to plain SDPA.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -47,7 +48,7 @@ def segment_sdpa(
     if bounds[0] != 0 or bounds[-1] != query.shape[2]:
         raise ValueError(f"cu_seq_lens_q {bounds[:3]}…{bounds[-1:]} does not cover the packed row of {query.shape[2]}")
     outs = []
-    for s, e in zip(bounds[:-1], bounds[1:], strict=True):
+    for s, e in itertools.pairwise(bounds):
         if e == s:
             continue
         mask = None

@@ -112,7 +112,7 @@ class TorchRankWorker:
 
         kw: dict[str, Any] = {"dtype": self.param_dtype}
         attn = self.config.attn_implementation
-        if attn is None and self.config.packing or attn == SEGMENT_ATTENTION:
+        if (attn is None and self.config.packing) or attn == SEGMENT_ATTENTION:
             attn = register_segment_attention()
         if attn:
             kw["attn_implementation"] = attn
