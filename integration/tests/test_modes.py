@@ -43,6 +43,8 @@ async def test_mode_invariants(mode: str, alpha: int, tmp_path: Path, tiny_model
     summary = await train(cfg, sink=sink)
     hist = summary["history"]
     assert summary["final_version"] == 3 and [h["version"] for h in hist] == [1, 2, 3]
+    # the engines serve the last version when train() returns (async: swapped in as soon as it landed)
+    assert summary["served_version"] == 3
     # every launched trajectory is accounted for by exactly one fate; without redundancy none is
     # "cancelled_redundant" (those still in flight at the end are "cancelled_at_stop")
     assert sum(summary["fates"].values()) == summary["launched"] > 0

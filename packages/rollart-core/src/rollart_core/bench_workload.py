@@ -83,6 +83,7 @@ class ModeSpec(_Model):
     offload); ``colocated``: a fixed pool of ``colocated_workers`` slots (the ``pool`` executor)."""
     abort_stale: bool = True
     async_weight_sync: bool = True
+    update_on_arrival: bool = True
     max_pending_steps: int | None = None
     train_cores: Literal["all", "half"] = "all"
     """Threads of the trainer (its own process in every mode: the torch trainer's ``spawn``):
@@ -107,6 +108,8 @@ MODES: dict[str, ModeSpec] = {
                                      train_cores="half", label="async α=1, colocated reward"),
     "abl_sync_weights": ModeSpec(mode="async", alpha=1, max_pending_steps=2, async_weight_sync=False,
                                  train_cores="half", label="async α=1, synchronous weight sync"),
+    "abl_update_at_batch": ModeSpec(mode="async", alpha=1, max_pending_steps=2, update_on_arrival=False,
+                                    train_cores="half", label="async α=1, weights swapped after Get Batch"),
     "abl_trainer_all_cores": ModeSpec(mode="async", alpha=1, max_pending_steps=2,
                                       label="async α=1, trainer on all cores"),
 }
@@ -152,6 +155,7 @@ def mode_config(base: RunConfig, spec: ModeSpec, size: BenchSize) -> RunConfig:
     cfg = base.model_copy(deep=True)
     cfg.train.mode, cfg.train.alpha = spec.mode, spec.alpha
     cfg.train.abort_stale, cfg.train.async_weight_sync = spec.abort_stale, spec.async_weight_sync
+    cfg.train.update_on_arrival = spec.update_on_arrival
     cfg.train.max_pending_steps = spec.max_pending_steps
     for t in cfg.tasks:
         t.redundancy = size.redundancy if spec.redundancy else 0

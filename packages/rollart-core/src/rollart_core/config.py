@@ -110,6 +110,12 @@ class TrainConfig(_Model):
     async_weight_sync: bool = True
     """async: push new weights in the background and load them at the next step's Update. False
     waits for the push and updates the engines right after training (the synchronous ablation)."""
+    update_on_arrival: bool = True
+    """async with ``async_weight_sync``: run Suspend → Update → Resume → Recompute KV as soon as the
+    pushed weights have landed and been staged on the engines, while the loop already waits for the
+    next batch. Trajectories launched meanwhile start on the newest policy instead of one version
+    behind, which widens their staleness window by up to a step. False: at the next step, after Get
+    Batch (the engines serve the previous version for the whole wait)."""
 
 
 class RayConfig(_Model):

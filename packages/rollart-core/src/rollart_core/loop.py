@@ -11,6 +11,10 @@
    to the store asynchronously (once they land, the engines pull and stage them while generating:
    ``proxy.prefetch_weights``), and abort in-flight trajectories that can no longer meet ``alpha``.
 
+With ``train.update_on_arrival`` (the default) steps 2-5 of the next step do not wait for its Get
+Batch: they run in the background as soon as the pushed weights are staged, so rollout moves to the
+newest policy while the loop waits for the batch; the next step only makes sure they are done.
+
 ``sync`` (Sync+): launch a step's groups, wait for all of them, train, push, update.
 ``one_off``: like sync, but the next step's groups are launched before training on this one.
 """
@@ -59,7 +63,9 @@ async def train(cfg: RunConfig, sink: MetricsSink | None = None, pipeline: Pipel
             producer = asyncio.create_task(_produce(ro, num_groups * (cfg.train.max_pending_steps or max(alpha, 1))))
         elif mode == "one_off":
             ro.launch_step()
-        pushed: asyncio.Task[None] | None = None
+        background_sync = mode == "async" and cfg.train.async_weight_sync
+        on_arrival = background_sync and cfg.train.update_on_arrival
+        pushed: asyncio.Task[dict[str, float]] | None = None
         try:
             for step in range(first, cfg.train.steps + 1):
                 t_step = time.perf_counter()
@@ -72,32 +78,29 @@ async def train(cfg: RunConfig, sink: MetricsSink | None = None, pipeline: Pipel
                     ro.launch_step()  # the next step's rollout overlaps this step's training
                 # 2-5. Suspend, Update, Resume, Recompute KV (sync/one_off already updated after training)
                 t_sync = time.perf_counter()
-                if pushed is not None:
-                    await pushed  # landed and staged on the engines while rollout went on
-                    pauses = await p.proxy.update_weights(p.trainer.version)
-                    ro.served_version = p.trainer.version
+                pauses = {}
+                if pushed is not None:  # landed and staged on the engines while rollout went on
+                    pauses = await pushed if on_arrival else await _update(p, ro, p.trainer.version)
                     pushed = None
-                    record("weight_sync", t_sync, time.perf_counter())
-                else:
-                    pauses = {}
                 sync_s = time.perf_counter() - t_sync
                 if not batch:
                     log.warning("step %d: no trainable trajectory in the batch (fates %s)", step, dict(ro.fates))
                     continue
                 # 6. Train (rollout goes on meanwhile), push the new weights asynchronously
+                await asyncio.sleep(0)  # the producer refills the groups just taken before the step starts
                 inflight_at_train = len(ro.inflight)
                 t_train = time.perf_counter()
                 m = await asyncio.to_thread(p.trainer.train_step, batch)
                 record("train", t_train, time.perf_counter())
-                pushed = asyncio.create_task(_push_and_prefetch(p, p.trainer.version, dict(p.trainer.named_weights())))
+                pushed = asyncio.create_task(_push_and_prefetch(p, ro, p.trainer.version, dict(p.trainer.named_weights()),
+                                                                update=on_arrival))
                 aborted = ro.abort_stale(p.trainer.version, alpha) if mode != "sync" and cfg.train.abort_stale else 0
-                if mode != "async" or not cfg.train.async_weight_sync:  # Sync+ / One-off update right after training
+                if not background_sync:  # Sync+ / One-off update right after training
                     t_sync = time.perf_counter()
                     await pushed
-                    pauses = await p.proxy.update_weights(p.trainer.version)
-                    ro.served_version, pushed = p.trainer.version, None
+                    pauses = await _update(p, ro, p.trainer.version)
+                    pushed = None
                     sync_s += time.perf_counter() - t_sync
-                    record("weight_sync", t_sync, time.perf_counter())
                 metrics = _step_metrics(ro, batch, m, step_s=time.perf_counter() - t_step, wait_s=wait_s, sync_s=sync_s,
                                         pauses=pauses, aborted=aborted, elapsed=time.perf_counter() - t_start,
                                         inflight_at_train=inflight_at_train)
@@ -116,6 +119,7 @@ async def train(cfg: RunConfig, sink: MetricsSink | None = None, pipeline: Pipel
             await asyncio.gather(*beside, return_exceptions=True)
             await ro.cancel_all()
         summary = {"mode": mode, "alpha": alpha, "steps": len(history), "final_version": p.trainer.version,
+                   "served_version": ro.served_version,
                    "launched": ro.launched, "fates": dict(ro.fates), "wall_s": time.perf_counter() - t_start,
                    "dropped_groups": sorted(p.buffer.dropped_groups),
                    "history": history, **p.timings}
@@ -123,12 +127,26 @@ async def train(cfg: RunConfig, sink: MetricsSink | None = None, pipeline: Pipel
     return summary
 
 
-async def _push_and_prefetch(p: Pipeline, version: int, weights: dict[str, Any]) -> None:
+async def _push_and_prefetch(p: Pipeline, ro: Rollout, version: int, weights: dict[str, Any], *,
+                             update: bool) -> dict[str, float]:
     """Push the trainer's weights (in the store's thread); once they land, the engines pull and stage
-    them while generating, so the later update pauses generation only for the swap."""
+    them while generating, so the update pauses generation only for the swap. ``update``: also run
+    that update now (returns its pauses)."""
+    t0 = time.perf_counter()
     await asyncio.wrap_future(p.store.push(version, weights))
     if isinstance(p.proxy, SupportsWeightPrefetch):
         await p.proxy.prefetch_weights(version)
+    record("weight_sync", t0, time.perf_counter())
+    return await _update(p, ro, version) if update else {}
+
+
+async def _update(p: Pipeline, ro: Rollout, version: int) -> dict[str, float]:
+    """Steps 2-5 (Suspend, Update, Resume, Recompute KV) on every engine; new launches start on ``version``."""
+    t0 = time.perf_counter()
+    pauses = await p.proxy.update_weights(version)
+    ro.served_version = version
+    record("weight_sync", t0, time.perf_counter())
+    return pauses
 
 
 async def _produce(ro: Rollout, max_pending_groups: int) -> None:
