@@ -19,7 +19,7 @@ def test_rollart_train_cli_end_to_end(tmp_path: Path) -> None:
     cfg["model"]["path"] = str(tmp_path / "model")
     cfg["output_dir"] = str(tmp_path / "run")
     cfg["tasks"][0].update(group_size=4, groups_per_step=2)
-    cfg["train"].update(steps=2, eval_every=2, eval_episodes=8, save_every=2)
+    cfg["train"].update(steps=2, eval_every=2, eval_episodes=8, eval_temperature=0.0, save_every=2)  # greedy eval
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg))
     r = subprocess.run([sys.executable, "-m", "rollart_core.cli", "train", str(path)], capture_output=True,

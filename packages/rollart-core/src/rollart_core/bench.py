@@ -277,7 +277,7 @@ def aggregate(segments: dict[str, list[dict[str, Any]]], bounds: dict[str, dict[
 def goals(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The issue's goals, for each async mode that ran."""
     out: dict[str, Any] = {}
-    for a in [m for m in ("async_a1", "async_a2") if m in results]:
+    for a in [m for m in ("async_a1", "async_a2", "async_a4") if m in results]:
         g: dict[str, Any] = {}
         for base, target in (("sync", 4.6), ("one_off", 1.35), ("admission", 1.31)):
             if base in results:

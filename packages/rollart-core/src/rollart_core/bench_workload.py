@@ -99,6 +99,8 @@ MODES: dict[str, ModeSpec] = {
     "one_off": ModeSpec(mode="one_off", alpha=1, train_cores="half", label="One-off"),
     "async_a1": ModeSpec(mode="async", alpha=1, max_pending_steps=2, train_cores="half", label="async α=1"),
     "async_a2": ModeSpec(mode="async", alpha=2, max_pending_steps=3, train_cores="half", label="async α=2"),
+    # AReaL's staleness range (its paper trains well with a maximum staleness of 4-8 under decoupled PPO)
+    "async_a4": ModeSpec(mode="async", alpha=4, max_pending_steps=4, train_cores="half", label="async α=4"),
     "admission": ModeSpec(mode="async", alpha=1, max_pending_steps=2, redundancy=False, reward="colocated",
                           abort_stale=False, train_cores="half", label="admission-only α=1"),
     # ablations of async α=1 (full size)
@@ -113,7 +115,7 @@ MODES: dict[str, ModeSpec] = {
     "abl_trainer_all_cores": ModeSpec(mode="async", alpha=1, max_pending_steps=2,
                                       label="async α=1, trainer on all cores"),
 }
-DEFAULT_MODES = {"micro": ["sync", "async_a1"], "quick": ["sync", "one_off", "async_a1", "async_a2", "admission"],
+DEFAULT_MODES = {"micro": ["sync", "async_a1"], "quick": ["sync", "one_off", "async_a1", "async_a2", "async_a4", "admission"],
                  "full": list(MODES)}
 
 

@@ -97,6 +97,10 @@ class TrainConfig(_Model):
     steps: int = Field(10, ge=1)
     eval_every: int = Field(0, ge=0)
     eval_episodes: int = Field(32, ge=1)
+    eval_temperature: float | None = Field(None, ge=0)
+    """Sampling temperature of the held-out evaluation: 0 is greedy (the policy's most likely
+    action at every turn, how a trained policy is usually scored); None samples like training (each
+    task's own ``sampling``)."""
     save_every: int = Field(0, ge=0)
     resume_from: Path | None = None
     """A checkpoint directory written by this loop (``checkpoint-<step>``): continue from it."""

@@ -57,7 +57,7 @@ async def train(cfg: RunConfig, sink: MetricsSink | None = None, pipeline: Pipel
         producer = None
         first = await resume(p, ro, cfg.train.resume_from) if cfg.train.resume_from else 1
         if cfg.train.eval_every and first == 1:
-            sink.log(first - 1, {**await evaluate(p, cfg.train.eval_episodes), "version": p.trainer.version})
+            sink.log(first - 1, {**await evaluate(p, cfg.train.eval_episodes, temperature=cfg.train.eval_temperature), "version": p.trainer.version})
         t_start = time.perf_counter()
         if mode == "async":
             producer = asyncio.create_task(_produce(ro, num_groups * (cfg.train.max_pending_steps or max(alpha, 1))))
@@ -105,7 +105,7 @@ async def train(cfg: RunConfig, sink: MetricsSink | None = None, pipeline: Pipel
                                         pauses=pauses, aborted=aborted, elapsed=time.perf_counter() - t_start,
                                         inflight_at_train=inflight_at_train)
                 if cfg.train.eval_every and step % cfg.train.eval_every == 0:
-                    metrics.update(await evaluate(p, cfg.train.eval_episodes))
+                    metrics.update(await evaluate(p, cfg.train.eval_episodes, temperature=cfg.train.eval_temperature))
                 if cfg.train.save_every and step % cfg.train.save_every == 0:
                     await save_checkpoint(p, ro, step, cfg.output_dir / f"checkpoint-{step}")
                 sink.log(step, metrics)
@@ -191,15 +191,17 @@ async def rollout_step(p: Pipeline, step: int, *, launch_tag: str = "s") -> list
     return ro.drain_finished()
 
 
-async def evaluate(p: Pipeline, episodes: int, *, tag: str = "eval") -> dict[str, float]:
-    """Success rate and mean reward on held-out seeds (never used for training)."""
+async def evaluate(p: Pipeline, episodes: int, *, tag: str = "eval", temperature: float | None = None) -> dict[str, float]:
+    """Success rate and mean reward on held-out seeds (never used for training); ``temperature``
+    replaces the tasks' sampling temperature (0: greedy)."""
     jobs = []
     for ti, task in enumerate(p.config.tasks):
+        sampling = task.sampling if temperature is None else task.sampling.model_copy(update={"temperature": temperature})
         for e in range(episodes):
             traj = Trajectory(f"{tag}-{task.name}-{e}", task.name, task.env.impl, f"{tag}-{e}",
                               derive_seed("heldout", ti, e), p.trainer.version)
             jobs.append(run_trajectory(traj, env=p.make_env(task, ti), generator=p.proxy, chat=p.chat,
-                                       scorer=p.rewards[task.name], sampling=task.sampling, max_turns=task.max_turns,
+                                       scorer=p.rewards[task.name], sampling=sampling, max_turns=task.max_turns,
                                        context=task.context))
     done = await asyncio.gather(*jobs)
     ok = [t for t in done if t.fate is not None and t.fate.value == "finished"]
