@@ -63,7 +63,7 @@ def test_timeline_records_only_while_active() -> None:
 def _seg(wall: float, trained: int, util: float, fates: dict[str, int]) -> dict:
     stages = {st: {"utilisation": util, "mean_concurrency": util, "count": 1.0} for st in STAGES}
     return {"wall_s": wall, "steps": 2, "trained": trained, "gen_tokens": 10.0 * trained, "launched": sum(fates.values()),
-            "fates": fates, "step_s": [wall / 2, wall / 2], "lag_max": 1, "stages": stages}
+            "fates": fates, "step_s": [wall / 2, wall / 2], "lag_max": 1, "stages": stages, "cpu_busy": util}
 
 
 def test_aggregate_ratios_bound_and_wall_weighted_utilisation() -> None:
@@ -79,7 +79,28 @@ def test_aggregate_ratios_bound_and_wall_weighted_utilisation() -> None:
     assert r["async_a1"]["vs_sync"] == pytest.approx(4.0) and r["sync"]["vs_sync"] == 1.0
     assert r["async_a1"]["achieved_over_bound"] == pytest.approx(0.8)
     assert r["sync"]["utilisation"]["train"] == pytest.approx((0.5 * 10 + 0.1 * 30) / 40)
+    assert r["sync"]["cpu_busy"] == pytest.approx((0.5 * 10 + 0.1 * 30) / 40)
     assert r["sync"]["fates"] == {"finished": 40, "env_failed": 2} and r["sync"]["launched"] == 42
     g = goals(r)["async_a1"]
     assert g["vs_sync"] == {"ratio": pytest.approx(4.0), "goal": 4.6, "met": False}
     assert g["of_bound"]["met"] is False and "vs_one_off" not in g
+
+
+async def test_cpu_meter_reads_the_machines_busy_fraction() -> None:
+    import asyncio
+    import time
+
+    from rollart_core.timeline import CpuMeter, cpu_jiffies
+
+    busy0, total0 = cpu_jiffies()
+    assert 0 <= busy0 <= total0
+    async with CpuMeter(period=0.05) as meter:
+        t0 = time.perf_counter()
+        while cpu_jiffies()[0] - busy0 < 10 or len(meter.samples) < 3:  # keeps a core busy meanwhile
+            sum(range(10_000))
+            await asyncio.sleep(0)
+        t1 = time.perf_counter()
+    assert len(meter.samples) >= 2
+    frac = meter.busy((t0, t1))
+    assert frac is not None and 0 < frac <= 1
+    assert CpuMeter().busy((0.0, 1.0)) is None  # no samples: no figure

@@ -43,7 +43,7 @@ from rollart_core.config import RunConfig
 from rollart_core.errors import ConfigError, EnvError
 from rollart_core.metrics import MemorySink
 from rollart_core.registry import build
-from rollart_core.timeline import STAGES, Timeline, bottleneck_bound
+from rollart_core.timeline import STAGES, CpuMeter, Timeline, bottleneck_bound
 
 __all__ = ["aggregate", "run_bench", "run_bench_cli"]
 
@@ -206,10 +206,11 @@ async def run_segment(p: Any, cfg: RunConfig, keep_intervals: bool, threads: int
 
     _use(p, cfg, threads)
     rows = MemorySink()
-    with Timeline() as tl:
-        t0 = time.perf_counter()
-        summary = await train(cfg, sink=rows, pipeline=p)
-        t1 = time.perf_counter()
+    async with CpuMeter() as cpu:
+        with Timeline() as tl:
+            t0 = time.perf_counter()
+            summary = await train(cfg, sink=rows, pipeline=p)
+            t1 = time.perf_counter()
     await _sync_engines(p)
     hist = summary["history"]
     seg = {
@@ -226,12 +227,13 @@ async def run_segment(p: Any, cfg: RunConfig, keep_intervals: bool, threads: int
         "aborted_stale_early": sum(h["aborted"] for h in hist),
         "dropped_groups": len(summary["dropped_groups"]),
         "stages": tl.summary((t0, t1)),
+        "cpu_busy": cpu.busy((t0, t1)),
     }
     if len(hist) >= 2:  # steady state: from the end of the first (warm-up) step to the end of the last
         w0, w1 = t0 + hist[0]["elapsed"], t0 + hist[-1]["elapsed"]
         seg["steady"] = {"wall_s": w1 - w0, "trained": sum(h["batch_size"] for h in hist[1:]),
                          "gen_tokens": sum(h["gen_tok_per_s"] * h["step_s"] for h in hist[1:]),
-                         "stages": tl.summary((w0, w1)), "window": (w0 - t0, w1 - t0)}
+                         "stages": tl.summary((w0, w1)), "window": (w0 - t0, w1 - t0), "cpu_busy": cpu.busy((w0, w1))}
     if keep_intervals:
         seg["intervals"] = [(st, round(s - t0, 4), round(e - t0, 4)) for st, s, e, _ in tl.intervals]
     return seg
@@ -264,6 +266,8 @@ def aggregate(segments: dict[str, list[dict[str, Any]]], bounds: dict[str, dict[
                             for st in STAGES},
             "mean_concurrency": {st: sum(s["stages"][st]["mean_concurrency"] * s["wall_s"] for s in segs) / wall
                                  for st in STAGES},
+            "cpu_busy": (sum(s["cpu_busy"] * s["wall_s"] for s in segs) / wall
+                         if all(s.get("cpu_busy") is not None for s in segs) else None),
             "bound_traj_per_s": bounds[mode]["bound"], "bottleneck": bounds[mode]["bottleneck"],
             "achieved_over_bound": traj_per_s / bounds[mode]["bound"],
         }

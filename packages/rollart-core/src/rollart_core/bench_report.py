@@ -24,7 +24,7 @@ def _fmt_ratio(x: float | None) -> str:
 
 def table_rows(res: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     head = ["mode", "traj/s", "vs Sync+", "whole-segment traj/s", "gen tok/s", "vs Sync+", "bound traj/s", "achieved/bound",
-            *[f"util {_SHORT[s]}" for s in STAGES], "launched", "fates"]
+            "cpu busy", *[f"util {_SHORT[s]}" for s in STAGES], "launched", "fates"]
     rows = []
     for m, r in res["results"].items():
         fates = " ".join(f"{k}={v}" for k, v in sorted(r["fates"].items()))
@@ -34,6 +34,7 @@ def table_rows(res: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
                      f"{r['traj_per_s_segment']:.2f} ({_fmt_ratio(seg_ratio)})",
                      f"{r['tok_per_s']:.0f}", _fmt_ratio(r.get("tok_vs_sync")),
                      f"{r['bound_traj_per_s']:.2f} ({r['bottleneck']})", f"{r['achieved_over_bound']:.0%}",
+                     "-" if r.get("cpu_busy") is None else f"{r['cpu_busy']:.0%}",
                      *[f"{r['utilisation'][s]:.0%}" for s in STAGES], str(r["launched"]), fates])
     return head, rows
 
@@ -86,7 +87,8 @@ def markdown(res: dict[str, Any]) -> str:
            *[f"- {x}" for x in _goal_lines(res)], "",
            "traj/s: trained trajectories per second of wall time, in the steady state (after each segment's "
            "first step; a deep pipeline may consume groups finished during that step, which flatters it in "
-           "short segments); whole-segment traj/s counts the fill-up too (which penalises it); util: fraction of the time at least one call "
+           "short segments); whole-segment traj/s counts the fill-up too (which penalises it); cpu busy: fraction of all "
+           "the machine's cores busy (anything running), the room left under a compute bound; util: fraction of the time at least one call "
            "of the stage was running; fates count every launched trajectory once (cancelled_at_stop: still in "
            "flight when a segment ended).", ""]
     return "\n".join(md)

@@ -12,11 +12,13 @@ used by ``rollart bench`` to report utilisation per stage and achieved throughpu
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["STAGES", "Timeline", "bottleneck_bound", "mean_concurrency", "merge", "record", "union_length",
+__all__ = ["STAGES", "CpuMeter", "Timeline", "bottleneck_bound", "mean_concurrency", "merge", "cpu_jiffies", "record", "union_length",
            "utilisation"]
 
 STAGES = ("generate", "env", "reward", "train", "weight_sync")
@@ -115,3 +117,54 @@ def bottleneck_bound(capacity: Mapping[str, float], shared: Iterable[str] = ()) 
         raise ValueError("no capacities given")
     name = min(stages, key=lambda k: stages[k])
     return {"bound": stages[name], "bottleneck": name, "stages": stages}
+
+
+def cpu_jiffies() -> tuple[int, int] | None:
+    """The machine's ``(busy, total)`` CPU time in jiffies so far, all cores (Linux ``/proc/stat``);
+    None where that file does not exist."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields[:8]) - idle, sum(fields[:8])  # guest time is already in user
+
+
+class CpuMeter:
+    """Samples the machine's CPU busy time every ``period`` seconds while active (an async context
+    manager), so the busy fraction of any window inside it can be read afterwards: how much of the
+    machine a mode used, whatever ran it (engine, trainer, environments, Ray, the control loop)."""
+
+    def __init__(self, period: float = 0.25) -> None:
+        self.period = period
+        self.samples: list[tuple[float, int, int]] = []
+        self._task: asyncio.Task[None] | None = None
+
+    def _sample(self) -> None:
+        j = cpu_jiffies()
+        if j is not None:
+            self.samples.append((time.perf_counter(), *j))
+
+    async def _run(self) -> None:
+        while True:
+            self._sample()
+            await asyncio.sleep(self.period)
+
+    async def __aenter__(self) -> CpuMeter:
+        self._task = asyncio.create_task(self._run())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._sample()
+
+    def busy(self, window: tuple[float, float]) -> float | None:
+        """Fraction of all cores busy between the samples nearest to ``window``'s ends (None: no data)."""
+        if len(self.samples) < 2:
+            return None
+        a = min(self.samples, key=lambda s: abs(s[0] - window[0]))
+        b = min(self.samples, key=lambda s: abs(s[0] - window[1]))
+        return (b[1] - a[1]) / (b[2] - a[2]) if b[2] > a[2] else None
