@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from typing import Any
@@ -56,8 +57,9 @@ async def train(cfg: RunConfig, sink: MetricsSink | None = None, pipeline: Pipel
         ro.served_version = p.trainer.version
         producer = None
         first = await resume(p, ro, cfg.train.resume_from) if cfg.train.resume_from else 1
+        held_out = functools.partial(evaluate, p, cfg.train.eval_episodes, temperature=cfg.train.eval_temperature)
         if cfg.train.eval_every and first == 1:
-            sink.log(first - 1, {**await evaluate(p, cfg.train.eval_episodes, temperature=cfg.train.eval_temperature), "version": p.trainer.version})
+            sink.log(first - 1, {**await held_out(), "version": p.trainer.version})
         t_start = time.perf_counter()
         if mode == "async":
             producer = asyncio.create_task(_produce(ro, num_groups * (cfg.train.max_pending_steps or max(alpha, 1))))
@@ -105,7 +107,7 @@ async def train(cfg: RunConfig, sink: MetricsSink | None = None, pipeline: Pipel
                                         pauses=pauses, aborted=aborted, elapsed=time.perf_counter() - t_start,
                                         inflight_at_train=inflight_at_train)
                 if cfg.train.eval_every and step % cfg.train.eval_every == 0:
-                    metrics.update(await evaluate(p, cfg.train.eval_episodes, temperature=cfg.train.eval_temperature))
+                    metrics.update(await held_out())
                 if cfg.train.save_every and step % cfg.train.save_every == 0:
                     await save_checkpoint(p, ro, step, cfg.output_dir / f"checkpoint-{step}")
                 sink.log(step, metrics)
