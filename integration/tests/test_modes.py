@@ -34,7 +34,9 @@ class _Collect:
         pass
 
 
-@pytest.mark.parametrize(("mode", "alpha", "on_arrival"), [("one_off", 1, True), ("async", 1, True), ("async", 1, False)])
+# one_off is the batch-level middle of the same code path that sync and async cover (slow set: CI time)
+@pytest.mark.parametrize(("mode", "alpha", "on_arrival"), [pytest.param("one_off", 1, True, marks=pytest.mark.slow),
+                                                          ("async", 1, True), ("async", 1, False)])
 async def test_mode_invariants(mode: str, alpha: int, on_arrival: bool, tmp_path: Path, tiny_model: Path) -> None:
     cfg = slice_config(tmp_path, model_path=tiny_model, steps=3)
     cfg.train.mode, cfg.train.alpha = mode, alpha  # type: ignore[assignment]
@@ -58,6 +60,7 @@ async def test_mode_invariants(mode: str, alpha: int, on_arrival: bool, tmp_path
     assert all(h["batch_size"] > 0 for h in hist)
 
 
+@pytest.mark.slow  # EnvManager redundancy itself is tested in test_env_manager (seconds); this is its wiring
 async def test_env_manager_and_redundancy_in_the_loop(tmp_path: Path, tiny_model: Path) -> None:
     """Environments in Ray actors (EnvManager) with redundant rollouts, driven by the loop."""
     from rollart_core.config import EnvManagerSection
