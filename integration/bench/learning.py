@@ -50,15 +50,14 @@ class _Curve:
 
 
 def _run(cfg_path: Path, mode: str, alpha: int, minutes: float, eval_every: int, out: Path,
-         in_process_trainer: bool = False, eval_temperature: float | None = None) -> list[dict[str, Any]]:
+         in_process_trainer: bool, eval_temperature: float | None) -> list[dict[str, Any]]:
     cfg = load_config(cfg_path)
     cfg.train.mode, cfg.train.alpha = mode, alpha  # type: ignore[assignment]
     if not in_process_trainer:
         cfg.trainer.options.update(spawn=True, num_threads=train_threads("all" if mode == "sync" else "half"))
     cfg.train.steps = 100_000
     cfg.train.eval_every = eval_every
-    if eval_temperature is not None:
-        cfg.train.eval_temperature = eval_temperature
+    cfg.train.eval_temperature = eval_temperature
     cfg.train.save_every = 0
     cfg = cfg.model_copy(update={"output_dir": out / f"{mode}-a{alpha}"})
     curve = _Curve()
@@ -102,6 +101,8 @@ def main() -> None:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     modes = {"sync": ("sync", 0), "async_a1": ("async", 1)}
+    if args.eval_temperature is None:
+        args.eval_temperature = load_config(Path(args.config)).train.eval_temperature
     chosen = args.modes.split(",")
     if not chosen or any(m not in modes for m in chosen):
         ap.error(f"--modes: a comma-separated subset of {list(modes)}")
@@ -115,8 +116,7 @@ def main() -> None:
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
         "trainer": "in process" if args.in_process_trainer else "spawned: all cores in sync, half in async",
         "minutes_per_mode": args.minutes,
-        "eval_temperature": (args.eval_temperature if args.eval_temperature is not None
-                             else load_config(Path(args.config)).train.eval_temperature),
+        "eval_temperature": args.eval_temperature,
         "sync_final_eval_success": sync_final,
         "best_eval_success": {k: max((p["eval_success"] for p in v), default=None) for k, v in evals.items()},
         "seconds_to_sync_final": {k: _first_reaching(v, sync_final) for k, v in evals.items()},

@@ -81,8 +81,9 @@ async def train(cfg: RunConfig, sink: MetricsSink | None = None, pipeline: Pipel
                 # 2-5. Suspend, Update, Resume, Recompute KV (sync/one_off already updated after training)
                 t_sync = time.perf_counter()
                 pauses = {}
-                if pushed is not None:  # landed and staged on the engines while rollout went on
-                    pauses = await pushed if on_arrival else await _update(p, ro, p.trainer.version)
+                if pushed is not None:
+                    landed = await pushed  # pushed and staged while rollout went on (on arrival: swapped in too)
+                    pauses = landed if on_arrival else await _update(p, ro, p.trainer.version)
                     pushed = None
                 sync_s = time.perf_counter() - t_sync
                 if not batch:
