@@ -18,7 +18,12 @@ by batch in the same run (the machine is shared and noisy):
 - ``replicas_batch``: ``replicas`` plus m extra groups per batch;
 - ``replicas_actor``: as ``replicas``, but the r replicas of an environment live in one env actor
   (``replica_scope: actor``) and are hedged on its event loop: one Ray call per env call from the
-  caller instead of r.
+  caller instead of r;
+- ``replicas_actor_batch``: ``replicas_actor`` plus m extra groups per batch.
+
+A replica executes its calls in order (an env's state needs every action), so replicas hedge a
+trajectory's *cumulative* env time, the minimum over replicas of their sums, not the sum of per-call
+minima: they cut the per-trajectory tail, and k and m cut what is left at group and batch level.
 
 The column ``gen/b`` is the generation requests per batch (the load redundancy adds to the engine);
 ``--trace N`` prints, for the N slowest batches of each variant, the kept trajectory that finished
@@ -165,8 +170,9 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         "replicas": (faults, args.replica_redundancy, 0, r),
         "replicas_batch": (faults, args.replica_redundancy, args.extra_groups, r),
         "replicas_actor": (faults, args.replica_redundancy, 0, r),
+        "replicas_actor_batch": (faults, args.replica_redundancy, args.extra_groups, r),
     }
-    in_actor = {"replicas_actor"}  # replica_scope "actor": the r replicas hedged inside one env actor
+    in_actor = {"replicas_actor", "replicas_actor_batch"}  # replica_scope "actor": the r replicas hedged inside one env actor
     variants = {n: v for n, v in variants.items() if n == "fault_free" or n in args.variants}
     results: dict[str, Any] = {}
     with RayCluster(RayConfig(num_cpus=4, resources={"env": 32})):
@@ -204,6 +210,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                         times[name].append(t)
                         traces[name].append({"batch_s": round(t, 3), **critical(launched, t0, tl)})
             for name, m in managers.items():
+                hedge = await m.hedge_stats()
                 results[name] = {
                     "batches": len(times[name]), "p50_s": statistics.median(times[name]),
                     "p99_s": pct(times[name], 0.99), "mean_s": statistics.fmean(times[name]),
@@ -211,7 +218,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                     "replacements": m.stats["replacements"], "redundancy": variants[name][1],
                     "extra_groups": variants[name][2], "replicas": variants[name][3],
                     "gen_calls_per_batch": statistics.fmean(tr["gen_calls"] for tr in traces[name]),
-                    "hedge_wins": m.stats["hedge_wins"], "hedged_calls": m.stats["hedged_calls"],
+                    "hedge_wins": hedge["hedge_wins"], "hedged_calls": hedge["hedged_calls"],
+                    "replicas_failed": hedge["replicas_failed"], "replicas_respawned": hedge["replicas_respawned"],
                     "replica_shortfall": m.stats["replica_shortfall"], "trace": traces[name],
                 }
                 await m.shutdown()
@@ -227,7 +235,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
 
 
 ALL_VARIANTS = ("fault_free", "faults_off", "faults_on", "faults_on_batch", "replicas", "replicas_batch",
-                "replicas_actor")
+                "replicas_actor", "replicas_actor_batch")
 
 
 def parse() -> argparse.Namespace:

@@ -112,3 +112,38 @@ async def test_per_instance_faults_are_independent_of_the_seed() -> None:
     except InjectedCrash:
         first = "crash"
     assert first == outcomes[0]
+
+
+async def test_a_rebuilt_instance_draws_fresh_latencies_not_a_replay() -> None:
+    spec = FaultSpec(seed=4, step_latency_s=0.001, step_latency_sigma=1.0, crash_prob=0.5, fault_within_calls=3,
+                     per_instance=True)
+
+    def draws(incarnation: int) -> list[object]:
+        import random
+
+        from rollart_env._text import sub_seed
+
+        env = FaultyEnv(inner=FrozenLakeEnv(), spec=spec, instance=7, incarnation=incarnation)
+        who = env._who()
+        lat = [_lognormal(random.Random(sub_seed("latency", spec.seed, (*who, 1), c)), 1.0, 1.0) for c in range(4)]
+        return [*lat, plan_episode(spec, 0, (*who, 1))]
+
+    first = draws(0)
+    assert first == draws(0)  # deterministic per (instance, incarnation)
+    assert FaultyEnv(inner=FrozenLakeEnv(), spec=spec, instance=7)._who() == (7,)  # first life: old keys
+    assert all(draws(n) != first for n in (1, 2)) and draws(1) != draws(2)
+    # and what the env really does follows that plan: its first episode crashes exactly where planned
+    for n in range(6):
+        env = FaultyEnv(inner=FrozenLakeEnv(), spec=spec, instance=7, incarnation=n)
+        plan = plan_episode(spec, 0, (*env._who(), 1))
+        failed_at = None
+        try:
+            await env.reset(0)
+            for c in range(1, 3):
+                failed_at = c
+                await env.step("R")
+            failed_at = None
+        except InjectedCrash:
+            failed_at = failed_at or 0
+        assert (plan.fault == "crash") == (failed_at is not None)
+        assert failed_at is None or failed_at == plan.at_call

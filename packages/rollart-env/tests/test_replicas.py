@@ -250,3 +250,5 @@ async def test_in_actor_replicas_one_lease_one_call_and_a_hang_masked(ray_cluste
         assert (await env.reset(2))[0] == (await single.reset(2))[0]
         assert (await actor.info.remote())["replicas"]["replicas_respawned"] == 1
         await env.close()
+        hedge = await m.hedge_stats()  # the manager's view sums its actors' in-actor counters
+        assert hedge["hedged_calls"] == 6 and hedge["replicas_respawned"] == 1 and hedge["hedge_wins"] >= 4

@@ -71,10 +71,11 @@ class EpisodePlan:
     """0 = reset, i = the i-th step."""
 
 
-def plan_episode(spec: FaultSpec, episode_seed: int, instance_key: tuple[int, int] | None = None) -> EpisodePlan:
+def plan_episode(spec: FaultSpec, episode_seed: int, instance_key: tuple[int, ...] | None = None) -> EpisodePlan:
     """Which fault (if any) the episode started by ``reset(episode_seed)`` gets, and at which call.
 
-    With ``per_instance`` the key is ``instance_key`` = (instance, episode number) instead.
+    With ``per_instance`` the key is ``instance_key`` = (instance, episode number) instead, or
+    (instance, incarnation, episode number) for a rebuilt instance.
     """
     key = instance_key if spec.per_instance and instance_key is not None else episode_seed
     rng = random.Random(sub_seed("fault-plan", spec.seed, key))
@@ -103,6 +104,9 @@ class FaultyEnvConfig(BaseModel):
     faults: FaultSpec = FaultSpec()
     instance: int = 0
     """Seeds the start-up delay; the EnvManager numbers its instances."""
+    incarnation: int = Field(0, ge=0)
+    """How often this instance was rebuilt (a replica respawned at a reset): a rebuilt instance draws
+    fresh start-up delay, latencies and faults instead of replaying its first life's."""
 
 
 class FaultyEnv:
@@ -111,7 +115,7 @@ class FaultyEnv:
     Config = FaultyEnvConfig
 
     def __init__(self, config: FaultyEnvConfig | None = None, *, inner: Environment | None = None,
-                 spec: FaultSpec | None = None, instance: int | None = None) -> None:
+                 spec: FaultSpec | None = None, instance: int | None = None, incarnation: int | None = None) -> None:
         if inner is None:
             if config is None:
                 raise EnvError("FaultyEnv needs a config (with the env to wrap) or an inner env")
@@ -121,6 +125,7 @@ class FaultyEnv:
         self.inner = inner
         self.spec = spec or (config.faults if config else FaultSpec())
         self.instance = instance if instance is not None else (config.instance if config else 0)
+        self.incarnation = incarnation if incarnation is not None else (config.incarnation if config else 0)
         self.action_vocabulary = inner.action_vocabulary
         self.system_prompt = inner.system_prompt
         self.plan = EpisodePlan("none", -1)
@@ -134,7 +139,7 @@ class FaultyEnv:
         """Pay the simulated start-up delay once (the EnvManager calls this at creation)."""
         if self.started:
             return
-        rng = random.Random(sub_seed("start", self.spec.seed, self.instance))
+        rng = random.Random(sub_seed("start", self.spec.seed, *self._who()))
         await asyncio.sleep(_lognormal(rng, self.spec.start_delay_s, self.spec.start_delay_sigma))
         start = getattr(self.inner, "start", None)
         if callable(start):
@@ -160,15 +165,18 @@ class FaultyEnv:
                 else:
                     await asyncio.sleep(spec.hang_s)
 
+    def _who(self) -> tuple[int, ...]:
+        return (self.instance,) if not self.incarnation else (self.instance, self.incarnation)
+
     def _key(self) -> Any:
-        return (self.instance, self.episodes) if self.spec.per_instance else self.episode_seed
+        return (*self._who(), self.episodes) if self.spec.per_instance else self.episode_seed
 
     async def reset(self, seed: int) -> tuple[str, dict[str, Any]]:
         if not self.started:
             await self.start()
         self.episode_seed, self.calls = seed, 0
         self.episodes += 1
-        self.plan = plan_episode(self.spec, seed, (self.instance, self.episodes))
+        self.plan = plan_episode(self.spec, seed, (*self._who(), self.episodes))
         await self._before()
         return await self.inner.reset(seed)
 

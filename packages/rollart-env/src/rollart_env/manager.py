@@ -135,15 +135,19 @@ class EnvWorker:
     async def create(self, env_id: str, impl: str, options: dict[str, Any], faults: dict[str, Any] | None,
                      instance: int, replicas: int = 1) -> dict[str, Any]:
         """Build (and start) environment ``env_id``; ``replicas > 1``: a :class:`ReplicatedEnv` of
-        that many instances (fault-injection instances ``instance * replicas + i``: independent)."""
+        that many instances (fault-injection instances ``instance * replicas + i``: independent; a
+        respawned replica is a new incarnation, with fresh faults)."""
         from rollart_core.registry import build
 
-        def make(i: int) -> Any:
+        rebuilt = itertools.count(1)
+
+        def make(i: int, incarnation: int = 0) -> Any:
             env = build("env", impl, options, f"{env_id}.options")
             if faults is not None:
                 from rollart_env.faults import FaultyEnv
 
-                env = FaultyEnv(inner=env, spec=FaultSpec(**faults), instance=instance * replicas + i)
+                env = FaultyEnv(inner=env, spec=FaultSpec(**faults), instance=instance * replicas + i,
+                                incarnation=incarnation)
             return env
 
         async def start(env: Any) -> Any:
@@ -154,7 +158,7 @@ class EnvWorker:
 
         parts = [make(i) for i in range(replicas)]
         env: Any = parts[0] if replicas == 1 else ReplicatedEnv(
-            parts, stats=self.replica_stats, respawn=lambda i: start(make(i)))
+            parts, stats=self.replica_stats, respawn=lambda i: start(make(i, next(rebuilt))))
         self.envs[env_id] = env  # registered before its start: destroy() during a slow start closes it
         await self._tracked(env_id, asyncio.gather(*(start(e) for e in parts)))
         vocab = env.action_vocabulary
@@ -572,6 +576,20 @@ class EnvManager:
         """Counters plus slot states (for metrics and tests)."""
         states = Counter(s.state for s in self.slots.values())
         return {**self.stats, "slots": dict(states), "actors_alive": sum(a.alive for a in self.actors)}
+
+    async def hedge_stats(self, timeout: float = 10.0) -> Counter[str]:
+        """The hedging counters of every replicated environment: this manager's (``replica_scope:
+        actors``) plus those the live env actors keep for their in-actor replicas (``actor``)."""
+        total = Counter({k: v for k, v in self.stats.items() if k.startswith(("hedge", "replicas_"))})
+        live = [a for a in self.actors if a.alive]
+        infos = await asyncio.gather(*(asyncio.wait_for(_await_ref(a.handle.info.remote()), timeout)
+                                       for a in live), return_exceptions=True)
+        for a, info in zip(live, infos, strict=True):
+            if isinstance(info, BaseException):  # a dead actor's counters are gone with it
+                log.warning("env actor %s: no hedging counters (%r)", a.name, info)
+                continue
+            total.update(info["replicas"])
+        return total
 
     async def wait_ready(self, group: str, n: int, timeout: float = 60.0) -> None:
         """Wait until ``n`` environments of ``group`` are ready (polls with a deadline)."""
