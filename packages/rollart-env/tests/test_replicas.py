@@ -119,6 +119,33 @@ async def test_a_diverging_replica_is_dropped() -> None:
     await env.close()
 
 
+async def test_the_replicated_entry_point_builds_copies_in_process_and_masks_their_crashes() -> None:
+    from rollart_core.errors import ConfigError
+    from rollart_core.registry import build
+
+    # the bench's StragglerEnv numbers its instances: each copy draws its own crash
+    inner = {"impl": "rollart_core.bench_workload:StragglerEnv",
+             "options": {"env": {"impl": "frozenlake", "options": LAKE.model_dump()},
+                         "faults": {"crash_prob": 0.5, "fault_within_calls": 1, "seed": 3}}}
+    single = FrozenLakeEnv(LAKE)
+    failed = {1: 0, 4: 0}
+    for r in failed:
+        for seed in range(40):
+            env = build("env", "replicated", {"env": inner, "replicas": r}, "x")
+            assert isinstance(env, ReplicatedEnv) and len(env._replicas) == r
+            try:
+                obs, info = await env.reset(seed)
+            except EnvError:
+                failed[r] += 1
+            else:
+                assert obs == (await single.reset(seed))[0] and info["replicas"] >= 1
+                assert await env.step("R") == await single.step("R")
+            await env.close()
+    assert failed[1] >= 10 and failed[4] < failed[1] / 3  # P(all 4 crash) = 1/16 against 1/2
+    with pytest.raises(ConfigError, match="replicas"):
+        build("env", "replicated", {"env": inner, "replicas": 0}, "x")
+
+
 def test_no_replicas_is_an_error() -> None:
     with pytest.raises(ValueError, match="at least one"):
         ReplicatedEnv([])

@@ -85,6 +85,9 @@ class ModeSpec(_Model):
     async_weight_sync: bool = True
     update_on_arrival: bool = True
     max_pending_steps: int | None = None
+    env_replicas: int = Field(1, ge=1)
+    """Copies of every environment, each call hedged across them (rollart-env's ``replicated``
+    entry point): masks one copy's slow step or crash at the price of r times the env work."""
     train_cores: Literal["all", "half"] = "all"
     """Threads of the trainer (its own process in every mode: the torch trainer's ``spawn``):
     ``all`` cores time-share the machine with generation, the best for a mode that never runs them
@@ -162,6 +165,8 @@ def mode_config(base: RunConfig, spec: ModeSpec, size: BenchSize) -> RunConfig:
     for t in cfg.tasks:
         t.redundancy = size.redundancy if spec.redundancy else 0
         t.reward_executor = reward_executor(spec.reward, size)
+        if spec.env_replicas > 1:
+            t.env = ComponentConfig(impl="replicated", options={"env": t.env.model_dump(), "replicas": spec.env_replicas})
     return RunConfig.model_validate(cfg.model_dump())
 
 

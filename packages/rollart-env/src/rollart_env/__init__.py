@@ -31,7 +31,7 @@ from rollart_env.frozenlake import (
 from rollart_env.manager import EnvGroupConfig, EnvManager, EnvManagerConfig, EnvWorker, ManagedEnv
 from rollart_env.redundancy import BatchOutcome, GroupOutcome, RedundancyConfig, run_batch, run_group
 from rollart_env.remote import EnvServer, RemoteEnv, RemoteEnvConfig
-from rollart_env.replicas import ReplicatedEnv
+from rollart_env.replicas import ReplicatedEnv, ReplicatedEnvConfig
 from rollart_env.sokoban import SokobanConfig, SokobanEnv
 
 __all__ = [
@@ -64,6 +64,7 @@ __all__ = [
     "RedundancyConfig",
     "RemoteEnv",
     "ReplicatedEnv",
+    "ReplicatedEnvConfig",
     "RemoteEnvConfig",
     "SokobanConfig",
     "SokobanEnv",

@@ -16,6 +16,15 @@ the episode; the call fails only when every replica has failed (the last error i
 trajectory's fate is that of the last replica). So a single replica's crash or hang is masked too.
 
 ``close()`` cancels the calls still running on lagging replicas and closes every replica.
+
+Because each replica runs every call in order (an environment's state needs every action), replicas
+hedge a trajectory's *cumulative* env time: the minimum over replicas of their sums, not the sum of
+per-call minima. With log-normal step latency (median 0.1 s, sigma 1) over 5 calls, 3 replicas
+take the episode's median from 0.71 s to 0.47 s and its p99 from 2.55 s to 1.07 s.
+
+Where to put the replicas: the EnvManager (``replicas`` per group, in other actors or in one actor,
+``replica_scope``), or in-process with the ``replicated`` env entry point (``{"impl": "replicated",
+"options": {"env": {...}, "replicas": 3}}``), which builds a fresh ReplicatedEnv per trajectory.
 """
 
 from __future__ import annotations
@@ -27,11 +36,14 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field
+
+from rollart_core.config import ComponentConfig
 from rollart_core.errors import EnvError
 from rollart_core.protocols import Environment
 from rollart_core.types import StepResult
 
-__all__ = ["ReplicatedEnv"]
+__all__ = ["ReplicatedEnv", "ReplicatedEnvConfig"]
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +78,32 @@ def _key(result: Any) -> Any:
     return result[0]  # reset: (observation, info)
 
 
-class ReplicatedEnv:
-    """The Environment protocol over ``replicas`` (identical, deterministic environments)."""
+class ReplicatedEnvConfig(BaseModel):
+    """Options of the ``replicated`` entry point."""
 
-    def __init__(self, replicas: Sequence[Environment], stats: Counter[str] | None = None,
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    env: ComponentConfig
+    """The environment to replicate (``impl`` + ``options``): deterministic given seed and actions."""
+    replicas: int = Field(3, ge=1)
+    """Copies built per environment; every call goes to all of them."""
+
+
+class ReplicatedEnv:
+    """The Environment protocol over ``replicas`` (identical, deterministic environments), or over
+    ``config.replicas`` copies built from a :class:`ReplicatedEnvConfig` (the ``replicated`` entry
+    point)."""
+
+    Config = ReplicatedEnvConfig
+
+    def __init__(self, replicas: Sequence[Environment] | ReplicatedEnvConfig, stats: Counter[str] | None = None,
                  respawn: Callable[[int], Awaitable[Environment]] | None = None) -> None:
+        if isinstance(replicas, ReplicatedEnvConfig):
+            from rollart_core.registry import build
+
+            cfg = replicas
+            replicas = [build("env", cfg.env.impl, cfg.env.options, "replicated.env.options")
+                        for _ in range(cfg.replicas)]
         if not replicas:
             raise ValueError("ReplicatedEnv needs at least one replica")
         self._replicas = [_Replica(env) for env in replicas]
