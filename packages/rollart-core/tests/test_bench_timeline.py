@@ -84,6 +84,25 @@ def test_aggregate_ratios_bound_and_wall_weighted_utilisation() -> None:
     g = goals(r)["async_a1"]
     assert g["vs_sync"] == {"ratio": pytest.approx(4.0), "goal": 4.6, "met": False}
     assert g["of_bound"]["met"] is False and "vs_one_off" not in g
+    # a mode with env replicas is also compared with Sync+ given the same replicas
+    r["sync_r3"], r["async_a2_r3"] = {**r["sync"], "traj_per_s": 2.0}, {**r["async_a1"], "traj_per_s": 10.0}
+    g = goals(r)["async_a2_r3"]
+    assert g["vs_sync_r3"]["ratio"] == pytest.approx(5.0) and g["vs_sync_r3"]["met"]
+    assert g["vs_sync"]["ratio"] == pytest.approx(10.0) and "vs_sync_r3" not in goals(r)["async_a1"]
+
+
+def test_env_replicas_wrap_every_task_env_in_the_replicated_entry_point(tmp_path) -> None:
+    from rollart_core.bench_workload import MODES, SIZES, mode_config, workload_config
+    from rollart_core.registry import build
+
+    size = SIZES["micro"]
+    base = workload_config(size, tmp_path, tmp_path / "model")
+    plain, hedged = mode_config(base, MODES["sync"], size), mode_config(base, MODES["sync_r3"], size)
+    for i, (t, h) in enumerate(zip(plain.tasks, hedged.tasks, strict=True)):
+        assert h.env.impl == "replicated" and h.env.options["replicas"] == 3
+        assert h.env.options["env"] == t.env.model_dump()
+        env = build("env", h.env.impl, h.env.options, f"tasks.{i}.env.options")
+        assert len(env._replicas) == 3 and env.system_prompt == build("env", t.env.impl, t.env.options, "x").system_prompt
 
 
 async def test_cpu_meter_reads_the_machines_busy_fraction() -> None:

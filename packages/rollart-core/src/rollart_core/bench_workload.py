@@ -106,6 +106,12 @@ MODES: dict[str, ModeSpec] = {
     "async_a4": ModeSpec(mode="async", alpha=4, max_pending_steps=4, train_cores="half", label="async α=4"),
     "admission": ModeSpec(mode="async", alpha=1, max_pending_steps=2, redundancy=False, reward="colocated",
                           abort_stale=False, train_cores="half", label="admission-only α=1"),
+    # the env tail hedged with 3 replicas per environment, in Sync+ and async alike (like for like)
+    "sync_r3": ModeSpec(mode="sync", alpha=0, env_replicas=3, label="Sync+, env replicas 3"),
+    "async_a1_r3": ModeSpec(mode="async", alpha=1, max_pending_steps=2, env_replicas=3, train_cores="half",
+                            label="async α=1, env replicas 3"),
+    "async_a2_r3": ModeSpec(mode="async", alpha=2, max_pending_steps=3, env_replicas=3, train_cores="half",
+                            label="async α=2, env replicas 3"),
     # ablations of async α=1 (full size)
     "abl_no_redundancy": ModeSpec(mode="async", alpha=1, max_pending_steps=2, redundancy=False,
                                   train_cores="half", label="async α=1, no redundancy"),
