@@ -236,6 +236,10 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
 
 ALL_VARIANTS = ("fault_free", "faults_off", "faults_on", "faults_on_batch", "replicas", "replicas_batch",
                 "replicas_actor", "replicas_actor_batch")
+# replicas in other actors (``replicas``, ``replicas_batch``) cost r Ray calls per env call from the
+# caller, which shares the cores with the engine: slower than in-actor replicas in every run, and
+# their load slows the other variants of the same run; run them with --variants
+DEFAULT_VARIANTS = ["faults_off", "faults_on", "faults_on_batch", "replicas_actor", "replicas_actor_batch"]
 
 
 def parse() -> argparse.Namespace:
@@ -256,8 +260,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--hang", type=float, default=0.02, help="per-episode hang probability")
     p.add_argument("--step-timeout", type=float, default=2.0)
     p.add_argument("--model", default=None, help="tiny model dir (created if missing; default: a temp dir)")
-    p.add_argument("--variants", nargs="+", default=ALL_VARIANTS[1:], choices=ALL_VARIANTS[1:],
-                   help="variants besides fault_free (always run: it is the reference)")
+    p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=ALL_VARIANTS[1:],
+                   help="variants besides fault_free (always run: it is the reference); default: "
+                        f"{' '.join(DEFAULT_VARIANTS)}")
     p.add_argument("--trace", type=int, default=0, help="print the critical trajectory of the N slowest batches")
     p.add_argument("--out", default="runs/bench/env_bench.json")
     a = p.parse_args()
