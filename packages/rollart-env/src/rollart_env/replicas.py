@@ -86,7 +86,9 @@ class ReplicatedEnvConfig(BaseModel):
     env: ComponentConfig
     """The environment to replicate (``impl`` + ``options``): deterministic given seed and actions."""
     replicas: int = Field(3, ge=1)
-    """Copies built per environment; every call goes to all of them."""
+    """Copies built per environment; every call goes to all of them. Each copy is built from the
+    same options, so randomness seeded only by the options (``faulty`` with one ``instance``) is the
+    same in every copy and hedges nothing; the bench's ``StragglerEnv`` numbers its copies."""
 
 
 class ReplicatedEnv:
