@@ -12,6 +12,12 @@ mode and on half of them in async mode, where training overlaps rollout (as ``ro
 ``--in-process-trainer`` keeps the config's trainer as it is. Every point also records
 ``episodes``: the trajectories trained on so far (sample efficiency, independent of how busy the
 machine was). ``--modes sync`` runs one mode only.
+
+Each mode's CPU use is measured too (``cpu_busy``: the fraction of all cores busy from its first
+step to its end, whatever ran: engine, trainer, environments, the loop). Overlapping rollout with
+training can only use the cores the synchronous run left idle, so ``1 / cpu_busy`` of the sync run
+is the most async can gain in wall time on this machine at equal work per episode
+(``overlap_ceiling`` in the JSON).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from typing import Any
 from rollart_core.bench_workload import train_threads
 from rollart_core.config import load_config
 from rollart_core.loop import train
+from rollart_core.timeline import CpuMeter
 
 
 class _Curve:
@@ -50,7 +57,7 @@ class _Curve:
 
 
 def _run(cfg_path: Path, mode: str, alpha: int, minutes: float, eval_every: int, out: Path,
-         in_process_trainer: bool, eval_temperature: float | None) -> list[dict[str, Any]]:
+         in_process_trainer: bool, eval_temperature: float | None) -> tuple[list[dict[str, Any]], float | None]:
     cfg = load_config(cfg_path)
     cfg.train.mode, cfg.train.alpha = mode, alpha  # type: ignore[assignment]
     if not in_process_trainer:
@@ -62,17 +69,31 @@ def _run(cfg_path: Path, mode: str, alpha: int, minutes: float, eval_every: int,
     cfg = cfg.model_copy(update={"output_dir": out / f"{mode}-a{alpha}"})
     curve = _Curve()
 
-    async def main() -> None:
-        task = asyncio.create_task(train(cfg, sink=curve))
-        deadline = time.perf_counter() + minutes * 60
-        while not task.done() and time.perf_counter() < deadline:
-            await asyncio.sleep(1.0)
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+    async def main() -> float | None:
+        async with CpuMeter(period=1.0) as cpu:
+            task = asyncio.create_task(train(cfg, sink=curve))
+            deadline = time.perf_counter() + minutes * 60
+            while not task.done() and time.perf_counter() < deadline:
+                await asyncio.sleep(1.0)
+            t_end = time.perf_counter()
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        # from the first step (after the pipeline's start-up and the initial evaluation) to the end
+        steps = [p["wall_s"] for p in curve.points if p["step"] >= 1]
+        return cpu.busy((curve.t0 + steps[0], t_end)) if steps else None
 
     print(f"== {mode} alpha={alpha} for {minutes} min")
-    asyncio.run(main())
-    return curve.points
+    busy = asyncio.run(main())
+    print(f"   cpu busy from the first step to the end: {busy if busy is None else round(busy, 3)}")
+    return curve.points, busy
+
+
+def _rate(points: list[dict[str, Any]], key: str) -> float | None:
+    """``key`` per minute from the first step to the last."""
+    steps = [p for p in points if p["step"] >= 1]
+    if len(steps) < 2 or steps[-1]["wall_s"] <= steps[0]["wall_s"]:
+        return None
+    return (steps[-1][key] - steps[0][key]) / (steps[-1]["wall_s"] - steps[0]["wall_s"]) * 60
 
 
 def _first_reaching(points: list[dict[str, Any]], target: float, key: str = "wall_s") -> float | None:
@@ -106,9 +127,11 @@ def main() -> None:
     chosen = args.modes.split(",")
     if not chosen or any(m not in modes for m in chosen):
         ap.error(f"--modes: a comma-separated subset of {list(modes)}")
-    curves = {m: _run(Path(args.config), *modes[m], args.minutes, args.eval_every, out, args.in_process_trainer,
-                   args.eval_temperature)
-              for m in chosen}
+    runs = {m: _run(Path(args.config), *modes[m], args.minutes, args.eval_every, out, args.in_process_trainer,
+                    args.eval_temperature)
+            for m in chosen}
+    curves = {m: r[0] for m, r in runs.items()}
+    cpu_busy = {m: r[1] for m, r in runs.items()}
     evals = {k: [p for p in v if "eval_success" in p] for k, v in curves.items()}
     first = evals[chosen[0]]
     sync_final = first[-1]["eval_success"] if first else 0.0
@@ -123,6 +146,10 @@ def main() -> None:
         "target": args.target,
         "seconds_to_target": {k: _first_reaching(v, args.target) for k, v in evals.items()},
         "episodes_to_target": {k: _first_reaching(v, args.target, "episodes") for k, v in evals.items()},
+        "cpu_busy": cpu_busy,
+        "steps_per_min": {k: _rate(v, "step") for k, v in curves.items()},
+        "episodes_per_s": {k: _rate(v, "episodes") / 60 if _rate(v, "episodes") else None for k, v in curves.items()},
+        "overlap_ceiling": 1 / cpu_busy["sync"] if cpu_busy.get("sync") else None,
         "curves": curves,
     }
     t_sync, t_async = summary["seconds_to_sync_final"].get("sync"), summary["seconds_to_sync_final"].get("async_a1")
@@ -134,6 +161,13 @@ def main() -> None:
         print(f"{k:<10} {summary['best_eval_success'][k] or 0:>10.3f} {summary['seconds_to_sync_final'][k] or nan:>16.1f} "
               f"{summary['seconds_to_target'][k] or nan:>9.1f} {summary['episodes_to_target'][k] or nan:>16.0f}")
     print(f"async speed-up to the sync run's final success: {summary['async_speedup_to_sync_final']}")
+    for k in curves:
+        busy = cpu_busy[k]
+        print(f"{k:<10} cpu busy {busy if busy is None else f'{busy:.2f}'}, {summary['steps_per_min'][k] or nan:.1f} steps/min, "
+              f"{summary['episodes_per_s'][k] or nan:.1f} episodes/s")
+    if summary["overlap_ceiling"]:
+        print(f"overlap ceiling (1 / sync's cpu busy): async can be at most {summary['overlap_ceiling']:.2f}x faster "
+              "per episode from overlapping rollout and training on these cores")
     try:
         import matplotlib
 
