@@ -8,7 +8,8 @@ on held-out map seeds every ``--eval-every`` steps. Writes ``learning.json`` (bo
 time) and ``learning.png`` into ``--out``, and prints when each mode first reached the sync run's
 final success rate, and when (seconds and episodes) each first reached ``--target`` (0.8, the
 issue's bar). The trainer runs in its own process (torch trainer ``spawn``), on all cores in sync
-mode and on half of them in async mode, where training overlaps rollout (as ``rollart bench``);
+mode and on half of them in async mode, where training overlaps rollout (as ``rollart bench``;
+``--async-train-cores all`` gives async's trainer every core too, time-sharing them with generation);
 ``--in-process-trainer`` keeps the config's trainer as it is. Every point also records
 ``episodes``: the trajectories trained on so far (sample efficiency, independent of how busy the
 machine was). ``--modes sync`` runs one mode only.
@@ -29,7 +30,7 @@ import os
 import platform
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from rollart_core.bench_workload import train_threads
 from rollart_core.config import load_config
@@ -57,11 +58,12 @@ class _Curve:
 
 
 def _run(cfg_path: Path, mode: str, alpha: int, minutes: float, eval_every: int, out: Path,
-         in_process_trainer: bool, eval_temperature: float | None) -> tuple[list[dict[str, Any]], float | None]:
+         in_process_trainer: bool, eval_temperature: float | None,
+         async_train_cores: Literal["all", "half"] = "half") -> tuple[list[dict[str, Any]], float | None]:
     cfg = load_config(cfg_path)
     cfg.train.mode, cfg.train.alpha = mode, alpha  # type: ignore[assignment]
     if not in_process_trainer:
-        cfg.trainer.options.update(spawn=True, num_threads=train_threads("all" if mode == "sync" else "half"))
+        cfg.trainer.options.update(spawn=True, num_threads=train_threads("all" if mode == "sync" else async_train_cores))
     cfg.train.steps = 100_000
     cfg.train.eval_every = eval_every
     cfg.train.eval_temperature = eval_temperature
@@ -114,6 +116,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a 2-minute smoke run per mode")
     ap.add_argument("--in-process-trainer", action="store_true",
                     help="train in the control process (the config's trainer options unchanged)")
+    ap.add_argument("--async-train-cores", choices=["half", "all"], default="half",
+                    help="the spawned trainer's share of the cores in async mode (sync: always all)")
     ap.add_argument("--eval-temperature", type=float,
                     help="held-out evaluation temperature (0: greedy); default: the config's train.eval_temperature")
     args = ap.parse_args()
@@ -128,7 +132,7 @@ def main() -> None:
     if not chosen or any(m not in modes for m in chosen):
         ap.error(f"--modes: a comma-separated subset of {list(modes)}")
     runs = {m: _run(Path(args.config), *modes[m], args.minutes, args.eval_every, out, args.in_process_trainer,
-                    args.eval_temperature)
+                    args.eval_temperature, args.async_train_cores)
             for m in chosen}
     curves = {m: r[0] for m, r in runs.items()}
     cpu_busy = {m: r[1] for m, r in runs.items()}
@@ -137,7 +141,7 @@ def main() -> None:
     sync_final = first[-1]["eval_success"] if first else 0.0
     summary = {
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-        "trainer": "in process" if args.in_process_trainer else "spawned: all cores in sync, half in async",
+        "trainer": "in process" if args.in_process_trainer else f"spawned: all cores in sync, {args.async_train_cores} in async",
         "minutes_per_mode": args.minutes,
         "eval_temperature": args.eval_temperature,
         "sync_final_eval_success": sync_final,

@@ -123,3 +123,26 @@ async def test_cpu_meter_reads_the_machines_busy_fraction() -> None:
     frac = meter.busy((t0, t1))
     assert frac is not None and 0 < frac <= 1
     assert CpuMeter().busy((0.0, 1.0)) is None  # no samples: no figure
+
+
+def test_each_mode_warms_up_for_its_pipeline_depth_before_throughput_is_measured(tmp_path) -> None:
+    from rollart_core.bench import steady_window
+    from rollart_core.bench_workload import MODES, SIZES, mode_config, workload_config
+
+    assert MODES["sync"].warmup_steps() == 0 and MODES["one_off"].warmup_steps() == 1
+    assert [MODES[m].warmup_steps() for m in ("async_a1", "async_a2", "async_a4_r3", "admission")] == [2, 3, 4, 2]
+    quick = SIZES["quick"]
+    base = workload_config(quick, tmp_path, tmp_path / "model")
+    for m in ("sync", "async_a2", "async_a4_r3"):
+        assert mode_config(base, MODES[m], quick).train.steps == quick.steps + MODES[m].warmup_steps()
+    micro = SIZES["micro"]
+    assert not micro.warmup and mode_config(base, MODES["async_a2"], micro).train.steps == micro.steps
+
+    rows = [{"elapsed": e, "batch_size": b} for e, b in [(3.0, 16), (4.0, 16), (5.0, 16), (7.0, 12), (9.0, 16)]]
+    (w0, w1), measured = steady_window(rows, 3)
+    assert (w0, w1) == (5.0, 9.0) and [r["batch_size"] for r in measured] == [12, 16]
+    assert steady_window(rows, 5) is None
+    (w0, _), measured = steady_window(rows, 1)
+    assert w0 == 3.0 and len(measured) == 4
+    (w0, w1), measured = steady_window(rows, 0)  # no pipeline (Sync+): the whole segment
+    assert (w0, w1) == (0.0, 9.0) and measured == rows

@@ -45,7 +45,7 @@ from rollart_core.metrics import MemorySink
 from rollart_core.registry import build
 from rollart_core.timeline import STAGES, CpuMeter, Timeline, bottleneck_bound
 
-__all__ = ["aggregate", "run_bench", "run_bench_cli"]
+__all__ = ["aggregate", "run_bench", "run_bench_cli", "steady_window"]
 
 log = logging.getLogger(__name__)
 SHARED = ("generate", "train")
@@ -199,9 +199,10 @@ async def _reward_capacity(ex: Any, workers: int, duration: float) -> dict[str, 
     return {"traj_per_s": n[0] / s, "calls_per_s": n[0] / s, "calls": n[0], "concurrency": workers, "seconds": s}
 
 
-async def run_segment(p: Any, cfg: RunConfig, keep_intervals: bool, threads: int) -> dict[str, Any]:
+async def run_segment(p: Any, cfg: RunConfig, keep_intervals: bool, threads: int, warmup: int | None) -> dict[str, Any]:
     """One mode for ``cfg.train.steps`` steps on the shared pipeline (its trainer on ``threads``
-    threads), with its busy intervals."""
+    threads), with its busy intervals; the steady state starts after ``warmup`` steps (None: no
+    steady state, throughput over the whole segment)."""
     from rollart_core.loop import train
 
     _use(p, cfg, threads)
@@ -229,22 +230,34 @@ async def run_segment(p: Any, cfg: RunConfig, keep_intervals: bool, threads: int
         "stages": tl.summary((t0, t1)),
         "cpu_busy": cpu.busy((t0, t1)),
     }
-    if len(hist) >= 2:  # steady state: from the end of the first (warm-up) step to the end of the last
-        w0, w1 = t0 + hist[0]["elapsed"], t0 + hist[-1]["elapsed"]
-        seg["steady"] = {"wall_s": w1 - w0, "trained": sum(h["batch_size"] for h in hist[1:]),
-                         "gen_tokens": sum(h["gen_tok_per_s"] * h["step_s"] for h in hist[1:]),
+    window = steady_window(hist, warmup) if warmup is not None else None
+    if window is not None:
+        (e0, e1), measured = window
+        w0, w1 = t0 + e0, t0 + e1
+        seg["warmup_steps"] = warmup
+        seg["steady"] = {"wall_s": w1 - w0, "trained": sum(h["batch_size"] for h in measured),
+                         "gen_tokens": sum(h["gen_tok_per_s"] * h["step_s"] for h in measured),
                          "stages": tl.summary((w0, w1)), "window": (w0 - t0, w1 - t0), "cpu_busy": cpu.busy((w0, w1))}
     if keep_intervals:
         seg["intervals"] = [(st, round(s - t0, 4), round(e - t0, 4)) for st, s, e, _ in tl.intervals]
     return seg
 
 
+def steady_window(hist: list[dict[str, Any]], warmup: int) -> tuple[tuple[float, float], list[dict[str, Any]]] | None:
+    """The steady state of a segment's step rows (``elapsed``: seconds since the segment's start at
+    the end of the step): from the end of step ``warmup`` (0: the start) to the end of the last, and
+    the rows of the steps measured in it. None without a step after the warm-up."""
+    if warmup < 0 or len(hist) <= warmup:
+        return None
+    return (hist[warmup - 1]["elapsed"] if warmup else 0.0, hist[-1]["elapsed"]), hist[warmup:]
+
+
 def aggregate(segments: dict[str, list[dict[str, Any]]], bounds: dict[str, dict[str, Any]],
               baseline: str = "sync") -> dict[str, dict[str, Any]]:
     """Per mode: throughput over all its segments, ratios to ``baseline``, achieved/bound,
-    wall-weighted utilisation per stage, fates. With >= 2 steps per segment everywhere, throughput
-    and utilisation are taken over the steady state (after each segment's first step, for every mode
-    alike: async needs a step to fill its pipeline); otherwise over whole segments."""
+    wall-weighted utilisation per stage, fates. Where every segment has a steady state, throughput
+    and utilisation are taken over it (after each segment's warm-up steps: its pipeline depth);
+    otherwise over whole segments."""
     out: dict[str, dict[str, Any]] = {}
     steady = all("steady" in s for segs in segments.values() for s in segs)
     for mode, all_segs in segments.items():
@@ -282,7 +295,7 @@ def goals(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The issue's goals, for each async mode that ran; a mode with env replicas (``_r3``) is also
     compared with Sync+ given the same replicas (``vs_sync_r3``, like for like)."""
     out: dict[str, Any] = {}
-    for a in [m for m in ("async_a1", "async_a2", "async_a4", "async_a1_r3", "async_a2_r3") if m in results]:
+    for a in [m for m in ("async_a1", "async_a2", "async_a4", "async_a1_r3", "async_a2_r3", "async_a4_r3") if m in results]:
         g: dict[str, Any] = {}
         bases = [("sync_r3", 4.6)] if a.endswith("_r3") else []
         for base, target in (*bases, ("sync", 4.6), ("one_off", 1.35), ("admission", 1.31)):
@@ -348,7 +361,9 @@ async def run_bench(size_name: str, size: BenchSize, modes: list[str], out_dir: 
         log.info("capacity: %s", cap)
         for r in range(size.rounds):
             for m in modes:
-                seg = await run_segment(p, cfgs[m], keep_intervals=r == size.rounds - 1, threads=train_threads(MODES[m].train_cores))
+                seg = await run_segment(p, cfgs[m], keep_intervals=r == size.rounds - 1,
+                                        threads=train_threads(MODES[m].train_cores),
+                                        warmup=MODES[m].warmup_steps() if size.warmup else None)
                 seg["round"] = r
                 segments[m].append(seg)
                 print(f"round {r + 1}/{size.rounds} {m:<22} {seg['trained'] / seg['wall_s']:7.2f} traj/s "

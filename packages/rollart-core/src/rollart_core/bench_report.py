@@ -62,11 +62,15 @@ def _goal_lines(res: dict[str, Any]) -> list[str]:
     return out
 
 
+def _warmup(res: dict[str, Any]) -> str:
+    return " after its warm-up steps" if res["size"].get("warmup") else ""
+
+
 def print_table(res: dict[str, Any]) -> str:
     head, rows = table_rows(res)
     widths = [max(len(head[i]), *(len(r[i]) for r in rows)) for i in range(len(head))]
-    lines = [f"rollart bench ({res['size_name']}): {res['size']['rounds']} rounds x {res['size']['steps']} steps per "
-             f"mode, modes interleaved; machine: {res['machine']['cpus_usable']} CPUs, load "
+    lines = [f"rollart bench ({res['size_name']}): {res['size']['rounds']} rounds x {res['size']['steps']} measured steps per "
+             f"mode{_warmup(res)}, modes interleaved; machine: {res['machine']['cpus_usable']} CPUs, load "
              f"{res['machine']['loadavg_start'][0]:.1f} -> {res['machine']['loadavg_end'][0]:.1f}",
              *_capacity_lines(res), "",
              "  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True))]
@@ -78,7 +82,7 @@ def print_table(res: dict[str, Any]) -> str:
 def markdown(res: dict[str, Any]) -> str:
     head, rows = table_rows(res)
     md = [f"# rollart bench ({res['size_name']})", "",
-          f"{res['size']['rounds']} rounds x {res['size']['steps']} steps per mode, modes interleaved. Machine: "
+          f"{res['size']['rounds']} rounds x {res['size']['steps']} measured steps per mode{_warmup(res)}, modes interleaved. Machine: "
           f"{res['machine']['cpus_usable']} CPUs, {res['machine']['memory_gib']} GiB, load average "
           f"{res['machine']['loadavg_start'][0]:.1f} at start, {res['machine']['loadavg_end'][0]:.1f} at end.", "",
           "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -86,8 +90,9 @@ def markdown(res: dict[str, Any]) -> str:
     md += ["", "Standalone capacity:", "", *[f"- {x}" for x in _capacity_lines(res)], "", "Goals:", "",
            *[f"- {x}" for x in _goal_lines(res)], "",
            "traj/s: trained trajectories per second of wall time, in the steady state (after each segment's "
-           "first step; a deep pipeline may consume groups finished during that step, which flatters it in "
-           "short segments); whole-segment traj/s counts the fill-up too (which penalises it); cpu busy: fraction of all "
+           "warm-up steps, as many as the mode's pipeline is deep: none for Sync+, 1 for One-off, max_pending_steps for "
+           "async; before that, a pipeline launched all at once drains a burst of groups and runs fast); "
+           "whole-segment traj/s counts the fill-up too (which penalises deep pipelines); cpu busy: fraction of all "
            "the machine's cores busy (anything running), the room left under a compute bound; util: fraction of the time at least one call "
            "of the stage was running; fates count every launched trajectory once (cancelled_at_stop: still in "
            "flight when a segment ended).", ""]
@@ -114,7 +119,7 @@ def plot_timeline(res: dict[str, Any], path: Path) -> bool:
         for row, st in enumerate(reversed(STAGES)):
             spans = merge([(a, b) for name, a, b in s["intervals"] if name == st])
             ax.broken_barh([(a, b - a) for a, b in spans], (row + 0.1, 0.8), color=_COLOURS[st])
-        if "steady" in s:  # throughput is measured from here on (after the warm-up step)
+        if "steady" in s:  # throughput is measured from here on (after the warm-up steps)
             ax.axvline(s["steady"]["window"][0], color="k", ls=":", lw=0.8)
         ax.set_yticks([i + 0.5 for i in range(len(STAGES))], [_SHORT[x] for x in reversed(STAGES)])
         ax.set_xlim(0, span)
