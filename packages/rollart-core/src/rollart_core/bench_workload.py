@@ -81,7 +81,9 @@ SIZES: dict[str, BenchSize] = {
 class ModeSpec(_Model):
     mode: Literal["sync", "one_off", "async"]
     alpha: int = 0
-    redundancy: bool = True
+    redundancy: int | None = Field(None, ge=0)
+    """Extra trajectories launched per group (cancelled once the group's first ``group_size``
+    finish); None: the size's ``redundancy``; 0: none."""
     reward: Literal["elastic", "colocated"] = "elastic"
     """``elastic``: every call runs at once (in-process coroutines, standing in for serverless
     offload); ``colocated``: a fixed pool of ``colocated_workers`` slots (the ``pool`` executor)."""
@@ -119,7 +121,7 @@ MODES: dict[str, ModeSpec] = {
     "async_a2": ModeSpec(mode="async", alpha=2, max_pending_steps=3, train_cores="half", label="async α=2"),
     # AReaL's staleness range (its paper trains well with a maximum staleness of 4-8 under decoupled PPO)
     "async_a4": ModeSpec(mode="async", alpha=4, max_pending_steps=4, train_cores="half", label="async α=4"),
-    "admission": ModeSpec(mode="async", alpha=1, max_pending_steps=2, redundancy=False, reward="colocated",
+    "admission": ModeSpec(mode="async", alpha=1, max_pending_steps=2, redundancy=0, reward="colocated",
                           abort_stale=False, train_cores="half", label="admission-only α=1"),
     # the env tail hedged with 3 replicas per environment, in Sync+ and async alike (like for like)
     "sync_r3": ModeSpec(mode="sync", alpha=0, env_replicas=3, label="Sync+, env replicas 3"),
@@ -130,7 +132,7 @@ MODES: dict[str, ModeSpec] = {
     "async_a4_r3": ModeSpec(mode="async", alpha=4, max_pending_steps=4, env_replicas=3, train_cores="half",
                             label="async α=4, env replicas 3"),
     # ablations of async α=1 (full size)
-    "abl_no_redundancy": ModeSpec(mode="async", alpha=1, max_pending_steps=2, redundancy=False,
+    "abl_no_redundancy": ModeSpec(mode="async", alpha=1, max_pending_steps=2, redundancy=0,
                                   train_cores="half", label="async α=1, no redundancy"),
     "abl_colocated_reward": ModeSpec(mode="async", alpha=1, max_pending_steps=2, reward="colocated",
                                      train_cores="half", label="async α=1, colocated reward"),
@@ -187,7 +189,7 @@ def mode_config(base: RunConfig, spec: ModeSpec, size: BenchSize) -> RunConfig:
     cfg.train.max_pending_steps = spec.max_pending_steps
     cfg.train.steps = size.steps + (spec.warmup_steps() if size.warmup else 0)
     for t in cfg.tasks:
-        t.redundancy = size.redundancy if spec.redundancy else 0
+        t.redundancy = size.redundancy if spec.redundancy is None else spec.redundancy
         t.reward_executor = reward_executor(spec.reward, size)
         if spec.env_replicas > 1:
             t.env = ComponentConfig(impl="replicated", options={"env": t.env.model_dump(), "replicas": spec.env_replicas})
