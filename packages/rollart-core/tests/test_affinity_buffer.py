@@ -125,3 +125,46 @@ async def test_dropping_useless_groups_wakes_admission_control() -> None:
     buf.expect("fresh", 1)
     await buf.put(_traj("f", "fresh", 1))
     assert [t.traj_id for t in await asyncio.wait_for(getter, 5)] == ["f"]
+
+
+async def test_batch_mix_takes_each_tasks_share_however_fast_the_other_task_is() -> None:
+    buf = SampleBuffer(alpha=1)
+    for g in ("c0", "c1", "c2"):
+        buf.expect(g, 1, "calc")
+    for g in ("l0", "l1"):
+        buf.expect(g, 1, "lake")
+    assert buf.pending_by_task() == {"calc": 3, "lake": 2}
+    for g in ("c0", "c1", "c2", "l0"):  # the fast task's groups are all ready, the slow one's not yet
+        await buf.put(_traj(g, g, 0))
+    getter = asyncio.create_task(buf.get_batch(4, version=0, mix={"calc": 2, "lake": 2}))
+    await asyncio.sleep(0)
+    assert not getter.done()  # 4 ready groups, but only one of the lake task
+    await buf.put(_traj("l1", "l1", 0))
+    batch = await asyncio.wait_for(getter, 5)
+    assert [t.group_id for t in batch] == ["c0", "c1", "l0", "l1"]  # oldest of each task, in launch order
+    assert buf.pending_by_task() == {"calc": 1}
+    with pytest.raises(ValueError, match="does not sum"):
+        await buf.get_batch(2, version=0, mix={"calc": 1})
+
+
+async def test_buffer_state_keeps_each_groups_task() -> None:
+    buf = SampleBuffer(alpha=0)
+    buf.expect("g", 1, "lake")
+    await buf.put(_traj("t", "g", 0))
+    restored = SampleBuffer(alpha=0)
+    restored.load_state_dict(buf.state_dict())
+    assert restored.pending_by_task() == {"lake": 1}
+    assert [t.traj_id for t in await restored.get_batch(1, version=0, mix={"lake": 1})] == ["t"]
+
+
+def test_the_producer_launches_the_task_furthest_below_its_batch_share() -> None:
+    from rollart_core.config import TaskConfig
+    from rollart_core.loop import next_task
+
+    env, reward = {"impl": "frozenlake"}, {"impl": "success"}
+    tasks = [TaskConfig(name="calc", env=env, reward=reward, groups_per_step=2),
+             TaskConfig(name="lake", env=env, reward=reward, groups_per_step=1)]
+    assert next_task(tasks, {}) == 0
+    assert next_task(tasks, {"calc": 2}) == 1  # lake has none pending
+    assert next_task(tasks, {"calc": 1, "lake": 1}) == 0  # calc: 0.5 of its share pending, lake: 1
+    assert next_task(tasks, {"calc": 4, "lake": 1}) == 1

@@ -3,12 +3,17 @@
 A group is ready once every trajectory launched for it is accounted for (any fate). A trajectory
 started at policy version ``v`` may be handed to the trainer at version ``t`` only if
 ``t - v <= alpha``; older ones are dropped with fate ``aborted_stale`` and counted.
+
+With a batch ``mix`` (groups per task), a batch holds exactly that many groups of each task, the
+oldest ready ones: without it a fast task (short episodes) would fill the batches while a slow
+task's groups wait and go stale, and the run would train mostly on the fast task.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from collections.abc import Mapping
 from typing import Any
 
 from rollart_core.errors import ConfigError
@@ -24,6 +29,7 @@ class SampleBuffer:
         self.alpha = alpha
         self._expected: dict[str, int] = {}
         self._groups: dict[str, list[Trajectory]] = {}
+        self._task: dict[str, str | None] = {}
         self._order: list[str] = []
         self._changed = asyncio.Condition()
         self.fates: Counter[str] = Counter()
@@ -31,12 +37,13 @@ class SampleBuffer:
         self.dropped_groups: list[str] = []
         """Groups removed with nothing trainable (all failed or stale)."""
 
-    def expect(self, group_id: str, n: int) -> None:
-        """Announce that ``n`` trajectories were launched for ``group_id``."""
+    def expect(self, group_id: str, n: int, task: str | None = None) -> None:
+        """Announce that ``n`` trajectories were launched for ``group_id`` (of ``task``)."""
         if group_id in self._expected:
             raise ValueError(f"group {group_id!r} already announced")
         self._expected[group_id] = n
         self._groups[group_id] = []
+        self._task[group_id] = task
         self._order.append(group_id)
 
     async def put(self, traj: Trajectory) -> None:
@@ -58,9 +65,12 @@ class SampleBuffer:
     def _trainable(self, group: str, version: int) -> bool:
         return any(t.fate is Fate.FINISHED and self.fresh(t, version) for t in self._groups[group])
 
-    async def get_batch(self, num_groups: int, version: int) -> list[Trajectory]:
-        """Wait for ``num_groups`` ready groups that hold a fresh finished trajectory; return those
-        trajectories. Ready groups with nothing trainable (all failed or stale) are dropped, counted."""
+    async def get_batch(self, num_groups: int, version: int, mix: Mapping[str, int] | None = None) -> list[Trajectory]:
+        """Wait for ``num_groups`` ready groups that hold a fresh finished trajectory (with ``mix``:
+        that many of each task, summing to ``num_groups``); return those trajectories, oldest groups
+        first. Ready groups with nothing trainable (all failed or stale) are dropped, counted."""
+        if mix is not None and sum(mix.values()) != num_groups:
+            raise ValueError(f"batch mix {dict(mix)} does not sum to {num_groups} groups")
         async with self._changed:
             while True:
                 await self._changed.wait_for(lambda: len(self._ready()) >= 1)
@@ -70,14 +80,29 @@ class SampleBuffer:
                     self.dropped_groups.append(g)
                 if dropped:
                     self._changed.notify_all()  # admission control may launch replacements now
-                useful = [g for g in self._ready() if self._trainable(g, version)]
-                if len(useful) >= num_groups:
+                chosen = self._choose([g for g in self._ready() if self._trainable(g, version)], num_groups, mix)
+                if chosen is not None:
                     break
                 await self._changed.wait()
-            batch = [t for g in useful[:num_groups] for t in self._take(g, version)]
+            batch = [t for g in chosen for t in self._take(g, version)]
             self.consumed += len(batch)
             self._changed.notify_all()
             return batch
+
+    def _choose(self, useful: list[str], num_groups: int, mix: Mapping[str, int] | None) -> list[str] | None:
+        if mix is None:
+            return useful[:num_groups] if len(useful) >= num_groups else None
+        chosen = []
+        for task, quota in mix.items():
+            of_task = [g for g in useful if self._task[g] == task][:quota]
+            if len(of_task) < quota:
+                return None
+            chosen += of_task
+        return sorted(chosen, key=self._order.index)
+
+    def pending_by_task(self) -> Counter[str | None]:
+        """Announced groups not yet consumed, per task (admission control balances the mix with it)."""
+        return Counter(self._task[g] for g in self._order)
 
     def _take(self, group: str, version: int) -> list[Trajectory]:
         """Remove a ready group; return its fresh finished trajectories, marking stale ones."""
@@ -93,6 +118,7 @@ class SampleBuffer:
             out.append(t)
         self._order.remove(group)
         del self._expected[group]
+        del self._task[group]
         return out
 
     async def wait_pending_below(self, limit: int) -> None:
@@ -107,13 +133,13 @@ class SampleBuffer:
         for g in self._order:
             done = [t for t in self._groups[g] if t.fate is Fate.FINISHED]
             if done:
-                groups.append({"group_id": g, "trajectories": [t.to_dict() for t in done]})
+                groups.append({"group_id": g, "task": self._task[g], "trajectories": [t.to_dict() for t in done]})
         return {"alpha": self.alpha, "groups": groups, "fates": dict(self.fates), "consumed": self.consumed}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for g in state["groups"]:
             trajs = [Trajectory.from_dict(d) for d in g["trajectories"]]
-            self.expect(g["group_id"], len(trajs))
+            self.expect(g["group_id"], len(trajs), g.get("task", trajs[0].task if trajs else None))
             self._groups[g["group_id"]].extend(trajs)
         self.fates.update(state.get("fates", {}))
         self.consumed = state.get("consumed", 0)

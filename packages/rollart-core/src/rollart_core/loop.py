@@ -26,10 +26,12 @@ import contextlib
 import functools
 import logging
 import time
+from collections import Counter
+from collections.abc import Mapping
 from typing import Any
 
 from rollart_core.checkpoint import resume, save_checkpoint
-from rollart_core.config import RunConfig
+from rollart_core.config import RunConfig, TaskConfig
 from rollart_core.metrics import MetricsSink, default_sinks
 from rollart_core.pipeline import Pipeline
 from rollart_core.protocols import SupportsWeightPrefetch
@@ -38,7 +40,7 @@ from rollart_core.runner import run_trajectory
 from rollart_core.timeline import record
 from rollart_core.types import Trajectory, fate_counts
 
-__all__ = ["evaluate", "rollout_step", "train"]
+__all__ = ["evaluate", "next_task", "rollout_step", "train"]
 
 log = logging.getLogger(__name__)
 CONSOLE_KEYS = ["reward_mean", "success_rate", "eval_success", "traj_per_s", "gen_tok_per_s", "wait_s",
@@ -50,7 +52,8 @@ async def train(cfg: RunConfig, sink: MetricsSink | None = None, pipeline: Pipel
     an already built one (its engines serving the trainer's version) instead of building one."""
     sink = sink or default_sinks(cfg.output_dir, CONSOLE_KEYS)
     mode, alpha = cfg.train.mode, cfg.train.alpha
-    num_groups = sum(t.groups_per_step for t in cfg.tasks)
+    mix = {t.name: t.groups_per_step for t in cfg.tasks}  # every batch holds this many groups of each task
+    num_groups = sum(mix.values())
     history: list[dict[str, Any]] = []
     async with contextlib.nullcontext(pipeline) if pipeline is not None else Pipeline(cfg) as p:
         ro = Rollout(p)
@@ -74,7 +77,7 @@ async def train(cfg: RunConfig, sink: MetricsSink | None = None, pipeline: Pipel
                 if mode == "sync":
                     ro.launch_step()
                 # 1. Get Batch (behind the staleness gate)
-                batch = await p.buffer.get_batch(num_groups, version=p.trainer.version)
+                batch = await p.buffer.get_batch(num_groups, version=p.trainer.version, mix=mix)
                 wait_s = time.perf_counter() - t_step
                 if mode == "one_off":
                     ro.launch_step()  # the next step's rollout overlaps this step's training
@@ -153,13 +156,17 @@ async def _update(p: Pipeline, ro: Rollout, version: int) -> dict[str, float]:
 
 
 async def _produce(ro: Rollout, max_pending_groups: int) -> None:
-    """Async mode's producer: keep launching groups (round-robin over tasks) under admission control."""
-    tasks = ro.p.config.tasks
-    i = 0
+    """Async mode's producer: keep launching groups under admission control, each time of the task
+    with the fewest pending groups for its share of the batch (a slow task's groups stay in flight
+    longer, so it gets launched as often as it is consumed, not crowded out by a fast one)."""
     while True:
         await ro.p.buffer.wait_pending_below(max_pending_groups)
-        ro.launch_group(i % len(tasks))
-        i += 1
+        ro.launch_group(next_task(ro.p.config.tasks, ro.p.buffer.pending_by_task()))
+
+
+def next_task(tasks: list[TaskConfig], pending: Mapping[str | None, int]) -> int:
+    """Index of the task with the fewest pending groups per group of its batch share (ties: the first)."""
+    return min(range(len(tasks)), key=lambda i: (pending.get(tasks[i].name, 0) / tasks[i].groups_per_step, i))
 
 
 def _step_metrics(ro: Rollout, batch: list[Trajectory], m: dict[str, float], **extra: Any) -> dict[str, Any]:
@@ -179,6 +186,7 @@ def _step_metrics(ro: Rollout, batch: list[Trajectory], m: dict[str, float], **e
         "lag_mean": sum(lags) / max(len(lags), 1),
         "batch_size": len(batch),
         "batch_groups": sorted({t.group_id for t in batch}),
+        "batch_tasks": dict(Counter(t.task for t in batch)),
         "fates": dict(fate_counts(done)),
     }
 

@@ -54,7 +54,7 @@ class Rollout:
         group_id = f"{tag}{n}-{task.name}"
         seed = derive_seed(cfg.seed, tag, n, task_index)
         n_launch = task.group_size + task.redundancy
-        self.p.buffer.expect(group_id, n_launch)
+        self.p.buffer.expect(group_id, n_launch, task.name)
         self._group_finished[group_id] = 0
         for k in range(n_launch):
             traj = Trajectory(f"{group_id}-{k}", task.name, task.env.impl, group_id, seed, self.served_version)
