@@ -38,6 +38,8 @@ def test_rollart_bench_micro(tmp_path: Path, tiny_model: Path) -> None:
         # every launched trajectory has exactly one fate
         assert sum(m["fates"].values()) == m["launched"] > 0, mode
         assert 0 < m["trained"] <= m["fates"].get("finished", 0)
+        # every batch holds one group of each task (their groups_per_step), however fast each task is
+        assert set(m["trained_by_task"]) == {"calc", "lake"} and sum(m["trained_by_task"].values()) == m["trained"]
         assert m["traj_per_s"] == pytest.approx(m["trained"] / m["wall_s"])
         assert m["achieved_over_bound"] == pytest.approx(m["traj_per_s"] / m["bound_traj_per_s"])
         assert m["bound_traj_per_s"] <= min(cap["generate"]["traj_per_s"], cap["train"]["traj_per_s"])

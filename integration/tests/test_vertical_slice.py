@@ -87,6 +87,36 @@ async def test_env_failure_is_a_fate_not_a_crash(pipeline) -> None:
     assert traj.fate is Fate.ENV_FAILED and "container went away" in (traj.error or "")
 
 
+async def test_an_env_call_past_the_tasks_timeout_ends_the_trajectory_timed_out(pipeline) -> None:
+    from rollart_env import FrozenLakeEnv
+
+    class HangsOnSecondStep(FrozenLakeEnv):
+        n = 0
+        closed = False
+
+        async def step(self, action_text: str) -> StepResult:
+            self.n += 1
+            if self.n == 2:
+                await asyncio.Event().wait()  # never returns
+            return await super().step(action_text)
+
+        async def close(self) -> None:
+            self.closed = True
+
+    p = pipeline
+    task = p.config.tasks[0]
+    env = HangsOnSecondStep()
+    env.config = env.config.model_copy(update={"hole_prob": 0.0, "max_steps": 20})
+    traj = Trajectory("hung-0", task.name, "frozenlake", "hung", seed=5, start_version=0)
+    await asyncio.wait_for(run_trajectory(traj, env=env, generator=p.proxy, chat=p.chat, scorer=p.rewards[task.name],
+                                          sampling=task.sampling, max_turns=10, env_timeout_s=0.5), 60)
+    assert traj.fate is Fate.TIMED_OUT and "step 1 took longer than 0.5 s" in (traj.error or "")
+    assert len(traj.turns) == 2 and env.closed  # the first step went through; the env is closed
+    with pytest.raises(ValueError, match="env_timeout_s"):
+        await run_trajectory(traj, env=env, generator=p.proxy, chat=p.chat, scorer=p.rewards[task.name],
+                             sampling=task.sampling, max_turns=10, env_timeout_s=0)
+
+
 async def test_engines_are_placed_through_the_resource_plane(pipeline) -> None:
     import ray
 

@@ -58,14 +58,17 @@ class BenchSize(_Model):
     """Median latency of every env call (reset or step)."""
     env_sigma: float = Field(1.5, ge=0)
     """Log-normal spread of the env latency (1.5: p99 ≈ 33x the median)."""
+    env_timeout_s: float | None = Field(10.0, gt=0)
+    """Longest env call before its trajectory ends ``timed_out`` (``TaskConfig.env_timeout_s``), as a
+    production run would set: ~1% of calls at σ 1.5; without it one 30-60 s call stalls a Sync+ step."""
     crash_prob: float = Field(0.05, ge=0, le=1)
     """Per episode: probability that the environment crashes at one of its calls."""
     reward_s: float = Field(0.2, ge=0)
     """Median cost of a reward call."""
     reward_sigma: float = Field(1.0, ge=0)
-    colocated_workers: int = Field(2, ge=1)
+    colocated_workers: int = Field(3, ge=1)
     """Slots of the colocated (dedicated, fixed) reward worker."""
-    capacity_s: float = Field(2.0, gt=0)
+    capacity_s: float = Field(1.5, gt=0)
     """Duration of each standalone env / reward capacity probe."""
     lr: float = 1e-4
 
@@ -143,7 +146,8 @@ MODES: dict[str, ModeSpec] = {
     "abl_trainer_all_cores": ModeSpec(mode="async", alpha=1, max_pending_steps=2,
                                       label="async α=1, trainer on all cores"),
 }
-DEFAULT_MODES = {"micro": ["sync", "async_a1"], "quick": ["sync", "one_off", "async_a1", "async_a2", "async_a4", "admission"],
+# quick stays under 5 minutes on 2 cores: async α=4 (AReaL's staleness range) is in full, or --modes
+DEFAULT_MODES = {"micro": ["sync", "async_a1"], "quick": ["sync", "one_off", "async_a1", "async_a2", "admission"],
                  "full": list(MODES)}
 
 
@@ -156,7 +160,7 @@ def workload_config(size: BenchSize, out_dir: Path, model_path: Path, *, faults:
               "options": {"inner": {"impl": "env_return"}, "work_s": size.reward_s if faults else 0.0,
                           "sigma": size.reward_sigma}}
     task = {"reward": reward, "group_size": size.group_size, "groups_per_step": size.groups_per_step,
-            "redundancy": size.redundancy}
+            "redundancy": size.redundancy, "env_timeout_s": size.env_timeout_s}
     calc = {"impl": "calculator", "options": {"num_operands": 3, "max_turns": size.calc_turns}}
     lake = {"impl": "frozenlake", "options": {"size": size.lake_size, "hole_prob": 0.0, "max_steps": size.lake_turns}}
     return RunConfig.model_validate({

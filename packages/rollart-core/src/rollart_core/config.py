@@ -75,6 +75,9 @@ class TaskConfig(_Model):
     """Redundant rollouts: launch ``group_size + redundancy`` per group and cancel the surplus
     (fate ``cancelled_redundant``) once ``group_size`` have finished; 0 disables."""
     max_turns: int = Field(8, ge=1)
+    env_timeout_s: float | None = Field(None, gt=0)
+    """Longest an environment ``reset`` or ``step`` may take before its trajectory ends with fate
+    ``timed_out`` (in the control process; an ``env_manager`` has its own timeouts). None: no limit."""
     context: Literal["full", "last_turn"] = "full"
     """What each turn's prompt holds. ``full``: the whole history (first turn, then every action and
     observation). ``last_turn``: only the system prompt and the current observation (a Markov

@@ -213,7 +213,7 @@ async def evaluate(p: Pipeline, episodes: int, *, tag: str = "eval", temperature
                               derive_seed("heldout", ti, e), p.trainer.version)
             jobs.append(run_trajectory(traj, env=p.make_env(task, ti), generator=p.proxy, chat=p.chat,
                                        scorer=p.rewards[task.name], sampling=sampling, max_turns=task.max_turns,
-                                       context=task.context))
+                                       context=task.context, env_timeout_s=task.env_timeout_s))
     done = await asyncio.gather(*jobs)
     ok = [t for t in done if t.fate is not None and t.fate.value == "finished"]
     return {

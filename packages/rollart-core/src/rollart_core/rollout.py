@@ -78,7 +78,8 @@ class Rollout:
                 traj.fate, traj.error = Fate.ENV_FAILED, f"no environment: {exc}"
             else:
                 await run_trajectory(traj, env=env, generator=p.proxy, chat=p.chat, scorer=p.rewards[task.name],
-                                     sampling=task.sampling, max_turns=task.max_turns, context=task.context)
+                                     sampling=task.sampling, max_turns=task.max_turns, context=task.context,
+                                     env_timeout_s=task.env_timeout_s)
         except asyncio.CancelledError:
             pass  # cancelled by us (stale or shutting down); the fate is already set
         except Exception as exc:  # the runner records every fate itself; this is a bug guard

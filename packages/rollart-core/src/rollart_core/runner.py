@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, TypeVar
 
 from rollart_core.errors import EngineError, EnvTimeoutError, RewardError
 from rollart_core.protocols import ChatFormat, Environment
@@ -28,6 +28,7 @@ from rollart_core.types import (
 __all__ = ["Generator", "Scorer", "run_trajectory"]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class Generator(Protocol):
@@ -51,13 +52,18 @@ async def run_trajectory(
     max_turns: int,
     on_done: Callable[[Trajectory], Any] | None = None,
     context: str = "full",
+    env_timeout_s: float | None = None,
 ) -> Trajectory:
     """Run ``traj`` (task, ids, seed and start version already set) to completion and score it.
 
     ``context``: ``full`` prompts every turn with the whole history; ``last_turn`` with the system
-    prompt and the current observation only (each such turn is marked ``new_sequence``)."""
+    prompt and the current observation only (each such turn is marked ``new_sequence``).
+    ``env_timeout_s``: a ``reset`` or ``step`` that takes longer ends the trajectory with fate
+    ``timed_out`` (None: wait as long as the environment takes)."""
     if context not in ("full", "last_turn"):
         raise ValueError(f"context must be 'full' or 'last_turn', got {context!r}")
+    if env_timeout_s is not None and env_timeout_s <= 0:
+        raise ValueError(f"env_timeout_s must be > 0, got {env_timeout_s}")
     t_start = time.perf_counter()
     if env.action_vocabulary:
         sampling = sampling.model_copy(update={"allowed_token_ids": tuple(chat.action_token_ids(env.action_vocabulary))})
@@ -65,7 +71,7 @@ async def run_trajectory(
         sampling = sampling.model_copy(update={"stop_token_ids": tuple(chat.stop_token_ids())})
     try:
         t0 = time.perf_counter()
-        obs, info = await env.reset(traj.seed)
+        obs, info = await _within(env.reset(traj.seed), env_timeout_s, "reset")
         _timed(traj, "env", t0)
         traj.info.update(info)
         prompt = chat.first_turn(env.system_prompt, obs)
@@ -92,7 +98,7 @@ async def run_trajectory(
             history += out.token_ids
             turn.action_text = chat.decode(out.token_ids)
             t0 = time.perf_counter()
-            step = await env.step(turn.action_text)
+            step = await _within(env.step(turn.action_text), env_timeout_s, f"step {k}")
             _timed(traj, "env", t0)
             turn.env_reward = step.reward
             traj.env_return += step.reward
@@ -133,6 +139,15 @@ async def run_trajectory(
     if on_done is not None:
         await on_done(traj)
     return traj
+
+
+async def _within(call: Awaitable[T], timeout: float | None, what: str) -> T:
+    if timeout is None:
+        return await call
+    try:
+        return await asyncio.wait_for(call, timeout)
+    except TimeoutError:
+        raise EnvTimeoutError(f"environment {what} took longer than {timeout} s") from None
 
 
 async def _abort_quietly(generator: Generator, request_id: str) -> None:
