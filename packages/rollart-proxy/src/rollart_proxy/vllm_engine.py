@@ -179,8 +179,9 @@ class VllmEngine:
         )
         t0 = time.perf_counter()
         _ipc_acquire()
-        # in a thread: the event loop stays responsive, and several engines of one process start
-        # side by side (the engine-core process's start-up is mostly imports and waiting)
+        # in a thread: the event loop stays responsive, and several engines of one process can start
+        # side by side (the engine-core process's start-up is mostly imports and waiting), unless
+        # they log stats (see _METRICS_LOCK)
         building = asyncio.ensure_future(asyncio.to_thread(_build_engine, AsyncLLM, args))
         try:
             self._engine = await asyncio.shield(building)
