@@ -79,7 +79,9 @@ def _run(cfg_path: Path, mode: str, alpha: int, minutes: float, eval_every: int,
                 await asyncio.sleep(1.0)
             t_end = time.perf_counter()
             task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            (outcome,) = await asyncio.gather(task, return_exceptions=True)
+        if isinstance(outcome, Exception):  # a failed run must not pass for a short one
+            raise RuntimeError(f"{mode} alpha={alpha}: training failed after {len(curve.points)} logged steps") from outcome
         # from the first step (after the pipeline's start-up and the initial evaluation) to the end
         steps = [p["wall_s"] for p in curve.points if p["step"] >= 1]
         return cpu.busy((curve.t0 + steps[0], t_end)) if steps else None
