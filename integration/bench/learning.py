@@ -59,7 +59,7 @@ class _Curve:
 
 def _run(cfg_path: Path, mode: str, alpha: int, minutes: float, eval_every: int, out: Path,
          in_process_trainer: bool, eval_temperature: float | None,
-         async_train_cores: Literal["all", "half"] = "half") -> tuple[list[dict[str, Any]], float | None]:
+         async_train_cores: Literal["all", "half"]) -> tuple[list[dict[str, Any]], float | None]:
     cfg = load_config(cfg_path)
     cfg.train.mode, cfg.train.alpha = mode, alpha  # type: ignore[assignment]
     if not in_process_trainer:
@@ -154,7 +154,7 @@ def main() -> None:
         "episodes_to_target": {k: _first_reaching(v, args.target, "episodes") for k, v in evals.items()},
         "cpu_busy": cpu_busy,
         "steps_per_min": {k: _rate(v, "step") for k, v in curves.items()},
-        "episodes_per_s": {k: _rate(v, "episodes") / 60 if _rate(v, "episodes") else None for k, v in curves.items()},
+        "episodes_per_s": {k: (r / 60 if (r := _rate(v, "episodes")) else None) for k, v in curves.items()},
         "overlap_ceiling": 1 / cpu_busy["sync"] if cpu_busy.get("sync") else None,
         "curves": curves,
     }

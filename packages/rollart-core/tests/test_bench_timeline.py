@@ -62,7 +62,8 @@ def test_timeline_records_only_while_active() -> None:
 
 def _seg(wall: float, trained: int, util: float, fates: dict[str, int]) -> dict:
     stages = {st: {"utilisation": util, "mean_concurrency": util, "count": 1.0} for st in STAGES}
-    return {"wall_s": wall, "steps": 2, "trained": trained, "gen_tokens": 10.0 * trained, "launched": sum(fates.values()),
+    return {"wall_s": wall, "steps": 2, "trained": trained, "trained_by_task": {"t": trained},
+            "gen_tokens": 10.0 * trained, "launched": sum(fates.values()),
             "fates": fates, "step_s": [wall / 2, wall / 2], "lag_max": 1, "stages": stages, "cpu_busy": util}
 
 
@@ -81,6 +82,7 @@ def test_aggregate_ratios_bound_and_wall_weighted_utilisation() -> None:
     assert r["sync"]["utilisation"]["train"] == pytest.approx((0.5 * 10 + 0.1 * 30) / 40)
     assert r["sync"]["cpu_busy"] == pytest.approx((0.5 * 10 + 0.1 * 30) / 40)
     assert r["sync"]["fates"] == {"finished": 40, "env_failed": 2} and r["sync"]["launched"] == 42
+    assert r["sync"]["trained_by_task"] == {"t": 40}
     g = goals(r)["async_a1"]
     assert g["vs_sync"] == {"ratio": pytest.approx(4.0), "goal": 4.6, "met": False}
     assert g["of_bound"]["met"] is False and "vs_one_off" not in g

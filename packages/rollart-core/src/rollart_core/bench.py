@@ -218,7 +218,7 @@ async def run_segment(p: Any, cfg: RunConfig, keep_intervals: bool, threads: int
         "wall_s": t1 - t0,
         "steps": len(hist),
         "trained": sum(h["batch_size"] for h in hist),
-        "trained_by_task": dict(sum((Counter(h.get("batch_tasks", {})) for h in hist), Counter())),
+        "trained_by_task": dict(sum((Counter(h["batch_tasks"]) for h in hist), Counter())),
         "gen_tokens": sum(h["gen_tok_per_s"] * h["step_s"] for h in hist),
         "launched": summary["launched"],
         "fates": dict(p.buffer.fates),
@@ -248,7 +248,7 @@ def steady_window(hist: list[dict[str, Any]], warmup: int) -> tuple[tuple[float,
     """The steady state of a segment's step rows (``elapsed``: seconds since the segment's start at
     the end of the step): from the end of step ``warmup`` (0: the start) to the end of the last, and
     the rows of the steps measured in it. None without a step after the warm-up."""
-    if warmup < 0 or len(hist) <= warmup:
+    if len(hist) <= warmup:
         return None
     return (hist[warmup - 1]["elapsed"] if warmup else 0.0, hist[-1]["elapsed"]), hist[warmup:]
 
@@ -274,7 +274,7 @@ def aggregate(segments: dict[str, list[dict[str, Any]]], bounds: dict[str, dict[
             "traj_per_s": traj_per_s, "tok_per_s": sum(s["gen_tokens"] for s in segs) / wall,
             "traj_per_s_segment": sum(s["trained"] for s in all_segs) / sum(s["wall_s"] for s in all_segs),
             "launched": sum(s["launched"] for s in all_segs), "fates": dict(fates),
-            "trained_by_task": dict(sum((Counter(s.get("trained_by_task", {})) for s in all_segs), Counter())),
+            "trained_by_task": dict(sum((Counter(s["trained_by_task"]) for s in all_segs), Counter())),
             "step_s_mean": sum(sum(s["step_s"]) for s in all_segs) / max(1, sum(s["steps"] for s in all_segs)),
             "lag_max": max(s["lag_max"] for s in all_segs),
             "utilisation": {st: sum(s["stages"][st]["utilisation"] * s["wall_s"] for s in segs) / wall
