@@ -41,6 +41,9 @@ def test_rollart_bench_micro(tmp_path: Path, tiny_model: Path) -> None:
         # every batch holds one group of each task (their groups_per_step), however fast each task is
         assert set(m["trained_by_task"]) == {"calc", "lake"} and sum(m["trained_by_task"].values()) == m["trained"]
         assert m["traj_per_s"] == pytest.approx(m["trained"] / m["wall_s"])
+        # generated tokens: some went into the trained batch, never more than were generated
+        assert 0.0 <= m["gen_waste"] < 1.0, mode
+        assert set(m["episode_s"]) <= {"calc", "lake"} and all(0 < v < m["wall_s"] + 60 for v in m["episode_s"].values())
         assert m["achieved_over_bound"] == pytest.approx(m["traj_per_s"] / m["bound_traj_per_s"])
         assert m["bound_traj_per_s"] <= min(cap["generate"]["traj_per_s"], cap["train"]["traj_per_s"])
         assert all(0.0 <= u <= 1.0 for u in m["utilisation"].values()), m["utilisation"]
@@ -55,3 +58,4 @@ def test_rollart_bench_micro(tmp_path: Path, tiny_model: Path) -> None:
     assert res["segments"]["admission"][0]["aborted_stale_early"] == 0
     assert res["mode_configs"]["admission"]["abort_stale"] is False
     assert res["results"]["admission"]["bottleneck"] and "async_a1" in res["goals"]
+    assert "must be trained within alpha+1 = 2 steps" in r.stdout  # the staleness window of async α=1

@@ -168,3 +168,36 @@ def test_the_producer_launches_the_task_furthest_below_its_batch_share() -> None
     assert next_task(tasks, {"calc": 2}) == 1  # lake has none pending
     assert next_task(tasks, {"calc": 1, "lake": 1}) == 0  # calc: 0.5 of its share pending, lake: 1
     assert next_task(tasks, {"calc": 4, "lake": 1}) == 1
+    assert next_task(tasks, {"calc": 4, "lake": 1}, among=[0]) == 0  # only calc can be admitted
+
+
+def test_admission_launches_a_group_only_if_it_can_be_trained_within_alpha() -> None:
+    from rollart_core.loop import on_time
+
+    # 2 groups per batch, alpha 2, engines serving the version of the next batch (5): a new group
+    # queued behind 5 pending ones is trained in the 3rd batch (version 7), 2 after its start: on time
+    assert on_time(5, 2, next_version=5, served_version=5, alpha=2)
+    assert not on_time(6, 2, next_version=5, served_version=5, alpha=2)  # 4th batch: version 8
+    # while the batch of version 5 trains (the next is 6) on weights 5, one slot fewer
+    assert on_time(3, 2, next_version=6, served_version=5, alpha=2)
+    assert not on_time(4, 2, next_version=6, served_version=5, alpha=2)
+    # a task short of its batch share is admitted whenever the engines are within alpha
+    assert on_time(0, 3, next_version=6, served_version=5, alpha=1)
+    assert not on_time(0, 3, next_version=6, served_version=5, alpha=0)  # alpha 0: wait for weights 6
+    assert on_time(0, 3, next_version=6, served_version=6, alpha=0)
+
+
+async def test_wait_for_is_woken_by_buffer_changes_and_by_notify() -> None:
+    buf = SampleBuffer(alpha=1)
+    outside = {"ok": False}
+    waiter = asyncio.create_task(buf.wait_for(lambda: "go" if outside["ok"] or buf.pending_groups() else None))
+    await asyncio.sleep(0)
+    assert not waiter.done()
+    outside["ok"] = True  # a change outside the buffer is seen only once notified
+    await buf.notify()
+    assert await asyncio.wait_for(waiter, 5) == "go"
+    waiter = asyncio.create_task(buf.wait_for(lambda: buf.pending_groups() or None))
+    await asyncio.sleep(0)
+    buf.expect("g", 1, "calc")
+    await buf.put(_traj("g-0", "g", 0))
+    assert await asyncio.wait_for(waiter, 5) == 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rollart_core.bench import aggregate, goals
+from rollart_core.bench_workload import SIZES
 from rollart_core.timeline import (
     STAGES,
     Timeline,
@@ -63,7 +64,8 @@ def test_timeline_records_only_while_active() -> None:
 def _seg(wall: float, trained: int, util: float, fates: dict[str, int]) -> dict:
     stages = {st: {"utilisation": util, "mean_concurrency": util, "count": 1.0} for st in STAGES}
     return {"wall_s": wall, "steps": 2, "trained": trained, "trained_by_task": {"t": trained},
-            "gen_tokens": 10.0 * trained, "launched": sum(fates.values()),
+            "gen_tokens": 10.0 * trained, "trained_gen_tokens": 6.0 * trained, "launched": sum(fates.values()),
+            "episodes": {"t": [3.0 * trained, trained]},
             "fates": fates, "step_s": [wall / 2, wall / 2], "lag_max": 1, "stages": stages, "cpu_busy": util}
 
 
@@ -83,6 +85,9 @@ def test_aggregate_ratios_bound_and_wall_weighted_utilisation() -> None:
     assert r["sync"]["cpu_busy"] == pytest.approx((0.5 * 10 + 0.1 * 30) / 40)
     assert r["sync"]["fates"] == {"finished": 40, "env_failed": 2} and r["sync"]["launched"] == 42
     assert r["sync"]["trained_by_task"] == {"t": 40}
+    assert r["sync"]["gen_waste"] == pytest.approx(0.4)  # 6 of every 10 generated tokens trained
+    assert r["sync"]["episode_s"] == {"t": pytest.approx(3.0)}
+    assert r["sync"]["measured_step_s_mean"] == pytest.approx(10.0)  # steps of 5 s and 15 s
     g = goals(r)["async_a1"]
     assert g["vs_sync"] == {"ratio": pytest.approx(4.0), "goal": 4.6, "met": False}
     assert g["of_bound"]["met"] is False and "vs_one_off" not in g
@@ -127,12 +132,20 @@ async def test_cpu_meter_reads_the_machines_busy_fraction() -> None:
     assert CpuMeter().busy((0.0, 1.0)) is None  # no samples: no figure
 
 
+def test_episode_sums_weight_each_steps_mean_by_its_count() -> None:
+    from rollart_core.bench import episode_sums
+
+    rows = [{"finished_by_task": {"a": 2, "b": 1}, "episode_s_by_task": {"a": 1.0, "b": 4.0}},
+            {"finished_by_task": {"a": 1}, "episode_s_by_task": {"a": 4.0}}, {"finished_by_task": {}, "episode_s_by_task": {}}]
+    assert episode_sums(rows) == {"a": [6.0, 3], "b": [4.0, 1]}
+
+
 def test_each_mode_warms_up_for_its_pipeline_depth_before_throughput_is_measured(tmp_path) -> None:
     from rollart_core.bench import steady_window
     from rollart_core.bench_workload import MODES, SIZES, mode_config, workload_config
 
     assert MODES["sync"].warmup_steps() == 0 and MODES["one_off"].warmup_steps() == 1
-    assert [MODES[m].warmup_steps() for m in ("async_a1", "async_a2", "async_a4_r3", "admission")] == [2, 3, 4, 2]
+    assert [MODES[m].warmup_steps() for m in ("async_a1", "async_a2", "async_a4_r3", "admission")] == [2, 3, 5, 2]
     quick = SIZES["quick"]
     base = workload_config(quick, tmp_path, tmp_path / "model")
     for m in ("sync", "async_a2", "async_a4_r3"):
@@ -148,3 +161,23 @@ def test_each_mode_warms_up_for_its_pipeline_depth_before_throughput_is_measured
     assert w0 == 3.0 and len(measured) == 4
     (w0, w1), measured = steady_window(rows, 0)  # no pipeline (Sync+): the whole segment
     assert (w0, w1) == (0.0, 9.0) and measured == rows
+
+
+def test_bench_set_overrides_size_fields_and_rejects_unknown_ones(capsys: pytest.CaptureFixture[str]) -> None:
+    from rollart_core.bench import parse_overrides, sized
+    from rollart_core.cli import main
+    from rollart_core.errors import ConfigError
+
+    over = parse_overrides(["env_latency_s=0.1", "groups_per_step=4", "env_timeout_s=null", "warmup=false"])
+    assert over == {"env_latency_s": 0.1, "groups_per_step": 4, "env_timeout_s": None, "warmup": False}
+    size = sized("quick", over)
+    assert (size.env_latency_s, size.groups_per_step, size.env_timeout_s, size.warmup) == (0.1, 4, None, False)
+    assert size.rounds == SIZES["quick"].rounds  # the rest stays the size's
+    with pytest.raises(ConfigError, match="FIELD=VALUE"):
+        parse_overrides(["groups_per_step"])
+    with pytest.raises(ConfigError, match="greater than or equal to 1"):
+        sized("quick", {"groups_per_step": 0})
+    # the CLI: an unknown field is refused before anything starts, naming the fields there are
+    assert main(["bench", "--micro", "--set", "group_sise=3"]) == 2
+    err = capsys.readouterr().err
+    assert "group_sise" in err and "fields: rounds, steps" in err and "Traceback" not in err

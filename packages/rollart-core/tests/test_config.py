@@ -123,3 +123,12 @@ def test_overlapping_mode_with_an_in_process_trainer_is_warned() -> None:
         assert (msg is not None) == warned, (mode, options)
         if warned:
             assert "spawn: true" in msg and mode in msg
+
+
+def test_async_alpha_0_with_the_update_after_get_batch_is_refused(tmp_path: Path) -> None:
+    data = _example()
+    data["train"].update(mode="async", alpha=0, update_on_arrival=False)
+    with pytest.raises(ConfigError, match=r"update_on_arrival true or train\.async_weight_sync false"):
+        load_config(_write(tmp_path, data))
+    for fix in ({"update_on_arrival": True}, {"async_weight_sync": False}, {"alpha": 1}):
+        load_config(_write(tmp_path, {**data, "train": {**data["train"], **fix}}))

@@ -29,6 +29,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from rollart_core.bench_workload import (
     DEFAULT_MODES,
     MODES,
@@ -220,6 +222,8 @@ async def run_segment(p: Any, cfg: RunConfig, keep_intervals: bool, threads: int
         "trained": sum(h["batch_size"] for h in hist),
         "trained_by_task": dict(sum((Counter(h["batch_tasks"]) for h in hist), Counter())),
         "gen_tokens": sum(h["gen_tok_per_s"] * h["step_s"] for h in hist),
+        "trained_gen_tokens": sum(h["trained_gen_tokens"] for h in hist),
+        "episodes": episode_sums(hist),
         "launched": summary["launched"],
         "fates": dict(p.buffer.fates),
         "step_s": [h["step_s"] for h in hist],
@@ -238,10 +242,24 @@ async def run_segment(p: Any, cfg: RunConfig, keep_intervals: bool, threads: int
         seg["warmup_steps"] = warmup
         seg["steady"] = {"wall_s": w1 - w0, "trained": sum(h["batch_size"] for h in measured),
                          "gen_tokens": sum(h["gen_tok_per_s"] * h["step_s"] for h in measured),
+                         "trained_gen_tokens": sum(h["trained_gen_tokens"] for h in measured),
+                         "episodes": episode_sums(measured), "step_s": [h["step_s"] for h in measured],
                          "stages": tl.summary((w0, w1)), "window": (w0 - t0, w1 - t0), "cpu_busy": cpu.busy((w0, w1))}
     if keep_intervals:
         seg["intervals"] = [(st, round(s - t0, 4), round(e - t0, 4)) for st, s, e, _ in tl.intervals]
     return seg
+
+
+def episode_sums(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Per task: [total seconds, count] of the episodes that finished in these step rows (launch
+    to fate, wall time), so that means can be taken over any set of rows."""
+    out: dict[str, list[float]] = {}
+    for h in rows:
+        for task, n in h["finished_by_task"].items():
+            acc = out.setdefault(task, [0.0, 0])
+            acc[0] += h["episode_s_by_task"][task] * n
+            acc[1] += n
+    return out
 
 
 def steady_window(hist: list[dict[str, Any]], warmup: int) -> tuple[tuple[float, float], list[dict[str, Any]]] | None:
@@ -268,6 +286,14 @@ def aggregate(segments: dict[str, list[dict[str, Any]]], bounds: dict[str, dict[
         segs = [s["steady"] for s in all_segs] if steady else all_segs
         wall = sum(s["wall_s"] for s in segs)
         traj_per_s = sum(s["trained"] for s in segs) / wall
+        gen_tokens = sum(s["gen_tokens"] for s in segs)
+        episodes: dict[str, list[float]] = {}
+        for s in segs:
+            for task, (total, n) in s["episodes"].items():
+                acc = episodes.setdefault(task, [0.0, 0])
+                acc[0] += total
+                acc[1] += n
+        step_s = [x for s in segs for x in s["step_s"]]
         out[mode] = {
             "basis": "steady" if steady else "segment", "segments": len(segs), "wall_s": wall,
             "steps": sum(s["steps"] for s in all_segs), "trained": sum(s["trained"] for s in segs),
@@ -276,6 +302,9 @@ def aggregate(segments: dict[str, list[dict[str, Any]]], bounds: dict[str, dict[
             "launched": sum(s["launched"] for s in all_segs), "fates": dict(fates),
             "trained_by_task": dict(sum((Counter(s["trained_by_task"]) for s in all_segs), Counter())),
             "step_s_mean": sum(sum(s["step_s"]) for s in all_segs) / max(1, sum(s["steps"] for s in all_segs)),
+            "measured_step_s_mean": sum(step_s) / max(1, len(step_s)),
+            "gen_waste": 1 - sum(s["trained_gen_tokens"] for s in segs) / gen_tokens if gen_tokens else None,
+            "episode_s": {task: total / n for task, (total, n) in episodes.items() if n},
             "lag_max": max(s["lag_max"] for s in all_segs),
             "utilisation": {st: sum(s["stages"][st]["utilisation"] * s["wall_s"] for s in segs) / wall
                             for st in STAGES},
@@ -381,15 +410,39 @@ async def run_bench(size_name: str, size: BenchSize, modes: list[str], out_dir: 
             "wall_s": time.perf_counter() - t_run}
 
 
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """``FIELD=VALUE`` strings to a dict; a VALUE is read as JSON where it parses (numbers, true,
+    null), else kept as a string."""
+    out: dict[str, Any] = {}
+    for item in items:
+        name, eq, raw = item.partition("=")
+        if not eq or not name:
+            raise ConfigError(f"--set {item!r}: expected FIELD=VALUE")
+        try:
+            out[name] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[name] = raw
+    return out
+
+
+def sized(size_name: str, overrides: dict[str, Any]) -> BenchSize:
+    """The named size with ``overrides`` applied, validated like the size itself."""
+    try:
+        return BenchSize.model_validate({**SIZES[size_name].model_dump(), **overrides})
+    except ValidationError as exc:
+        fields = ", ".join(BenchSize.model_fields)
+        raise ConfigError(f"bench size {size_name!r} with {overrides}: {exc}\n(fields: {fields})") from None
+
+
 def run_bench_cli(args: Any) -> int:
     from rollart_core.bench_report import print_table, write_reports
 
     size_name = "micro" if args.micro else "quick" if args.quick else "full"
-    size = SIZES[size_name].model_copy()
-    if args.rounds is not None:
-        size.rounds = args.rounds
-    if args.steps is not None:
-        size.steps = args.steps
+    overrides = parse_overrides(args.set)
+    for name in ("rounds", "steps"):
+        if getattr(args, name) is not None:
+            overrides[name] = getattr(args, name)
+    size = sized(size_name, overrides)
     modes = args.modes or DEFAULT_MODES[size_name]
     out_dir = Path(args.out).resolve()
     # the engine core in the engine's own process: starts in seconds instead of half a minute

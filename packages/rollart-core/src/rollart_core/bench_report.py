@@ -24,7 +24,7 @@ def _fmt_ratio(x: float | None) -> str:
 
 def table_rows(res: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     head = ["mode", "traj/s", "vs Sync+", "whole-segment traj/s", "gen tok/s", "vs Sync+", "bound traj/s", "achieved/bound",
-            "cpu busy", *[f"util {_SHORT[s]}" for s in STAGES], "launched", "fates"]
+            "cpu busy", *[f"util {_SHORT[s]}" for s in STAGES], "step s", "episode s", "gen waste", "launched", "fates"]
     rows = []
     for m, r in res["results"].items():
         fates = " ".join(f"{k}={v}" for k, v in sorted(r["fates"].items()))
@@ -35,7 +35,9 @@ def table_rows(res: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
                      f"{r['tok_per_s']:.0f}", _fmt_ratio(r.get("tok_vs_sync")),
                      f"{r['bound_traj_per_s']:.2f} ({r['bottleneck']})", f"{r['achieved_over_bound']:.0%}",
                      "-" if r.get("cpu_busy") is None else f"{r['cpu_busy']:.0%}",
-                     *[f"{r['utilisation'][s]:.0%}" for s in STAGES], str(r["launched"]), fates])
+                     *[f"{r['utilisation'][s]:.0%}" for s in STAGES], f"{r['measured_step_s_mean']:.2f}",
+                     " ".join(f"{k} {v:.1f}" for k, v in sorted(r["episode_s"].items())),
+                     "-" if r["gen_waste"] is None else f"{r['gen_waste']:.0%}", str(r["launched"]), fates])
     return head, rows
 
 
@@ -62,6 +64,24 @@ def _goal_lines(res: dict[str, Any]) -> list[str]:
     return out
 
 
+def window_lines(res: dict[str, Any]) -> list[str]:
+    """For every mode with a staleness bound: how long a trajectory has to finish against how long
+    episodes take, the share of launches dropped as stale, and the generation spent on work not trained."""
+    out = []
+    for m, r in res["results"].items():
+        cfg = res["mode_configs"][m]
+        if cfg["mode"] != "async":
+            continue
+        window = (cfg["alpha"] + 1) * r["measured_step_s_mean"]
+        eps = ", ".join(f"{k} {v:.1f} s" for k, v in sorted(r["episode_s"].items()))
+        stale = r["fates"].get("aborted_stale", 0) / max(1, r["launched"])
+        waste = "-" if r["gen_waste"] is None else f"{r['gen_waste']:.0%}"
+        out.append(f"{MODES[m].label}: a trajectory must be trained within alpha+1 = {cfg['alpha'] + 1} steps of its "
+                   f"start, {window:.1f} s at the measured step time; finished episodes took {eps} on average; "
+                   f"{stale:.0%} of launches aborted stale; {waste} of generated tokens went to trajectories not trained")
+    return out
+
+
 def _warmup(res: dict[str, Any]) -> str:
     return " after its warm-up steps" if res["size"].get("warmup") else ""
 
@@ -75,7 +95,7 @@ def print_table(res: dict[str, Any]) -> str:
              *_capacity_lines(res), "",
              "  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-    lines += ["", *_goal_lines(res), f"total {res['wall_s']:.0f}s"]
+    lines += ["", *window_lines(res), "", *_goal_lines(res), f"total {res['wall_s']:.0f}s"]
     return "\n".join(lines)
 
 
@@ -87,7 +107,8 @@ def markdown(res: dict[str, Any]) -> str:
           f"{res['machine']['loadavg_start'][0]:.1f} at start, {res['machine']['loadavg_end'][0]:.1f} at end.", "",
           "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     md += ["| " + " | ".join(r) + " |" for r in rows]
-    md += ["", "Standalone capacity:", "", *[f"- {x}" for x in _capacity_lines(res)], "", "Goals:", "",
+    md += ["", "Standalone capacity:", "", *[f"- {x}" for x in _capacity_lines(res)], "",
+           "Staleness window (async):", "", *[f"- {x}" for x in window_lines(res)], "", "Goals:", "",
            *[f"- {x}" for x in _goal_lines(res)], "",
            "traj/s: trained trajectories per second of wall time, in the steady state (after each segment's "
            "warm-up steps, as many as the mode's pipeline is deep: none for Sync+, 1 for One-off, max_pending_steps for "
@@ -95,7 +116,9 @@ def markdown(res: dict[str, Any]) -> str:
            "whole-segment traj/s counts the fill-up too (which penalises deep pipelines); cpu busy: fraction of all "
            "the machine's cores busy (anything running), the room left under a compute bound; util: fraction of the time at least one call "
            "of the stage was running; fates count every launched trajectory once (cancelled_at_stop: still in "
-           "flight when a segment ended).", ""]
+           "flight when a segment ended); step s: mean measured step; episode s: mean wall time, launch to "
+           "finish, of the episodes that finished, per task; gen waste: share of the tokens generated in the measured "
+           "steps that went to trajectories not trained (redundant, stale, failed).", ""]
     return "\n".join(md)
 
 
@@ -150,6 +173,7 @@ def write_reports(res: dict[str, Any], out_dir: Path) -> list[Path]:
             "font-size:13px}table{border-collapse:collapse}</style>",
             f"<h1>rollart bench ({html.escape(res['size_name'])})</h1>", table,
             "<h2>Standalone capacity</h2><ul>", *[f"<li>{html.escape(x)}</li>" for x in _capacity_lines(res)],
+            "</ul><h2>Staleness window (async)</h2><ul>", *[f"<li>{html.escape(x)}</li>" for x in window_lines(res)],
             "</ul><h2>Goals</h2><ul>", *[f"<li>{html.escape(x)}</li>" for x in _goal_lines(res)], "</ul>",
             "<h2>Timeline</h2>" + ("<img src='timeline.png' style='max-width:100%'>" if has_png else
                                    "<p>(matplotlib not installed)</p>"),

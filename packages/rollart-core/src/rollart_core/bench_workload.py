@@ -113,7 +113,7 @@ class ModeSpec(_Model):
         is consumed does the window start with the pipeline as full as at its end. One-off's first
         step has no rollout to overlap yet (1); Sync+ has no pipeline: every step is alike (0)."""
         if self.mode == "async":
-            return self.max_pending_steps or max(self.alpha, 1)
+            return self.max_pending_steps or self.alpha + 1
         return 1 if self.mode == "one_off" else 0
 
 
@@ -123,7 +123,7 @@ MODES: dict[str, ModeSpec] = {
     "async_a1": ModeSpec(mode="async", alpha=1, max_pending_steps=2, train_cores="half", label="async α=1"),
     "async_a2": ModeSpec(mode="async", alpha=2, max_pending_steps=3, train_cores="half", label="async α=2"),
     # AReaL's staleness range (its paper trains well with a maximum staleness of 4-8 under decoupled PPO)
-    "async_a4": ModeSpec(mode="async", alpha=4, max_pending_steps=4, train_cores="half", label="async α=4"),
+    "async_a4": ModeSpec(mode="async", alpha=4, max_pending_steps=5, train_cores="half", label="async α=4"),
     "admission": ModeSpec(mode="async", alpha=1, max_pending_steps=2, redundancy=0, reward="colocated",
                           abort_stale=False, train_cores="half", label="admission-only α=1"),
     # the env tail hedged with 3 replicas per environment, in Sync+ and async alike (like for like)
@@ -132,7 +132,7 @@ MODES: dict[str, ModeSpec] = {
                             label="async α=1, env replicas 3"),
     "async_a2_r3": ModeSpec(mode="async", alpha=2, max_pending_steps=3, env_replicas=3, train_cores="half",
                             label="async α=2, env replicas 3"),
-    "async_a4_r3": ModeSpec(mode="async", alpha=4, max_pending_steps=4, env_replicas=3, train_cores="half",
+    "async_a4_r3": ModeSpec(mode="async", alpha=4, max_pending_steps=5, env_replicas=3, train_cores="half",
                             label="async α=4, env replicas 3"),
     # ablations of async α=1 (full size)
     "abl_no_redundancy": ModeSpec(mode="async", alpha=1, max_pending_steps=2, redundancy=0,

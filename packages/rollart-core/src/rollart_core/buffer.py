@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 from rollart_core.errors import ConfigError
 from rollart_core.types import Fate, Trajectory
 
 __all__ = ["SampleBuffer"]
+
+T = TypeVar("T")
 
 
 class SampleBuffer:
@@ -34,6 +36,8 @@ class SampleBuffer:
         self._changed = asyncio.Condition()
         self.fates: Counter[str] = Counter()
         self.consumed = 0
+        self.last_batch_version: int | None = None
+        """Trainer version of the last batch handed out (the next one trains at least one later)."""
         self.dropped_groups: list[str] = []
         """Groups removed with nothing trainable (all failed or stale)."""
 
@@ -86,6 +90,7 @@ class SampleBuffer:
                 await self._changed.wait()
             batch = [t for g in chosen for t in self._take(g, version)]
             self.consumed += len(batch)
+            self.last_batch_version = version
             self._changed.notify_all()
             return batch
 
@@ -125,6 +130,19 @@ class SampleBuffer:
         """Wait until fewer than ``limit`` announced groups are not yet consumed (admission control)."""
         async with self._changed:
             await self._changed.wait_for(lambda: len(self._order) < limit)
+
+    async def wait_for(self, choose: Callable[[], T | None]) -> T:
+        """Wait until ``choose()`` returns something other than None (re-evaluated whenever the
+        buffer changes or :meth:`notify` is called) and return it."""
+        async with self._changed:
+            while (out := choose()) is None:
+                await self._changed.wait()
+            return out
+
+    async def notify(self) -> None:
+        """Wake the waiters: something they depend on outside the buffer changed (the served version)."""
+        async with self._changed:
+            self._changed.notify_all()
 
     def state_dict(self) -> dict[str, Any]:
         """Persistable content: every finished trajectory not yet consumed, by group. Members still

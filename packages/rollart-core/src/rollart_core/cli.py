@@ -39,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--modes", nargs="+", help="modes to compare (default: by size; see rollart_core.bench_workload)")
     b.add_argument("--rounds", type=int, help="override the size's rounds")
     b.add_argument("--steps", type=int, help="override the size's measured steps per mode per round (each mode adds its warm-up steps)")
+    b.add_argument("--set", nargs="+", default=[], metavar="FIELD=VALUE",
+                   help="override workload fields of the size, e.g. --set env_latency_s=0.1 groups_per_step=4 "
+                        "(fields: rollart_core.bench_workload.BenchSize)")
     b.add_argument("--model", help="model directory (default: the tiny model, created under --out)")
     b.add_argument("-v", "--verbose", action="store_true", help="show INFO logs")
     return p

@@ -40,7 +40,7 @@ from rollart_core.runner import run_trajectory
 from rollart_core.timeline import record
 from rollart_core.types import Trajectory, fate_counts
 
-__all__ = ["evaluate", "next_task", "rollout_step", "train"]
+__all__ = ["evaluate", "next_task", "on_time", "rollout_step", "train"]
 
 log = logging.getLogger(__name__)
 CONSOLE_KEYS = ["reward_mean", "success_rate", "eval_success", "traj_per_s", "gen_tok_per_s", "wait_s",
@@ -65,7 +65,7 @@ async def train(cfg: RunConfig, sink: MetricsSink | None = None, pipeline: Pipel
             sink.log(first - 1, {**await held_out(), "version": p.trainer.version})
         t_start = time.perf_counter()
         if mode == "async":
-            producer = asyncio.create_task(_produce(ro, num_groups * (cfg.train.max_pending_steps or max(alpha, 1))))
+            producer = asyncio.create_task(_produce(ro, num_groups * (cfg.train.max_pending_steps or alpha + 1), alpha))
         elif mode == "one_off":
             ro.launch_step()
         background_sync = mode == "async" and cfg.train.async_weight_sync
@@ -151,22 +151,47 @@ async def _update(p: Pipeline, ro: Rollout, version: int) -> dict[str, float]:
     t0 = time.perf_counter()
     pauses = await p.proxy.update_weights(version)
     ro.served_version = version
+    await p.buffer.notify()  # admission control: groups launched from now on start on this version
     record("weight_sync", t0, time.perf_counter())
     return pauses
 
 
-async def _produce(ro: Rollout, max_pending_groups: int) -> None:
-    """Async mode's producer: keep launching groups under admission control, each time of the task
-    with the fewest pending groups for its share of the batch (a slow task's groups stay in flight
-    longer, so it gets launched as often as it is consumed, not crowded out by a fast one)."""
+async def _produce(ro: Rollout, max_pending_groups: int, alpha: int) -> None:
+    """Async mode's producer: keep launching groups under admission control. A group is admitted
+    only if it can still be trained within ``alpha`` of the version it starts on (:func:`on_time`,
+    per task), and at most ``max_pending_groups`` are pending; among the tasks that admit one, the
+    task with the fewest pending groups for its share of the batch goes first (a slow task's groups
+    stay in flight longer, so it gets launched as often as it is consumed, not crowded out by a fast one)."""
+    buf, tasks = ro.p.buffer, ro.p.config.tasks
+
+    def choose() -> int | None:
+        if buf.pending_groups() >= max_pending_groups:
+            return None
+        pending = buf.pending_by_task()
+        next_version = max(ro.served_version, (buf.last_batch_version if buf.last_batch_version is not None else -1) + 1)
+        ok = [i for i, t in enumerate(tasks)
+              if on_time(pending.get(t.name, 0), t.groups_per_step, next_version, ro.served_version, alpha)]
+        return next_task(tasks, pending, among=ok) if ok else None
+
     while True:
-        await ro.p.buffer.wait_pending_below(max_pending_groups)
-        ro.launch_group(next_task(ro.p.config.tasks, ro.p.buffer.pending_by_task()))
+        ro.launch_group(await buf.wait_for(choose))
 
 
-def next_task(tasks: list[TaskConfig], pending: Mapping[str | None, int]) -> int:
-    """Index of the task with the fewest pending groups per group of its batch share (ties: the first)."""
-    return min(range(len(tasks)), key=lambda i: (pending.get(tasks[i].name, 0) / tasks[i].groups_per_step, i))
+def on_time(pending: int, groups_per_step: int, next_version: int, served_version: int, alpha: int) -> bool:
+    """Staleness-aware admission (AReaL's rule, per task): a group launched now starts on
+    ``served_version`` and, queued behind the task's ``pending`` groups, is trained at the earliest
+    in batch ceil((pending + 1) / groups_per_step) from the next one, i.e. at version
+    ``next_version`` + that - 1. Admit it only if that is within ``alpha``: launching it earlier
+    would only produce work that goes stale (the engines still serve an old version, or the task
+    already has enough groups queued)."""
+    return next_version + -(-(pending + 1) // groups_per_step) - 1 - served_version <= alpha
+
+
+def next_task(tasks: list[TaskConfig], pending: Mapping[str | None, int], among: list[int] | None = None) -> int:
+    """Index of the task (of ``among``, default all) with the fewest pending groups per group of its
+    batch share (ties: the first)."""
+    return min(among if among is not None else range(len(tasks)),
+               key=lambda i: (pending.get(tasks[i].name, 0) / tasks[i].groups_per_step, i))
 
 
 def _step_metrics(ro: Rollout, batch: list[Trajectory], m: dict[str, float], **extra: Any) -> dict[str, Any]:
@@ -174,6 +199,10 @@ def _step_metrics(ro: Rollout, batch: list[Trajectory], m: dict[str, float], **e
     pauses = extra.pop("pauses")
     step_s = extra["step_s"]
     lags = [m["version"] - 1 - t.min_version() for t in batch]
+    episodes: dict[str, list[float]] = {}
+    for t in done:
+        if t.fate is not None and t.fate.value == "finished":
+            episodes.setdefault(t.task, []).append(t.timings.get("episode", 0.0))
     return {
         **m,
         **extra,
@@ -181,6 +210,9 @@ def _step_metrics(ro: Rollout, batch: list[Trajectory], m: dict[str, float], **e
         "success_rate": sum(bool(t.info.get("success")) for t in batch) / len(batch),
         "traj_per_s": sum(t.fate is not None and t.fate.value == "finished" for t in done) / step_s,
         "gen_tok_per_s": sum(t.num_generated() for t in done) / step_s,
+        "trained_gen_tokens": sum(t.num_generated() for t in batch),
+        "episode_s_by_task": {k: sum(v) / len(v) for k, v in episodes.items()},
+        "finished_by_task": {k: len(v) for k, v in episodes.items()},
         "update_pause_s": max(pauses.values(), default=0.0),
         "lag_max": max(lags, default=0),
         "lag_mean": sum(lags) / max(len(lags), 1),

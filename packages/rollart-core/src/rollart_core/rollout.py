@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections import Counter
 from typing import TYPE_CHECKING
 
@@ -69,6 +70,7 @@ class Rollout:
     async def _run(self, traj: Trajectory, task_index: int) -> None:
         p = self.p
         task = p.config.tasks[task_index]
+        t0 = time.perf_counter()
         try:
             try:
                 env = await p.acquire_env(task, task_index)
@@ -88,6 +90,7 @@ class Rollout:
         finally:
             if traj.fate is None:
                 traj.fate = Fate.CANCELLED_REDUNDANT
+            traj.add_timing("episode", time.perf_counter() - t0)  # wall time from launch to fate
             self.inflight.pop(traj.traj_id, None)
             if traj.fate is Fate.FINISHED:
                 if traj.group_id in self._group_finished:
