@@ -225,3 +225,42 @@ async def test_redundant_rollouts_cancel_exactly_the_surplus(pipeline) -> None:
         assert stats["inflight"] == 0
     finally:
         task.redundancy, task.max_turns = old
+
+
+async def test_a_group_admitted_ahead_generates_only_on_the_coming_version(pipeline) -> None:
+    """Async admission ahead of a weight update: the group's environments reset at once, its first
+    generation waits until the engines serve the coming version, and every token is of that version
+    (the group is not stale by the time it is trained)."""
+    from rollart_core.rollout import Rollout
+
+    p = pipeline
+    task = p.config.tasks[0]
+    v = p.trainer.version
+    assert set((await p.proxy.weight_versions()).values()) == {v}
+    ro = Rollout(p)
+    ro.served_version = v
+    gid = ro.launch_group(0, tag="ahead", start_version=v + 1)
+    mine = [t for t, _ in ro.inflight.values() if t.group_id == gid]
+    assert mine and all(t.start_version == v + 1 for t in mine)
+
+    async def reset_done() -> None:
+        while not all("env" in t.timings for t in mine):
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(reset_done(), 60)
+    assert all(not t.turns and t.fate is None for t in mine)  # reset, holding before the first turn
+
+    # meanwhile a step is trained on a batch of version v and its weights are served
+    trajs = await rollout_step(p, step=90)
+    batch = await p.buffer.get_batch(task.groups_per_step, version=v)
+    assert {t.group_id for t in batch} == {t.group_id for t in trajs} and gid not in {t.group_id for t in batch}
+    assert all(not t.turns for t in mine)  # still waiting: the engines serve v
+    p.trainer.train_step(batch)
+    await asyncio.wrap_future(p.store.push(v + 1, dict(p.trainer.named_weights())))
+    await p.proxy.update_weights(v + 1)
+    ro.served_version = v + 1
+    await p.buffer.notify()
+    await asyncio.wait_for(ro.wait_all(), 120)
+    assert all(t.fate is Fate.FINISHED for t in mine), [t.error for t in mine]
+    assert {x for t in mine for turn in t.turns for x in turn.output_versions} == {v + 1}
+    assert len(await p.buffer.get_batch(1, version=v + 1 + p.buffer.alpha)) == len(mine)  # fresh at the bound

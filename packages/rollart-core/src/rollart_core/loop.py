@@ -92,6 +92,9 @@ async def train(cfg: RunConfig, sink: MetricsSink | None = None, pipeline: Pipel
                 if not batch:
                     log.warning("step %d: no trainable trajectory in the batch (fates %s)", step, dict(ro.fates))
                     continue
+                if on_arrival:  # training this batch makes the next version, served as soon as it lands:
+                    ro.coming_version = p.trainer.version + 1  # groups may be admitted on it now
+                    await p.buffer.notify()
                 # 6. Train (rollout goes on meanwhile), push the new weights asynchronously
                 await asyncio.sleep(0)  # the producer refills the groups just taken before the step starts
                 inflight_at_train = len(ro.inflight)
@@ -164,17 +167,25 @@ async def _produce(ro: Rollout, max_pending_groups: int, alpha: int) -> None:
     stay in flight longer, so it gets launched as often as it is consumed, not crowded out by a fast one)."""
     buf, tasks = ro.p.buffer, ro.p.config.tasks
 
-    def choose() -> int | None:
+    def choose() -> tuple[int, int] | None:
         if buf.pending_groups() >= max_pending_groups:
             return None
         pending = buf.pending_by_task()
         next_version = max(ro.served_version, (buf.last_batch_version if buf.last_batch_version is not None else -1) + 1)
-        ok = [i for i, t in enumerate(tasks)
-              if on_time(pending.get(t.name, 0), t.groups_per_step, next_version, ro.served_version, alpha)]
-        return next_task(tasks, pending, among=ok) if ok else None
+        start: dict[int, int] = {}
+        for i, t in enumerate(tasks):
+            for v in (ro.served_version, ro.coming_version):  # on the weights served, else ahead on the coming ones
+                if v is not None and v >= ro.served_version and i not in start and \
+                        on_time(pending.get(t.name, 0), t.groups_per_step, next_version, v, alpha):
+                    start[i] = v
+        if not start:
+            return None
+        i = next_task(tasks, pending, among=list(start))
+        return i, start[i]
 
     while True:
-        ro.launch_group(await buf.wait_for(choose))
+        task_index, version = await buf.wait_for(choose)
+        ro.launch_group(task_index, start_version=version)
 
 
 def on_time(pending: int, groups_per_step: int, next_version: int, served_version: int, alpha: int) -> bool:

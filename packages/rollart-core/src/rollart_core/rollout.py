@@ -10,6 +10,7 @@ staleness bound is aborted early (fate ``aborted_stale``) instead of being finis
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
 import time
@@ -37,6 +38,11 @@ class Rollout:
         self.p = p
         self.served_version = 0
         """Policy version the engines serve now (new trajectories start at it)."""
+        self.coming_version: int | None = None
+        """A newer version the engines will serve without waiting for anything the rollout does (async,
+        update on arrival: set when a batch is taken for training). Groups may be admitted on it
+        ahead of time: their environments reset while it trains and lands, and their first
+        generation waits for it (:meth:`launch_group` ``start_version``)."""
         self.inflight: dict[str, tuple[Trajectory, asyncio.Task[None]]] = {}
         self.launched = 0
         self.fates: Counter[str] = Counter()
@@ -46,8 +52,10 @@ class Rollout:
         self._group_finished: dict[str, int] = {}
         self.cancelled_redundant = 0
 
-    def launch_group(self, task_index: int, tag: str = "g") -> str:
-        """Start ``group_size`` trajectories of one task on a fresh seed; returns the group id."""
+    def launch_group(self, task_index: int, tag: str = "g", start_version: int | None = None) -> str:
+        """Start ``group_size`` trajectories of one task on a fresh seed; returns the group id.
+        ``start_version`` newer than the served one: the trajectories reset their environments now
+        and generate their first turn only once the engines serve that version."""
         cfg = self.p.config
         task = cfg.tasks[task_index]
         n = self.groups_launched
@@ -58,7 +66,8 @@ class Rollout:
         self.p.buffer.expect(group_id, n_launch, task.name)
         self._group_finished[group_id] = 0
         for k in range(n_launch):
-            traj = Trajectory(f"{group_id}-{k}", task.name, task.env.impl, group_id, seed, self.served_version)
+            traj = Trajectory(f"{group_id}-{k}", task.name, task.env.impl, group_id, seed,
+                              max(self.served_version, start_version or 0))
             self.inflight[traj.traj_id] = (traj, asyncio.create_task(self._run(traj, task_index)))
             self.launched += 1
         return group_id
@@ -79,9 +88,12 @@ class Rollout:
             except EnvError as exc:
                 traj.fate, traj.error = Fate.ENV_FAILED, f"no environment: {exc}"
             else:
+                ahead = traj.start_version > self.served_version
                 await run_trajectory(traj, env=env, generator=p.proxy, chat=p.chat, scorer=p.rewards[task.name],
                                      sampling=task.sampling, max_turns=task.max_turns, context=task.context,
-                                     env_timeout_s=task.env_timeout_s)
+                                     env_timeout_s=task.env_timeout_s,
+                                     before_first_turn=functools.partial(self.wait_served, traj.start_version)
+                                     if ahead else None)
         except asyncio.CancelledError:
             pass  # cancelled by us (stale or shutting down); the fate is already set
         except Exception as exc:  # the runner records every fate itself; this is a bug guard
@@ -103,6 +115,10 @@ class Rollout:
             self.fates[traj.fate.value] += 1
             self.finished.append(traj)
             await p.buffer.put(traj)
+
+    async def wait_served(self, version: int) -> None:
+        """Until the engines serve ``version`` or newer (the loop's update notifies the buffer)."""
+        await self.p.buffer.wait_for(lambda: True if self.served_version >= version else None)
 
     def _cancel_surplus(self, group_id: str) -> None:
         """The group has its ``group_size`` finished trajectories: cancel the stragglers now

@@ -53,13 +53,16 @@ async def run_trajectory(
     on_done: Callable[[Trajectory], Any] | None = None,
     context: str = "full",
     env_timeout_s: float | None = None,
+    before_first_turn: Callable[[], Awaitable[Any]] | None = None,
 ) -> Trajectory:
     """Run ``traj`` (task, ids, seed and start version already set) to completion and score it.
 
     ``context``: ``full`` prompts every turn with the whole history; ``last_turn`` with the system
     prompt and the current observation only (each such turn is marked ``new_sequence``).
     ``env_timeout_s``: a ``reset`` or ``step`` that takes longer ends the trajectory with fate
-    ``timed_out`` (None: wait as long as the environment takes)."""
+    ``timed_out`` (None: wait as long as the environment takes).
+    ``before_first_turn``: awaited after the reset, before the first generation, and not counted as
+    generation time (a trajectory admitted ahead of a weight update waits there for the new weights)."""
     if context not in ("full", "last_turn"):
         raise ValueError(f"context must be 'full' or 'last_turn', got {context!r}")
     if env_timeout_s is not None and env_timeout_s <= 0:
@@ -75,6 +78,8 @@ async def run_trajectory(
         _timed(traj, "env", t0)
         traj.info.update(info)
         prompt = chat.first_turn(env.system_prompt, obs)
+        if before_first_turn is not None:
+            await before_first_turn()
         history: list[int] = []
         for k in range(max_turns):
             new_sequence = k > 0 and context == "last_turn"
