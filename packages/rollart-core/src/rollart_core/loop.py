@@ -3,7 +3,8 @@
 ``async`` (RollArt), per step:
 
 1. **Get Batch** — wait until the SampleBuffer holds the step's groups within the staleness bound
-   (rollout never stops: a producer keeps launching groups under admission control).
+   (rollout never stops: a producer keeps launching groups under admission control, each only if
+   it can still be trained within ``alpha``: :func:`on_time`).
 2. **Suspend** → 3. **Update** → 4. **Resume** → 5. **Recompute KV** — every engine pauses with its
    in-flight requests kept, swaps in the newest weights, re-prefills the running requests under them
    and resumes (``proxy.update_weights``; nothing is aborted).
@@ -162,7 +163,9 @@ async def _update(p: Pipeline, ro: Rollout, version: int) -> dict[str, float]:
 async def _produce(ro: Rollout, max_pending_groups: int, alpha: int) -> None:
     """Async mode's producer: keep launching groups under admission control. A group is admitted
     only if it can still be trained within ``alpha`` of the version it starts on (:func:`on_time`,
-    per task), and at most ``max_pending_groups`` are pending; among the tasks that admit one, the
+    per task): the version served, or else the coming one (:attr:`Rollout.coming_version`: the
+    group then waits for it before its first generation). At most ``max_pending_groups`` are
+    pending; among the tasks that admit one, the
     task with the fewest pending groups for its share of the batch goes first (a slow task's groups
     stay in flight longer, so it gets launched as often as it is consumed, not crowded out by a fast one)."""
     buf, tasks = ro.p.buffer, ro.p.config.tasks
@@ -172,12 +175,14 @@ async def _produce(ro: Rollout, max_pending_groups: int, alpha: int) -> None:
             return None
         pending = buf.pending_by_task()
         next_version = max(ro.served_version, (buf.last_batch_version if buf.last_batch_version is not None else -1) + 1)
+        versions = [ro.served_version]  # on the weights served, else ahead on the coming ones
+        if ro.coming_version is not None and ro.coming_version > ro.served_version:
+            versions.append(ro.coming_version)
         start: dict[int, int] = {}
         for i, t in enumerate(tasks):
-            for v in (ro.served_version, ro.coming_version):  # on the weights served, else ahead on the coming ones
-                if v is not None and v >= ro.served_version and i not in start and \
-                        on_time(pending.get(t.name, 0), t.groups_per_step, next_version, v, alpha):
-                    start[i] = v
+            v = next((v for v in versions if on_time(pending.get(t.name, 0), t.groups_per_step, next_version, v, alpha)), None)
+            if v is not None:
+                start[i] = v
         if not start:
             return None
         i = next_task(tasks, pending, among=list(start))
