@@ -64,7 +64,7 @@ def test_timeline_records_only_while_active() -> None:
 def _seg(wall: float, trained: int, util: float, fates: dict[str, int]) -> dict:
     stages = {st: {"utilisation": util, "mean_concurrency": util, "count": 1.0} for st in STAGES}
     return {"wall_s": wall, "steps": 2, "trained": trained, "trained_by_task": {"t": trained},
-            "gen_tokens": 10.0 * trained, "trained_gen_tokens": 6.0 * trained, "launched": sum(fates.values()),
+            "gen_tokens": 10.0 * trained, "trained_gen_tokens": 6.0 * trained, "wasted_gen_tokens": 4.0 * trained, "launched": sum(fates.values()),
             "episodes": {"t": [3.0 * trained, trained]},
             "fates": fates, "step_s": [wall / 2, wall / 2], "lag_max": 1, "stages": stages, "cpu_busy": util}
 
@@ -85,7 +85,7 @@ def test_aggregate_ratios_bound_and_wall_weighted_utilisation() -> None:
     assert r["sync"]["cpu_busy"] == pytest.approx((0.5 * 10 + 0.1 * 30) / 40)
     assert r["sync"]["fates"] == {"finished": 40, "env_failed": 2} and r["sync"]["launched"] == 42
     assert r["sync"]["trained_by_task"] == {"t": 40}
-    assert r["sync"]["gen_waste"] == pytest.approx(0.4)  # 6 of every 10 generated tokens trained
+    assert r["sync"]["gen_waste"] == pytest.approx(0.4)  # 4 of every 10 generated tokens wasted
     assert r["sync"]["episode_s"] == {"t": pytest.approx(3.0)}
     assert r["sync"]["measured_step_s_mean"] == pytest.approx(10.0)  # steps of 5 s and 15 s
     g = goals(r)["async_a1"]

@@ -223,6 +223,7 @@ async def run_segment(p: Any, cfg: RunConfig, keep_intervals: bool, threads: int
         "trained_by_task": dict(sum((Counter(h["batch_tasks"]) for h in hist), Counter())),
         "gen_tokens": sum(h["gen_tok_per_s"] * h["step_s"] for h in hist),
         "trained_gen_tokens": sum(h["trained_gen_tokens"] for h in hist),
+        "wasted_gen_tokens": sum(h["wasted_gen_tokens"] for h in hist) + p.buffer.stale_tokens,
         "episodes": episode_sums(hist),
         "launched": summary["launched"],
         "fates": dict(p.buffer.fates),
@@ -242,7 +243,6 @@ async def run_segment(p: Any, cfg: RunConfig, keep_intervals: bool, threads: int
         seg["warmup_steps"] = warmup
         seg["steady"] = {"wall_s": w1 - w0, "trained": sum(h["batch_size"] for h in measured),
                          "gen_tokens": sum(h["gen_tok_per_s"] * h["step_s"] for h in measured),
-                         "trained_gen_tokens": sum(h["trained_gen_tokens"] for h in measured),
                          "episodes": episode_sums(measured), "step_s": [h["step_s"] for h in measured],
                          "stages": tl.summary((w0, w1)), "window": (w0 - t0, w1 - t0), "cpu_busy": cpu.busy((w0, w1))}
     if keep_intervals:
@@ -286,7 +286,7 @@ def aggregate(segments: dict[str, list[dict[str, Any]]], bounds: dict[str, dict[
         segs = [s["steady"] for s in all_segs] if steady else all_segs
         wall = sum(s["wall_s"] for s in segs)
         traj_per_s = sum(s["trained"] for s in segs) / wall
-        gen_tokens = sum(s["gen_tokens"] for s in segs)
+        trained_tok, wasted_tok = (sum(s[k] for s in all_segs) for k in ("trained_gen_tokens", "wasted_gen_tokens"))
         episodes: dict[str, list[float]] = {}
         for s in segs:
             for task, (total, n) in s["episodes"].items():
@@ -303,7 +303,7 @@ def aggregate(segments: dict[str, list[dict[str, Any]]], bounds: dict[str, dict[
             "trained_by_task": dict(sum((Counter(s["trained_by_task"]) for s in all_segs), Counter())),
             "step_s_mean": sum(sum(s["step_s"]) for s in all_segs) / max(1, sum(s["steps"] for s in all_segs)),
             "measured_step_s_mean": sum(step_s) / max(1, len(step_s)),
-            "gen_waste": 1 - sum(s["trained_gen_tokens"] for s in segs) / gen_tokens if gen_tokens else None,
+            "gen_waste": wasted_tok / (wasted_tok + trained_tok) if wasted_tok + trained_tok else None,
             "episode_s": {task: total / n for task, (total, n) in episodes.items() if n},
             "lag_max": max(s["lag_max"] for s in all_segs),
             "utilisation": {st: sum(s["stages"][st]["utilisation"] * s["wall_s"] for s in segs) / wall

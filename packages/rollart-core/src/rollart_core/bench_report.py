@@ -78,7 +78,7 @@ def window_lines(res: dict[str, Any]) -> list[str]:
         waste = "-" if r["gen_waste"] is None else f"{r['gen_waste']:.0%}"
         out.append(f"{MODES[m].label}: a trajectory must be trained within alpha+1 = {cfg['alpha'] + 1} steps of its "
                    f"start, {window:.1f} s at the measured step time; finished episodes took {eps} on average; "
-                   f"{stale:.0%} of launches aborted stale; {waste} of generated tokens went to trajectories not trained")
+                   f"{stale:.0%} of launches aborted stale; {waste} of generated tokens went to trajectories cancelled, stale or failed")
     return out
 
 
@@ -117,8 +117,9 @@ def markdown(res: dict[str, Any]) -> str:
            "the machine's cores busy (anything running), the room left under a compute bound; util: fraction of the time at least one call "
            "of the stage was running; fates count every launched trajectory once (cancelled_at_stop: still in "
            "flight when a segment ended); step s: mean measured step; episode s: mean wall time, launch to "
-           "finish, of the episodes that finished, per task; gen waste: share of the tokens generated in the measured "
-           "steps that went to trajectories not trained (redundant, stale, failed).", ""]
+           "finish, of the episodes that finished, per task; gen waste: share of the generated tokens (whole segments) "
+           "that went to trajectories cancelled as redundant, aborted or dropped stale, failed or timed out, "
+           "against those trained (what was still in the pipeline when a segment ended is neither).", ""]
     return "\n".join(md)
 
 

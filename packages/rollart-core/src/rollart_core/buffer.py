@@ -36,6 +36,8 @@ class SampleBuffer:
         self._changed = asyncio.Condition()
         self.fates: Counter[str] = Counter()
         self.consumed = 0
+        self.stale_tokens = 0
+        """Generated tokens of finished trajectories dropped here as stale."""
         self.last_batch_version: int | None = None
         """Trainer version of the last batch handed out (the next one trains at least one later)."""
         self.dropped_groups: list[str] = []
@@ -117,6 +119,7 @@ class SampleBuffer:
                 continue
             if not self.fresh(t, version):
                 t.fate = Fate.ABORTED_STALE
+                self.stale_tokens += t.num_generated()
                 self.fates[Fate.FINISHED.value] -= 1
                 self.fates[Fate.ABORTED_STALE.value] += 1
                 continue

@@ -227,6 +227,7 @@ def _step_metrics(ro: Rollout, batch: list[Trajectory], m: dict[str, float], **e
         "traj_per_s": sum(t.fate is not None and t.fate.value == "finished" for t in done) / step_s,
         "gen_tok_per_s": sum(t.num_generated() for t in done) / step_s,
         "trained_gen_tokens": sum(t.num_generated() for t in batch),
+        "wasted_gen_tokens": sum(t.num_generated() for t in done if t.fate is not None and t.fate.value != "finished"),
         "episode_s_by_task": {k: sum(v) / len(v) for k, v in episodes.items()},
         "finished_by_task": {k: len(v) for k, v in episodes.items()},
         "update_pause_s": max(pauses.values(), default=0.0),
