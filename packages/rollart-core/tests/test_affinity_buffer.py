@@ -103,10 +103,15 @@ async def test_buffer_drops_groups_with_nothing_trainable_and_keeps_waiting() ->
     assert buf.fates == {"aborted_stale": 1, "env_failed": 1, "finished": 1}
 
 
-async def test_wait_pending_below_is_released_by_consumption() -> None:
+def _capacity(buf: SampleBuffer, limit: int):
+    """Admission control's wait: until fewer than ``limit`` groups are pending."""
+    return buf.wait_for(lambda: True if buf.pending_groups() < limit else None)
+
+
+async def test_admission_wait_is_released_by_consumption() -> None:
     buf = SampleBuffer()
     buf.expect("a", 1)
-    waiter = asyncio.create_task(buf.wait_pending_below(1))
+    waiter = asyncio.create_task(_capacity(buf, 1))
     await asyncio.sleep(0)
     assert not waiter.done()
     await buf.put(_traj("x", "a", 0))
@@ -119,7 +124,7 @@ async def test_dropping_useless_groups_wakes_admission_control() -> None:
     buf = SampleBuffer(alpha=0)
     buf.expect("stale", 1)
     await buf.put(_traj("s", "stale", 0))
-    producer = asyncio.create_task(buf.wait_pending_below(1))
+    producer = asyncio.create_task(_capacity(buf, 1))
     getter = asyncio.create_task(buf.get_batch(1, version=1))
     await asyncio.wait_for(producer, 5)  # released although nothing was consumed
     buf.expect("fresh", 1)

@@ -26,6 +26,7 @@ import os
 import platform
 import time
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -253,11 +254,17 @@ async def run_segment(p: Any, cfg: RunConfig, keep_intervals: bool, threads: int
 def episode_sums(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
     """Per task: [total seconds, count] of the episodes that finished in these step rows (launch
     to fate, wall time), so that means can be taken over any set of rows."""
+    return merge_sums({task: [h["episode_s_by_task"][task] * n, n] for task, n in h["finished_by_task"].items()}
+                      for h in rows)
+
+
+def merge_sums(parts: Iterable[dict[str, list[float]]]) -> dict[str, list[float]]:
+    """Add per-task [total, count] pairs."""
     out: dict[str, list[float]] = {}
-    for h in rows:
-        for task, n in h["finished_by_task"].items():
+    for part in parts:
+        for task, (total, n) in part.items():
             acc = out.setdefault(task, [0.0, 0])
-            acc[0] += h["episode_s_by_task"][task] * n
+            acc[0] += total
             acc[1] += n
     return out
 
@@ -287,12 +294,7 @@ def aggregate(segments: dict[str, list[dict[str, Any]]], bounds: dict[str, dict[
         wall = sum(s["wall_s"] for s in segs)
         traj_per_s = sum(s["trained"] for s in segs) / wall
         trained_tok, wasted_tok = (sum(s[k] for s in all_segs) for k in ("trained_gen_tokens", "wasted_gen_tokens"))
-        episodes: dict[str, list[float]] = {}
-        for s in segs:
-            for task, (total, n) in s["episodes"].items():
-                acc = episodes.setdefault(task, [0.0, 0])
-                acc[0] += total
-                acc[1] += n
+        episodes = merge_sums(s["episodes"] for s in segs)
         step_s = [x for s in segs for x in s["step_s"]]
         out[mode] = {
             "basis": "steady" if steady else "segment", "segments": len(segs), "wall_s": wall,

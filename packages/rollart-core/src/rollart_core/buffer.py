@@ -129,11 +129,6 @@ class SampleBuffer:
         del self._task[group]
         return out
 
-    async def wait_pending_below(self, limit: int) -> None:
-        """Wait until fewer than ``limit`` announced groups are not yet consumed (admission control)."""
-        async with self._changed:
-            await self._changed.wait_for(lambda: len(self._order) < limit)
-
     async def wait_for(self, choose: Callable[[], T | None]) -> T:
         """Wait until ``choose()`` returns something other than None (re-evaluated whenever the
         buffer changes or :meth:`notify` is called) and return it."""

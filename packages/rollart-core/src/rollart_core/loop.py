@@ -215,19 +215,19 @@ def _step_metrics(ro: Rollout, batch: list[Trajectory], m: dict[str, float], **e
     pauses = extra.pop("pauses")
     step_s = extra["step_s"]
     lags = [m["version"] - 1 - t.min_version() for t in batch]
+    finished = [t for t in done if t.fate is not None and t.fate.value == "finished"]
     episodes: dict[str, list[float]] = {}
-    for t in done:
-        if t.fate is not None and t.fate.value == "finished":
-            episodes.setdefault(t.task, []).append(t.timings.get("episode", 0.0))
+    for t in finished:
+        episodes.setdefault(t.task, []).append(t.timings.get("episode", 0.0))
     return {
         **m,
         **extra,
         "version": int(m["version"]),
         "success_rate": sum(bool(t.info.get("success")) for t in batch) / len(batch),
-        "traj_per_s": sum(t.fate is not None and t.fate.value == "finished" for t in done) / step_s,
+        "traj_per_s": len(finished) / step_s,
         "gen_tok_per_s": sum(t.num_generated() for t in done) / step_s,
         "trained_gen_tokens": sum(t.num_generated() for t in batch),
-        "wasted_gen_tokens": sum(t.num_generated() for t in done if t.fate is not None and t.fate.value != "finished"),
+        "wasted_gen_tokens": sum(t.num_generated() for t in done) - sum(t.num_generated() for t in finished),
         "episode_s_by_task": {k: sum(v) / len(v) for k, v in episodes.items()},
         "finished_by_task": {k: len(v) for k, v in episodes.items()},
         "update_pause_s": max(pauses.values(), default=0.0),
