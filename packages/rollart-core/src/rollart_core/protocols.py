@@ -29,6 +29,9 @@ Primitives and who calls them:
     stats()                  utilisation counters: busy/provisioned seconds, queueing, cold starts
 ``Trainer`` (rollart-train, called by the coordinator)
     train_step(batch) / named_weights() / save(path) / version
+``SupportsWeightPush`` (optional trainer capability, called by the coordinator after a step)
+    push_weights(version)    push the current weights to the trainer's own weight store from where
+                             they live (a rank of a worker group): they never pass through the caller
 ``WeightStore`` (rollart-weightsync; trainer pushes, inference workers pull)
     push(version, tensors) / latest_version() / pull(version, into) / wait_for(version) /
     subscribe(callback); retention (keep the last N versions) is each back-end's config
@@ -59,6 +62,7 @@ __all__ = [
     "SupportsResume",
     "SupportsStream",
     "SupportsWeightPrefetch",
+    "SupportsWeightPush",
     "SupportsWeightUpdate",
     "Trainer",
     "WeightStore",
@@ -194,6 +198,16 @@ class Trainer(Protocol):
 class SupportsResume(Protocol):
     def load(self, path: str) -> None:
         """Restore weights, optimizer state and :attr:`Trainer.version` from ``save(path)``."""
+        ...
+
+
+@runtime_checkable
+class SupportsWeightPush(Protocol):
+    def push_weights(self, version: int) -> dict[str, float]:
+        """Push the current weights as ``version`` to the weight store the trainer was built with and
+        return once it is committed (metrics such as ``push_s``). The full weights move from where
+        they live (e.g. rank 0 of a worker group) to the store, never through the caller. Blocking:
+        callers run it off their event loop. Raises WeightSyncError if the commit fails."""
         ...
 
 
