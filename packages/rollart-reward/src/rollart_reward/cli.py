@@ -32,6 +32,14 @@ def _parser() -> argparse.ArgumentParser:
                    help="keep-alive of idle workers: exactly --idle-timeout, at least a cold start's cost, "
                         "or learned from recent idle periods (at most the ski-rental value)")
     s.add_argument("--call-timeout", type=float, default=60.0)
+    s.add_argument("--max-queue", type=int, default=10_000, help="waiting calls beyond this get 429")
+    s.add_argument("--cache-size", type=int, default=100_000, help="idempotency cache entries")
+    s.add_argument("--max-body-bytes", type=int, default=16 << 20, help="larger request bodies get 413")
+    s.add_argument("--max-batch", type=int, default=1024, help="most items in one batch request")
+    s.add_argument("--max-async-tasks", type=int, default=10_000, help="async calls held at once")
+    s.add_argument("--api-key", default=None,
+                   help="bearer token every request must carry (default: $ROLLART_REWARD_API_KEY; "
+                        "prefer the variable, a command line is visible to every user of the machine)")
     s.add_argument("--admin", action="store_true", help="enable /admin/* (fault knobs, stats reset)")
     s.add_argument("--faults", default="{}", help="fault injection config as JSON (tests)")
     s.add_argument("--log-level", default="WARNING")
@@ -39,13 +47,18 @@ def _parser() -> argparse.ArgumentParser:
 
 
 async def _serve(args: argparse.Namespace) -> None:
-    from rollart_reward.runtime import FaultConfig, FunctionRuntime, RuntimeConfig
+    import os
 
+    from rollart_reward.runtime import API_KEY_ENV, FaultConfig, FunctionRuntime, RuntimeConfig
+
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     try:
         cfg = RuntimeConfig(function=args.function, options=json.loads(args.options), host=args.host,
                             port=args.port, min_workers=args.min_workers, max_workers=args.max_workers,
                             idle_timeout_s=args.idle_timeout, idle_policy=args.idle_policy,
-                            call_timeout_s=args.call_timeout,
+                            call_timeout_s=args.call_timeout, max_queue=args.max_queue,
+                            cache_size=args.cache_size, max_body_bytes=args.max_body_bytes,
+                            max_batch=args.max_batch, max_async_tasks=args.max_async_tasks, api_key=api_key,
                             admin=args.admin, faults=FaultConfig.model_validate(json.loads(args.faults)))
     except (ValueError, json.JSONDecodeError) as exc:
         raise ConfigError(f"rollart-reward serve: {exc}") from None

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
+import hmac
 import json
 import logging
 import math
@@ -43,11 +45,17 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from rollart_core.errors import RewardError
 from rollart_reward.metrics import UtilisationMeter
+from rollart_reward.wire import trajectory_from_dict
 
-__all__ = ["FaultConfig", "FunctionRuntime", "RuntimeConfig"]
+__all__ = ["API_KEY_ENV", "FaultConfig", "FunctionRuntime", "RuntimeConfig", "ScalingConfig"]
 
 log = logging.getLogger(__name__)
+
+API_KEY_ENV = "ROLLART_REWARD_API_KEY"
+"""Environment variable ``rollart-reward serve`` reads its bearer token from (keeps it out of ``ps``)."""
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 class FaultConfig(BaseModel):
@@ -65,16 +73,12 @@ class FaultConfig(BaseModel):
     """Rate of 200 answers whose body is not JSON."""
 
 
-class RuntimeConfig(BaseModel):
+class ScalingConfig(BaseModel):
+    """How the runtime scales and what it accepts: the part of :class:`RuntimeConfig` a caller that
+    starts the runtime itself (the ``serverless`` reward executor) sets."""
+
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    function: str = "success"
-    """Reward function name (``rollart.reward`` entry point) or ``package.module:Class``."""
-    options: dict[str, Any] = Field(default_factory=dict)
-    """The function's own config."""
-    host: str = "127.0.0.1"
-    port: int = Field(0, ge=0, le=65535)
-    """0 picks a free port."""
     min_workers: int = Field(0, ge=0)
     max_workers: int = Field(8, ge=1)
     idle_timeout_s: float = Field(2.0, gt=0)
@@ -92,6 +96,26 @@ class RuntimeConfig(BaseModel):
     """More waiting calls than this are refused with 429."""
     cache_size: int = Field(100_000, ge=0)
     """Idempotency cache entries (results and execution counts by key)."""
+    max_body_bytes: int = Field(16 << 20, ge=1024)
+    """Larger request bodies are refused with 413."""
+    max_batch: int = Field(1024, ge=1)
+    """Most items in one ``{"items": [...]}`` request (more: 413)."""
+    max_async_tasks: int = Field(10_000, ge=1)
+    """Async (Event / FC Async) calls held at once, running or finished and not yet forgotten; a new
+    one beyond this is refused with 429. Finished ones are forgotten oldest first."""
+
+
+class RuntimeConfig(ScalingConfig):
+    function: str = "success"
+    """Reward function name (``rollart.reward`` entry point) or ``package.module:Class``."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """The function's own config."""
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, le=65535)
+    """0 picks a free port."""
+    api_key: str | None = Field(None, repr=False, min_length=1)
+    """Bearer token every request except ``GET /healthz`` must carry (``Authorization: Bearer ...``);
+    None = no token (a warning when bound beyond loopback)."""
     admin: bool = False
     """Enable ``/admin/*`` (fault knobs, stats reset): for tests only."""
     faults: FaultConfig = FaultConfig()
@@ -165,10 +189,14 @@ class FunctionRuntime:
         self._idle: list[_Worker] = []
         self._waiters: collections.deque[asyncio.Future[_Worker]] = collections.deque()
         self._starting = 0
-        self._cache: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
-        self._inflight: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        self._cache: collections.OrderedDict[str, tuple[str, dict[str, Any]]] = collections.OrderedDict()
+        """Idempotency key -> (digest of the trajectory, result)."""
+        self._inflight: dict[str, tuple[str, asyncio.Future[dict[str, Any]]]] = {}
         self._executions: collections.OrderedDict[str, int] = collections.OrderedDict()
-        self._async_tasks: dict[str, asyncio.Task[Any]] = {}
+        self._async_tasks: dict[str, tuple[str, asyncio.Task[Any]]] = {}
+        """Running async calls by task id -> (digest, task); moved to ``_async_done`` when they finish."""
+        self._async_done: collections.OrderedDict[str, tuple[str, tuple[int, dict[str, Any], bool]]] = (
+            collections.OrderedDict())
         self.counters = collections.Counter[str]()
         self.peak_workers = 0
         self.cold_start_s: list[float] = []
@@ -189,7 +217,11 @@ class FunctionRuntime:
     async def start(self) -> str:
         from aiohttp import web
 
-        app = web.Application(client_max_size=64 << 20)
+        c = self.config
+        if c.host not in LOOPBACK_HOSTS and c.api_key is None:
+            log.warning("function runtime: bound to %s without an API key: anyone who reaches this address "
+                        "can call the function (set --api-key or %s)", c.host, API_KEY_ENV)
+        app = web.Application(client_max_size=c.max_body_bytes, middlewares=[self._guard()])
         r = app.router
         r.add_post("/invoke", self._h_invoke)
         r.add_post("/2015-03-31/functions/{name}/invocations", self._h_lambda)
@@ -216,7 +248,7 @@ class FunctionRuntime:
     async def stop(self) -> None:
         if self._reaper:
             self._reaper.cancel()
-        for t in list(self._spawns) + list(self._async_tasks.values()):
+        for t in list(self._spawns) + [task for _, task in self._async_tasks.values()]:
             t.cancel()
         if self._runner is not None:
             await self._runner.cleanup()
@@ -232,6 +264,28 @@ class FunctionRuntime:
             import shutil
 
             shutil.rmtree(self._sockdir, ignore_errors=True)
+
+    def _guard(self) -> Any:
+        """Middleware: the bearer token check, and :class:`BadRequest` as a JSON 4xx with its message."""
+        from aiohttp import web
+
+        expected = f"Bearer {self.config.api_key}".encode() if self.config.api_key else None
+
+        @web.middleware
+        async def guard(request: Any, handler: Any) -> Any:
+            if expected is not None and request.path != "/healthz":
+                got = request.headers.get("Authorization", "").encode()
+                if not hmac.compare_digest(got, expected):
+                    self.counters["unauthorized"] += 1
+                    return web.json_response({"error": "missing or wrong bearer token (Authorization: Bearer ...)"},
+                                             status=401, headers={"WWW-Authenticate": "Bearer"})
+            try:
+                return await handler(request)
+            except BadRequest as exc:
+                self.counters[f"rejected_{exc.status}"] += 1
+                return web.json_response({"error": exc.message}, status=exc.status)
+
+        return guard
 
     async def _start_template(self) -> None:
         """The process workers are forked from: imports and function loaded once (warm snapshot)."""
@@ -367,18 +421,30 @@ class FunctionRuntime:
                     await self._retire(w)
 
     # ---------------------------------------------------------------- execution
-    async def execute(self, key: str | None, trajectory: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-        """Run (or join, or replay) one call → (result dict, served by a fresh worker)."""
+    async def execute(self, key: str | None, trajectory: dict[str, Any],
+                      digest: str | None = None) -> tuple[dict[str, Any], bool]:
+        """Run (or join, or replay) one call → (result dict, served by a fresh worker).
+
+        A key's cached result (and a running call under it) is bound to ``digest``, the hash of the
+        trajectory it was computed from: the same key with another trajectory raises
+        :class:`KeyConflict` (409) instead of replaying, so no caller can pre-seed a result."""
         if key is not None:
+            digest = digest or body_digest(trajectory)
             if key in self._cache:
+                cached_digest, result = self._cache[key]
+                if cached_digest != digest:
+                    raise KeyConflict(key)
                 self.counters["cache_hits"] += 1
                 self._cache.move_to_end(key)
-                return self._cache[key], False
+                return result, False
             if key in self._inflight:
+                running_digest, running = self._inflight[key]
+                if running_digest != digest:
+                    raise KeyConflict(key)
                 self.counters["joined_inflight"] += 1
-                return await asyncio.shield(self._inflight[key]), False
+                return await asyncio.shield(running), False
             fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-            self._inflight[key] = fut
+            self._inflight[key] = (digest, fut)
         try:
             result, cold = await self._run(key, trajectory)
         except BaseException as exc:
@@ -392,7 +458,8 @@ class FunctionRuntime:
             self._inflight.pop(key, None)
             fut.set_result(result)
             if self.config.cache_size:
-                self._cache[key] = result
+                assert digest is not None
+                self._cache[key] = (digest, result)
                 while len(self._cache) > self.config.cache_size:
                     self._cache.popitem(last=False)
         return result, cold
@@ -441,14 +508,57 @@ class FunctionRuntime:
             x -= rate
         return None
 
-    # ---------------------------------------------------------------- handlers
-    async def _invoke_one(self, key: str | None, traj: Any) -> tuple[int, dict[str, Any], bool]:
+    # ---------------------------------------------------------------- request checks
+    async def _read_json(self, request: Any) -> Any:
+        """The request body as JSON; :class:`BadRequest` (413 too large, 400 not JSON) otherwise."""
+        from aiohttp import web
+
+        limit = self.config.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise BadRequest(413, f"request body of {request.content_length} bytes exceeds the limit of {limit}")
         try:
-            result, cold = await self.execute(key, traj)
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise BadRequest(413, f"request body exceeds the limit of {limit} bytes") from None
+        try:
+            return json.loads(raw)
+        except (ValueError, RecursionError) as exc:
+            raise BadRequest(400, f"request body is not JSON: {str(exc)[:200]}") from None
+
+    def _call(self, body: Any, request: Any, where: str = "request body") -> tuple[str | None, dict[str, Any], str]:
+        """``(key, trajectory, digest)`` of one call ``{"key"?, "trajectory"}``, or :class:`BadRequest`."""
+        if not isinstance(body, dict):
+            raise BadRequest(400, f"{where}: expected a JSON object {{'key', 'trajectory'}}, got {_kind(body)}")
+        if "trajectory" not in body:
+            raise BadRequest(400, f"{where}: missing 'trajectory'")
+        key = body.get("key")
+        if key is None or key == "":
+            key = request.headers.get("Idempotency-Key") or None
+        if key is not None and (not isinstance(key, str) or len(key) > _MAX_KEY):
+            raise BadRequest(400, f"{where}: 'key' must be a string of at most {_MAX_KEY} characters, "
+                                  f"got {_kind(key)}")
+        trajectory = body["trajectory"]
+        try:
+            trajectory_from_dict(trajectory)
+        except RewardError as exc:
+            raise BadRequest(400, f"{where}: {exc}") from None
+        try:
+            digest = body_digest(trajectory)
+        except (ValueError, TypeError, RecursionError) as exc:
+            raise BadRequest(400, f"{where}: trajectory is not serialisable: {str(exc)[:200]}") from None
+        return key, trajectory, digest
+
+    # ---------------------------------------------------------------- handlers
+    async def _invoke_one(self, key: str | None, traj: Any, digest: str | None = None) -> tuple[int, dict[str, Any], bool]:
+        try:
+            result, cold = await self.execute(key, traj, digest)
             return 200, {"key": key, "result": result, "cold_start": cold}, cold
         except _FunctionError as exc:
             self.counters["function_errors"] += 1
             return 500, {"key": key, "error": str(exc)}, False
+        except KeyConflict:
+            self.counters["key_conflicts"] += 1
+            return 409, {"key": key, "error": "idempotency key already used with a different trajectory"}, False
         except _Overloaded:
             self.counters["throttled"] += 1
             return 429, {"key": key, "error": "too many queued calls"}, False
@@ -461,7 +571,7 @@ class FunctionRuntime:
                        headers: dict[str, str] | None = None) -> Any:
         from aiohttp import web
 
-        headers = dict(headers or {})
+        headers = {**(headers or {}), **_status_headers(status)}
         if cold:
             headers["X-Rollart-Cold-Start"] = "1"
         if fault == "error_after":
@@ -477,79 +587,122 @@ class FunctionRuntime:
         from aiohttp import web
 
         self.counters["requests"] += 1
-        try:
-            body = await request.json()
-        except ValueError:
-            return web.json_response({"error": "request body is not JSON"}, status=400)
+        body = await self._read_json(request)
+        if isinstance(body, dict) and "items" in body:
+            items = body["items"]
+            if not isinstance(items, list):
+                raise BadRequest(400, f"'items' must be a list, got {_kind(items)}")
+            if len(items) > self.config.max_batch:
+                raise BadRequest(413, f"{len(items)} items exceed the batch limit of {self.config.max_batch}")
+            calls = [self._call(item, request, f"items[{i}]") for i, item in enumerate(items)]
+        else:
+            calls = None
+            key, trajectory, digest = self._call(body, request)
         fault = self._draw()
         if fault == "error_before":
             return web.json_response({"error": "injected fault"}, status=503)
-        if isinstance(body, dict) and isinstance(body.get("items"), list):
-            outs = await asyncio.gather(*(self._invoke_one(i.get("key"), i.get("trajectory"))
-                                          for i in body["items"]))
-            results = [o[1] for o in outs]
-            return await self._respond(200, {"results": results}, any(o[2] for o in outs), fault)
-        if not isinstance(body, dict) or "trajectory" not in body:
-            return web.json_response({"error": "expected {'key', 'trajectory'} or {'items': [...]}"}, status=400)
-        key = body.get("key") or request.headers.get("Idempotency-Key")
-        status, out, cold = await self._invoke_one(key, body["trajectory"])
+        if calls is not None:
+            outs = await asyncio.gather(*(self._invoke_one(k, t, d) for k, t, d in calls))
+            return await self._respond(200, {"results": [o[1] for o in outs]}, any(o[2] for o in outs), fault)
+        status, out, cold = await self._invoke_one(key, trajectory, digest)
         return await self._respond(status, out, cold, fault)
 
     async def _h_lambda(self, request: Any) -> Any:
         from aiohttp import web
 
         self.counters["requests"] += 1
-        body = await request.json()
+        key, trajectory, digest = self._call(await self._read_json(request), request)
+        invocation = request.headers.get("X-Amz-Invocation-Type", "RequestResponse")
+        if invocation not in ("RequestResponse", "Event"):
+            raise BadRequest(400, f"X-Amz-Invocation-Type must be RequestResponse or Event, got {invocation!r}")
         fault = self._draw()
         if fault == "error_before":
             return web.json_response({"Type": "Service", "message": "injected fault"}, status=503)
-        key = body.get("key") or request.headers.get("Idempotency-Key")
-        if request.headers.get("X-Amz-Invocation-Type", "RequestResponse") == "Event":
+        if invocation == "Event":
             if key is None:
                 return web.json_response({"message": "Event invocations need a key"}, status=400)
-            self._async_tasks[key] = asyncio.create_task(self._invoke_one(key, body["trajectory"]))
+            status = self._submit_async(f"event:{key}", key, trajectory, digest)
+            if status != 202:
+                return web.json_response({"message": _ASYNC_REFUSED[status]}, status=status,
+                                         headers=_status_headers(status))
             return web.Response(status=202)
-        status, out, cold = await self._invoke_one(key, body["trajectory"])
+        status, out, cold = await self._invoke_one(key, trajectory, digest)
         if status == 500:
             return web.json_response({"errorMessage": out["error"], "errorType": "Unhandled"}, status=200,
                                      headers={"X-Amz-Function-Error": "Unhandled"})
         if status != 200:
-            return web.json_response({"message": out["error"]}, status=status)
+            return web.json_response({"message": out["error"]}, status=status, headers=_status_headers(status))
         return await self._respond(200, out["result"], cold, fault)
 
     async def _h_fc(self, request: Any) -> Any:
         from aiohttp import web
 
         self.counters["requests"] += 1
-        body = await request.json()
+        key, trajectory, digest = self._call(await self._read_json(request), request)
+        invocation = request.headers.get("x-fc-invocation-type", "Sync")
+        if invocation not in ("Sync", "Async"):
+            raise BadRequest(400, f"x-fc-invocation-type must be Sync or Async, got {invocation!r}")
+        task_id = request.headers.get("x-fc-async-task-id")
+        if invocation == "Async" and (not task_id or len(task_id) > _MAX_KEY):
+            return web.json_response({"Code": "MissingTaskId",
+                                      "Message": f"x-fc-async-task-id (1 to {_MAX_KEY} characters)"}, status=400)
         fault = self._draw()
         if fault == "error_before":
             return web.json_response({"Code": "ServiceUnavailable", "Message": "injected fault"}, status=503)
-        key = body.get("key") or request.headers.get("Idempotency-Key")
-        if request.headers.get("x-fc-invocation-type", "Sync") == "Async":
-            task_id = request.headers.get("x-fc-async-task-id")
-            if not task_id:
-                return web.json_response({"Code": "MissingTaskId", "Message": "x-fc-async-task-id"}, status=400)
-            if task_id not in self._async_tasks:  # re-submitting a task id is a no-op (idempotent)
-                self._async_tasks[task_id] = asyncio.create_task(self._invoke_one(key or task_id, body["trajectory"]))
+        if invocation == "Async":
+            assert task_id is not None
+            # re-submitting a task id with the same body is a no-op (idempotent); another body is a 409
+            status = self._submit_async(task_id, key or task_id, trajectory, digest)
+            if status != 202:
+                return web.json_response({"Code": "Refused", "Message": _ASYNC_REFUSED[status]}, status=status,
+                                         headers=_status_headers(status))
             return web.Response(status=202, headers={"x-fc-async-task-id": task_id})
-        status, out, cold = await self._invoke_one(key, body["trajectory"])
+        status, out, cold = await self._invoke_one(key, trajectory, digest)
         if status != 200:
             return web.json_response({"Code": "FunctionError", "Message": out["error"]},
                                      status=status if status != 500 else 200,
-                                     headers={"x-fc-error-type": "UnhandledInvocationError"} if status == 500 else {})
+                                     headers={"x-fc-error-type": "UnhandledInvocationError"} if status == 500
+                                     else _status_headers(status))
         return await self._respond(200, out["result"], cold, fault)
+
+    def _submit_async(self, task_id: str, key: str, trajectory: dict[str, Any], digest: str) -> int:
+        """Start an async call under ``task_id`` → 202, or 409 (the id is held by another body), or 429
+        (``max_async_tasks`` running). A finished task is kept for polling until evicted (oldest first)."""
+        known = self._async_tasks.get(task_id) or self._async_done.get(task_id)
+        if known is not None:
+            return 202 if known[0] == digest else 409
+        if len(self._async_tasks) >= self.config.max_async_tasks:
+            self.counters["throttled"] += 1
+            return 429
+        task = asyncio.create_task(self._invoke_one(key, trajectory, digest))
+        self._async_tasks[task_id] = (digest, task)
+        task.add_done_callback(lambda t: self._async_finished(task_id, digest, t))
+        return 202
+
+    def _async_finished(self, task_id: str, digest: str, task: asyncio.Task[Any]) -> None:
+        self._async_tasks.pop(task_id, None)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:  # _invoke_one maps every failure it expects; anything else is a bug: say so
+            log.error("function runtime: async task %s failed: %r", task_id, exc)
+            out: tuple[int, dict[str, Any], bool] = (502, {"key": task_id, "error": f"runtime failure: {exc!r}"}, False)
+        else:
+            out = task.result()
+        self._async_done[task_id] = (digest, out)
+        while len(self._async_done) + len(self._async_tasks) > self.config.max_async_tasks and self._async_done:
+            self._async_done.popitem(last=False)
 
     async def _h_fc_poll(self, request: Any) -> Any:
         from aiohttp import web
 
         task_id = request.match_info["task"]
-        task = self._async_tasks.get(task_id)
-        if task is None:
-            return web.json_response({"Code": "AsyncTaskNotFound", "Message": task_id}, status=404)
-        if not task.done():
+        if task_id in self._async_tasks:
             return web.json_response({"taskId": task_id, "status": "Running"})
-        status, out, cold = task.result()
+        done = self._async_done.get(task_id)
+        if done is None:
+            return web.json_response({"Code": "AsyncTaskNotFound", "Message": task_id}, status=404)
+        status, out, cold = done[1]
         if status == 200:
             return web.json_response({"taskId": task_id, "status": "Succeeded",
                                       "returnPayload": json.dumps(out["result"]), "coldStart": cold})
@@ -568,6 +721,10 @@ class FunctionRuntime:
             "max_executions_per_key": max(execs, default=0),
             "keep_alive_s": self._keep_alive(), "idle_policy": self.config.idle_policy,
             "keys_executed_more_than_once": sum(1 for n in execs if n > 1),
+            "async_tasks_running": len(self._async_tasks), "async_tasks_held": len(self._async_done),
+            "cache_entries": len(self._cache),
+            "pids": {"template": self._template.pid if self._template is not None else None,
+                     "workers": [w.pid for w in self._workers]},
             **dict(self.counters),
         })
         return s
@@ -585,8 +742,12 @@ class FunctionRuntime:
 
     async def _h_faults(self, request: Any) -> Any:
         from aiohttp import web
+        from pydantic import ValidationError
 
-        self.faults = FaultConfig.model_validate(await request.json())
+        try:
+            self.faults = FaultConfig.model_validate(await self._read_json(request))
+        except ValidationError as exc:
+            raise BadRequest(400, f"fault config: {exc}") from None
         self._rng = random.Random(self.faults.seed)
         return web.json_response(self.faults.model_dump())
 
@@ -604,3 +765,32 @@ class FunctionRuntime:
 
 class _Overloaded(Exception):
     pass
+
+
+class KeyConflict(Exception):
+    """An idempotency key already names a call with a different trajectory (409)."""
+
+
+class BadRequest(Exception):
+    """A request the runtime refuses (4xx) with a message for the caller."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+_MAX_KEY = 256
+_ASYNC_REFUSED = {409: "task id already used with a different trajectory", 429: "too many async tasks held"}
+
+
+def body_digest(trajectory: Any) -> str:
+    """Hash of a trajectory's canonical JSON: what an idempotency key's cached result is bound to."""
+    return hashlib.sha256(json.dumps(trajectory, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _status_headers(status: int) -> dict[str, str]:
+    return {"Retry-After": "1"} if status in (429, 503) else {}
+
+
+def _kind(x: Any) -> str:
+    return "null" if x is None else type(x).__name__

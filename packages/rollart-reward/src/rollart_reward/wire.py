@@ -36,19 +36,64 @@ def trajectory_to_dict(traj: Trajectory) -> dict[str, Any]:
     return d
 
 
-def trajectory_from_dict(d: dict[str, Any]) -> Trajectory:
-    """Inverse of :func:`trajectory_to_dict`; unknown or missing fields raise :class:`RewardError`."""
+def trajectory_from_dict(d: Any) -> Trajectory:
+    """Inverse of :func:`trajectory_to_dict`; unknown, missing or mistyped fields raise :class:`RewardError`."""
     if not isinstance(d, dict):
-        raise RewardError(f"a trajectory must be a JSON object, got {type(d).__name__}")
+        raise RewardError(f"a trajectory must be a JSON object, got {_kind(d)}")
     d = dict(d)
+    turns = d.pop("turns", [])
+    if not isinstance(turns, list):
+        raise RewardError(f"malformed trajectory: 'turns' must be a list, got {_kind(turns)}")
+    for i, t in enumerate(turns):
+        if not isinstance(t, dict):
+            raise RewardError(f"malformed trajectory: turns[{i}] must be an object, got {_kind(t)}")
+        _check_fields(t, _TURN_TYPES, f"turns[{i}].")
+    _check_fields(d, _TRAJECTORY_TYPES, "")
     try:
-        turns = [Turn(**t) for t in d.pop("turns", [])]
-        fate = d.pop("fate", None)
-        traj = Trajectory(**d, turns=turns)
-    except TypeError as exc:
+        traj = Trajectory(**d, turns=[Turn(**t) for t in turns])
+        traj.fate = Fate(d["fate"]) if d.get("fate") is not None else None
+    except (TypeError, ValueError) as exc:
         raise RewardError(f"malformed trajectory: {exc}") from None
-    traj.fate = Fate(fate) if fate is not None else None
     return traj
+
+
+_NUM = (int, float)
+_TRAJECTORY_TYPES: dict[str, tuple[type, ...]] = {
+    "traj_id": (str,), "task": (str,), "env_id": (str,), "group_id": (str,), "seed": (int,),
+    "start_version": (int,), "reward": _NUM, "env_return": _NUM, "fate": (str, type(None)),
+    "terminated": (bool,), "truncated": (bool,), "error": (str, type(None)), "timings": (dict,), "info": (dict,),
+}
+_TURN_TYPES: dict[str, tuple[type, ...]] = {
+    "context_ids": (list,), "output_ids": (list,), "output_logprobs": (list,), "output_versions": (list,),
+    "finish_reason": (str,), "action_text": (str,), "env_reward": _NUM, "allowed_token_ids": (list, type(None)),
+    "temperature": _NUM, "new_sequence": (bool,),
+}
+_INT_LISTS = ("context_ids", "output_ids", "output_versions", "allowed_token_ids")
+
+
+def _check_fields(d: dict[str, Any], types: dict[str, tuple[type, ...]], where: str) -> None:
+    """Type check of the JSON fields (unknown and missing ones are left to the dataclass)."""
+    for name, value in d.items():
+        allowed = types.get(name)
+        if allowed is None:
+            continue
+        if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+            raise RewardError(f"malformed trajectory: {where}{name} must be "
+                              f"{' or '.join(_kind_name(t) for t in allowed)}, got {_kind(value)}")
+        if name in _INT_LISTS and value is not None and not all(
+                isinstance(x, int) and not isinstance(x, bool) for x in value):
+            raise RewardError(f"malformed trajectory: {where}{name} must be a list of integers")
+        if name == "output_logprobs" and not all(isinstance(x, _NUM) and not isinstance(x, bool) for x in value):
+            raise RewardError(f"malformed trajectory: {where}{name} must be a list of numbers")
+
+
+def _kind_name(t: type) -> str:
+    return {str: "a string", int: "an integer", float: "a number", bool: "a boolean", list: "a list",
+            dict: "an object", type(None): "null"}[t]
+
+
+def _kind(x: Any) -> str:
+    return "null" if x is None else type(x).__name__
 
 
 def result_to_dict(result: RewardResult) -> dict[str, Any]:
