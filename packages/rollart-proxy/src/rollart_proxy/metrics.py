@@ -23,6 +23,10 @@ class WorkerMetrics:
     """Requests waiting for one of the worker's in-flight slots (back-pressure)."""
     requests: int = 0
     failures: int = 0
+    restarts_seen: int = 0
+    """Times the worker came back restarted (its engine not started: a fresh Ray actor)."""
+    recovered: int = 0
+    """Times the worker was brought back to healthy (started and on the served weights)."""
     aborted: int = 0
     prefill_tokens: int = 0
     """Prompt tokens sent to the worker (the engine may serve part of them from its prefix cache)."""
@@ -76,6 +80,8 @@ class WorkerMetrics:
             "queue_depth": inflight + self.queued,
             "requests": self.requests,
             "failures": self.failures,
+            "restarts_seen": self.restarts_seen,
+            "recovered": self.recovered,
             "aborted": self.aborted,
             "prefill_tokens": self.prefill_tokens,
             "decode_tokens": self.decode_tokens,

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -182,8 +183,6 @@ class PDRouter:
     """
 
     Config = PDConfig
-
-    Config = PDConfig
     engine_args = staticmethod(shared_storage_kv_args)
     """KV-connector engine args for a role (what ``rollart_core.pipeline`` gives each engine group)."""
 
@@ -207,11 +206,15 @@ class PDRouter:
                 raise ConfigError(f"task {task!r} is routed to {pool!r}, a prefill pool: route it to its decode pool")
         # One routing view per pool over the proxy's own worker handles: separate session maps
         # keep a trajectory's prefill stickiness apart from its decode stickiness.
-        self._views = {p: LLMProxy(ws, max_retries=proxy.max_retries) for p, ws in by_pool.items()}
+        self._views = {p: LLMProxy(ws, max_retries=proxy.max_retries, max_sessions=proxy.max_sessions)
+                       for p, ws in by_pool.items()}
+        for view in self._views.values():
+            view._health_owner = proxy  # recovery needs the served version, which the proxy holds
         self._policy = {t: resolve_policy(p, (profiles or {}).get(t), cfg.auto_min_ratio)
                         for t, p in cfg.task_policy.items()}
-        self._held: dict[str, list[int]] = {}
-        """Session → tokens its decode worker has seen (last prompt + output): its prefix cache."""
+        self._held: OrderedDict[str, list[int]] = OrderedDict()
+        """Session → tokens its decode worker has seen (last prompt + output): its prefix cache
+        (LRU, at most the proxy's ``max_sessions``)."""
         self._active: dict[str, str | None] = {}
         self._aborted: set[str] = set()
         self.version: int | None = None
@@ -322,6 +325,9 @@ class PDRouter:
             log.info("request %s: prefill at version %s, decode at %s", rid, out.prefill_version, out.versions[1:2])
         if sid:
             self._held[sid] = [*request.prompt_ids, *out.token_ids]
+            self._held.move_to_end(sid)
+            while len(self._held) > self.proxy.max_sessions:
+                self._held.popitem(last=False)
         yield out
 
     async def _sub(self, pool: str, request: GenerateRequest, stream: bool) -> AsyncIterator[GenerateOutput]:
@@ -414,23 +420,23 @@ class PDRouter:
         return await self.proxy.weight_versions()
 
     async def check_health(self, timeout: float = 10.0) -> int:
-        """Probe unhealthy workers; one that is back on an older version is updated before it serves."""
-        back = [w for w in self.proxy.workers.values() if not w.healthy]
-        n = await self.proxy.check_health(timeout)
-        for w in back:
-            if not w.healthy or self.version is None:
-                continue
-            if await w.engine.weight_version() != self.version:
-                update = getattr(w.engine, "update_weights", None)
-                try:
-                    if update is None:
-                        raise WeightSyncError(f"{w.name} cannot update its weights")
-                    await update(self.version)
-                except Exception as exc:
-                    log.warning("worker %s is back on old weights and could not update: %r", w.name, exc)
-                    w.healthy = False
-                    n -= 1
-        return n
+        """Probe unhealthy prefill and decode workers; one that comes back (a restarted actor is
+        started first) is updated to the served version before it serves (:meth:`LLMProxy.check_health`)."""
+        return await self.proxy.check_health(timeout)
+
+    def start_health_loop(self, period_s: float | None = None) -> None:
+        """The proxy's health loop, over both pools (:meth:`LLMProxy.start_health_loop`)."""
+        self.proxy.start_health_loop(period_s)
+
+    async def stop_health_loop(self) -> None:
+        await self.proxy.stop_health_loop()
+
+    def session_counts(self) -> dict[str, int]:
+        """Sizes of the per-session tables of the proxy, of each pool's routing view, and of the router."""
+        out = {"held_sessions": len(self._held), "active_requests": len(self._active), **self.proxy.session_counts()}
+        for pool, view in self._views.items():
+            out.update({f"{pool}.{k}": v for k, v in view.session_counts().items()})
+        return out
 
     async def metrics(self, engine_stats: bool = True, timeout: float = 5.0) -> dict[str, dict[str, Any]]:
         """The proxy's per-worker metrics (with each worker's PD role) plus ``pd``: turns per path."""

@@ -13,9 +13,25 @@ in the engine). A worker that fails a request (:class:`WorkerUnavailableError`, 
 is not a request error) is marked unhealthy and the request is retried on another worker of its
 pool, at most ``max_retries`` times; then the request fails with :class:`WorkerUnavailableError`
 (an :class:`~rollart_core.errors.EngineError`). A request error (:class:`EngineError`) is raised
-at once. Unhealthy workers are probed again by :meth:`LLMProxy.check_health`.
+at once. Every worker also has a bounded wait queue (``max_queued``): when every candidate's
+slots and queue are full the request is refused at once with :class:`ProxyOverloadedError`.
+
+Recovery. A worker whose call fails with an actor-died/unavailable error is marked unhealthy.
+:meth:`LLMProxy.check_health` (also run by the background loop of :meth:`LLMProxy.start_health_loop`)
+probes it; once it answers it is brought back before it takes a request: an engine that reports
+:class:`EngineNotStartedError` (a Ray actor restarted with ``max_restarts``: ``__init__`` ran again,
+``start()`` did not, it holds the initial weights) is started, then updated to the version the proxy
+serves (the last :meth:`LLMProxy.update_weights`, or the newest version its healthy workers report),
+paused if the proxy is suspended, and only then marked healthy. Counted per worker in
+:meth:`LLMProxy.metrics` (``restarts_seen``, ``recovered``).
+
+Bounded memory: session stickiness is an LRU table of at most ``max_sessions`` trajectories
+(:meth:`LLMProxy.end_session` drops one when its trajectory ends); per-session request sets exist
+only while the session has requests in flight.
 
 Suspend/resume and weight updates fan out to every worker; a weight update never aborts requests.
+A worker that turns out to be dead during a fan-out is marked unhealthy (and recovered later onto
+the new version) instead of failing the fan-out.
 """
 
 from __future__ import annotations
@@ -23,14 +39,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollart_core.errors import EngineError
+from rollart_core.errors import EngineError, WeightSyncError
 from rollart_core.protocols import InferenceEngine, PauseMode, SupportsStream
 from rollart_core.types import GenerateOutput, GenerateRequest
-from rollart_proxy.errors import WorkerUnavailableError
+from rollart_proxy.errors import EngineNotStartedError, ProxyOverloadedError, WorkerUnavailableError
 from rollart_proxy.metrics import WorkerMetrics
 
 __all__ = ["LLMProxy", "WorkerHandle"]
@@ -44,6 +61,8 @@ class WorkerHandle:
     engine: InferenceEngine
     pool: str = "default"
     max_inflight: int = 64
+    max_queued: int = 4096
+    """Requests that may wait for one of its in-flight slots; beyond, the proxy refuses requests."""
     inflight: int = 0
     healthy: bool = True
     served: int = 0
@@ -53,11 +72,18 @@ class WorkerHandle:
     def __post_init__(self) -> None:
         if self.max_inflight < 1:
             raise EngineError(f"worker {self.name}: max_inflight must be >= 1")
+        if self.max_queued < 0:
+            raise EngineError(f"worker {self.name}: max_queued must be >= 0")
         self._slots = asyncio.Semaphore(self.max_inflight)
 
     @property
     def outstanding(self) -> int:
         return self.inflight + self.metrics.queued
+
+    @property
+    def full(self) -> bool:
+        """No free slot and no room in the wait queue."""
+        return self.inflight >= self.max_inflight and self.metrics.queued >= self.max_queued
 
 
 class LLMProxy:
@@ -69,7 +95,17 @@ class LLMProxy:
         *,
         task_pools: Mapping[str, str] | None = None,
         max_retries: int = 2,
+        max_sessions: int = 100_000,
+        health_period_s: float = 5.0,
+        probe_timeout_s: float = 10.0,
+        start_timeout_s: float = 600.0,
+        update_timeout_s: float = 600.0,
     ) -> None:
+        """``max_sessions``: size of the session-stickiness LRU table. ``health_period_s``: period
+        of :meth:`start_health_loop`. ``start_timeout_s`` / ``update_timeout_s``: bounds on starting
+        a restarted engine and on bringing it to the served weights during recovery."""
+        if max_sessions < 1:
+            raise EngineError(f"max_sessions must be >= 1, got {max_sessions}")
         if isinstance(workers, Mapping):
             handles = [WorkerHandle(n, e) for n, e in workers.items()]
         else:
@@ -85,11 +121,26 @@ class LLMProxy:
         if unknown:
             raise EngineError(f"tasks routed to pools without workers: {unknown} (pools: {sorted(pools)})")
         self.max_retries = max_retries
-        self._session: dict[str, str] = {}
+        self.max_sessions = max_sessions
+        self.health_period_s = health_period_s
+        self.probe_timeout_s = probe_timeout_s
+        self.start_timeout_s = start_timeout_s
+        self.update_timeout_s = update_timeout_s
+        self._session: OrderedDict[str, str] = OrderedDict()
+        """Session → the worker that served its last turn (LRU, at most ``max_sessions``)."""
         self._request_worker: dict[str, str] = {}
         self._session_requests: dict[str, set[str]] = {}
+        """Session → its requests in flight; an entry lives only while the set is not empty."""
         self._aborted: set[str] = set()
         self.suspended = False
+        self.version: int | None = None
+        """The weight version the proxy serves: the last :meth:`update_weights` (None: never updated)."""
+        self._update_lock = asyncio.Lock()
+        self._recovering: set[str] = set()
+        self._health_task: asyncio.Task[None] | None = None
+        self._health_owner: LLMProxy | None = None
+        """A routing view over another proxy's worker handles (the PD router's pools) recovers
+        workers through that proxy, which knows the served version."""
 
     @classmethod
     def from_ray_actors(
@@ -98,12 +149,15 @@ class LLMProxy:
         *,
         task_pools: Mapping[str, str] | None = None,
         max_inflight: int = 64,
+        max_queued: int = 4096,
         **kwargs: Any,
     ) -> LLMProxy:
-        """Proxy over engines living in Ray actors: ``(name, actor handle, pool)`` each."""
+        """Proxy over engines living in Ray actors: ``(name, actor handle, pool)`` each. Actors
+        created with ``max_restarts`` are recovered onto the served weights (see the module doc)."""
         from rollart_proxy.ray_engine import RayActorEngine
 
-        handles = [WorkerHandle(name, RayActorEngine(h, name), pool, max_inflight) for name, h, pool in actors]
+        handles = [WorkerHandle(name, RayActorEngine(h, name), pool, max_inflight, max_queued)
+                   for name, h, pool in actors]
         return cls(handles, task_pools=task_pools, **kwargs)
 
     # routing ---------------------------------------------------------------------------------
@@ -122,6 +176,12 @@ class LLMProxy:
         cands = [w for w in self._candidates(request.task) if w.name not in exclude]
         if not cands:
             raise WorkerUnavailableError(f"request {request.request_id}: every worker of its pool failed")
+        open_ = [w for w in cands if not w.full]
+        if not open_:
+            raise ProxyOverloadedError(
+                f"request {request.request_id}: every worker's queue is full "
+                f"({', '.join(f'{w.name}: {w.inflight} in flight, {w.metrics.queued} queued' for w in cands)})")
+        cands = open_
         sticky = self._session.get(request.session_id) if request.session_id else None
         for w in cands:
             if w.name == sticky and w.inflight < w.max_inflight:
@@ -162,7 +222,7 @@ class LLMProxy:
         tried: set[str] = set()
         sid = request.session_id
         if sid:
-            self._session_requests.setdefault(sid, set()).add(request.request_id)
+            self._session_requests.setdefault(sid, set()).add(request.request_id)  # for abort by session
         try:
             while True:
                 try:
@@ -188,7 +248,7 @@ class LLMProxy:
                 else:
                     w.served += 1
                     if sid:
-                        self._session[sid] = w.name
+                        self._remember(sid, w.name)
                     return out
                 tried.add(w.name)
                 if len(tried) > self.max_retries:
@@ -197,8 +257,17 @@ class LLMProxy:
                     )
         finally:
             self._aborted.discard(request.request_id)
-            if sid and sid in self._session_requests:
-                self._session_requests[sid].discard(request.request_id)
+            pending = self._session_requests.get(sid) if sid else None
+            if pending is not None:
+                pending.discard(request.request_id)
+                if not pending:
+                    del self._session_requests[sid]  # type: ignore[arg-type]
+
+    def _remember(self, session_id: str, worker: str) -> None:
+        self._session[session_id] = worker
+        self._session.move_to_end(session_id)
+        while len(self._session) > self.max_sessions:
+            self._session.popitem(last=False)  # the least recently served trajectory
 
     async def _run_on(self, w: WorkerHandle, request: GenerateRequest,
                       on_delta: Callable[[GenerateOutput], None] | None = None,
@@ -256,11 +325,15 @@ class LLMProxy:
             log.debug("abort of %s on %s failed: %r", request_id, w.name, exc)
 
     def _worker_failed(self, w: WorkerHandle, request: GenerateRequest, exc: BaseException) -> None:
-        w.healthy = False
-        w.metrics.failures += 1
         if request.session_id and self._session.get(request.session_id) == w.name:
             self._session.pop(request.session_id)
-        log.warning("worker %s failed request %s (marked unhealthy): %r", w.name, request.request_id, exc)
+        self._mark_down(w, f"request {request.request_id}: {exc!r}")
+
+    def _mark_down(self, w: WorkerHandle, why: str) -> None:
+        w.metrics.failures += 1
+        if w.healthy:
+            log.warning("worker %s marked unhealthy: %s", w.name, why)
+        w.healthy = False
 
     async def abort(self, request_id: str) -> int:
         """Abort a request by its id, or every in-flight request of a trajectory by its session id.
@@ -277,8 +350,14 @@ class LLMProxy:
         return len(ids)
 
     def end_session(self, session_id: str) -> None:
+        """Forget a trajectory (call when it ends, whatever its fate): its stickiness is dropped.
+        Requests of it still in flight finish normally (and stay abortable until then)."""
         self._session.pop(session_id, None)
-        self._session_requests.pop(session_id, None)
+
+    def session_counts(self) -> dict[str, int]:
+        """Sizes of the per-session tables (bounded: see ``max_sessions``)."""
+        return {"sessions": len(self._session), "sessions_in_flight": len(self._session_requests),
+                "requests_in_flight": len(self._request_worker)}
 
     def session_worker(self, session_id: str) -> str | None:
         return self._session.get(session_id)
@@ -288,9 +367,27 @@ class LLMProxy:
     def _engines_with(self, method: str) -> list[WorkerHandle]:
         return [w for w in self.workers.values() if w.healthy and hasattr(w.engine, method)]
 
+    async def _fan_out(self, ws: list[WorkerHandle], call: Callable[[WorkerHandle], Awaitable[Any]]
+                       ) -> list[tuple[WorkerHandle, Any]]:
+        """``call`` on every worker of ``ws`` at once. A worker found dead is marked unhealthy and left
+        out (recovery brings it back to the current state); any other error is raised."""
+        results = await asyncio.gather(*(call(w) for w in ws), return_exceptions=True)
+        out: list[tuple[WorkerHandle, Any]] = []
+        first: BaseException | None = None
+        for w, r in zip(ws, results, strict=True):
+            if isinstance(r, WorkerUnavailableError):
+                self._mark_down(w, repr(r))
+            elif isinstance(r, BaseException):
+                first = first or r
+            else:
+                out.append((w, r))
+        if first is not None:
+            raise first
+        return out
+
     async def _all(self, method: str, *args: object) -> list[object]:
         ws = self._engines_with(method)
-        return list(await asyncio.gather(*(getattr(w.engine, method)(*args) for w in ws)))
+        return [r for _, r in await self._fan_out(ws, lambda w: getattr(w.engine, method)(*args))]
 
     async def pause(self, mode: PauseMode = "keep") -> None:
         await self._all("pause", mode)
@@ -313,10 +410,12 @@ class LLMProxy:
 
         In-flight requests are kept; their KV is recomputed under the new weights.
         """
-        ws = self._engines_with("update_weights")
-        paused = await asyncio.gather(*(w.engine.update_weights(version) for w in ws))  # type: ignore[attr-defined]
+        async with self._update_lock:  # a worker being recovered joins before or after, never halfway
+            ws = self._engines_with("update_weights")
+            done = await self._fan_out(ws, lambda w: w.engine.update_weights(version))  # type: ignore[attr-defined]
+            self.version = version if self.version is None else max(self.version, version)
         out = {}
-        for w, p in zip(ws, paused, strict=True):
+        for w, p in done:
             out[w.name] = float(p)
             if not self.suspended:  # while suspended, the whole suspension is counted instead
                 w.metrics.add_suspended(float(p))
@@ -329,30 +428,113 @@ class LLMProxy:
 
     async def weight_versions(self) -> dict[str, int]:
         ws = [w for w in self.workers.values() if w.healthy]
-        vs = await asyncio.gather(*(w.engine.weight_version() for w in ws))
-        return {w.name: int(v) for w, v in zip(ws, vs, strict=True)}
+        done = await self._fan_out(ws, lambda w: w.engine.weight_version())
+        return {w.name: int(v) for w, v in done}
+
+    # health and recovery ---------------------------------------------------------------------
 
     async def check_health(self, timeout: float = 10.0) -> int:
-        """Probe unhealthy workers (``weight_version``); mark those that answer healthy again.
+        """Probe unhealthy workers; bring back those that answer (see the module doc: a restarted
+        engine is started and updated to the served version first). Returns how many came back."""
+        if self._health_owner is not None:
+            return await self._health_owner.check_health(timeout)
+        down = [w for w in self.workers.values() if not w.healthy and w.name not in self._recovering]
+        back = await asyncio.gather(*(self._recover(w, timeout) for w in down))
+        return sum(back)
 
-        Returns how many workers came back.
-        """
-        back = 0
-        for w in [w for w in self.workers.values() if not w.healthy]:
+    async def _recover(self, w: WorkerHandle, timeout: float) -> bool:
+        self._recovering.add(w.name)
+        try:
             try:
                 await asyncio.wait_for(w.engine.weight_version(), timeout)
-            except Exception as exc:
-                log.debug("worker %s still unavailable: %r", w.name, exc)
-                continue
-            w.healthy = True
-            back += 1
-        return back
+            except EngineNotStartedError:
+                w.metrics.restarts_seen += 1
+                log.warning("worker %s was restarted (engine not started): starting it", w.name)
+                start = getattr(w.engine, "start", None)
+                if start is None:
+                    raise WorkerUnavailableError(f"{w.name}: restarted, and its engine has no start()") from None
+                await asyncio.wait_for(start(), self.start_timeout_s)
+            async with self._update_lock:
+                target = await self._served_version(w, timeout)
+                have = int(await asyncio.wait_for(w.engine.weight_version(), timeout))
+                if target is not None and have < target:
+                    update = getattr(w.engine, "update_weights", None)
+                    if update is None:
+                        raise WeightSyncError(f"{w.name} serves version {have}, not {target}, and cannot update")
+                    log.info("worker %s: bringing it from version %d to %d", w.name, have, target)
+                    await asyncio.wait_for(update(target), self.update_timeout_s)
+                    have = int(await asyncio.wait_for(w.engine.weight_version(), timeout))
+                    if have != target:
+                        raise WeightSyncError(f"{w.name} reports version {have} after updating to {target}")
+                if self.suspended and hasattr(w.engine, "pause"):
+                    await asyncio.wait_for(w.engine.pause("keep"), timeout)  # type: ignore[attr-defined]
+                    w.metrics.suspend()
+                w.healthy = True
+        except Exception as exc:
+            log.info("worker %s not recovered yet: %r", w.name, exc)
+            return False
+        finally:
+            self._recovering.discard(w.name)
+        w.metrics.recovered += 1
+        log.warning("worker %s recovered (version %s)", w.name, have)
+        return True
+
+    async def _served_version(self, exclude: WorkerHandle, timeout: float) -> int | None:
+        """What a recovering worker must serve: the proxy's version, or the newest a healthy worker reports."""
+        others = [w for w in self.workers.values() if w.healthy and w is not exclude]
+        vs = await asyncio.gather(*(asyncio.wait_for(w.engine.weight_version(), timeout) for w in others),
+                                  return_exceptions=True)
+        known = [int(v) for v in vs if not isinstance(v, BaseException)]
+        if self.version is not None:
+            known.append(self.version)
+        return max(known, default=None)
+
+    async def probe(self, timeout: float | None = None) -> int:
+        """Ask every healthy worker for its version; mark the dead (or restarted) ones unhealthy.
+        Returns how many were marked. A slow answer is not a death: only logged."""
+        t = self.probe_timeout_s if timeout is None else timeout
+        ws = [w for w in self.workers.values() if w.healthy and w.name not in self._recovering]
+        rs = await asyncio.gather(*(asyncio.wait_for(w.engine.weight_version(), t) for w in ws),
+                                  return_exceptions=True)
+        n = 0
+        for w, r in zip(ws, rs, strict=True):
+            if isinstance(r, WorkerUnavailableError):
+                self._mark_down(w, f"health probe: {r!r}")
+                n += 1
+            elif isinstance(r, BaseException):
+                log.warning("health probe of %s: %r", w.name, r)
+        return n
+
+    def start_health_loop(self, period_s: float | None = None) -> None:
+        """Every ``period_s`` (default ``health_period_s``): :meth:`probe`, then :meth:`check_health`.
+        Needs a running event loop; stop it with :meth:`stop_health_loop`."""
+        if self._health_task is not None and not self._health_task.done():
+            return
+        period = self.health_period_s if period_s is None else period_s
+        if period <= 0:
+            raise EngineError(f"health loop period must be > 0, got {period}")
+        self._health_task = asyncio.create_task(self._health_loop(period), name="llmproxy-health")
+
+    async def stop_health_loop(self) -> None:
+        task, self._health_task = self._health_task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def _health_loop(self, period_s: float) -> None:
+        while True:
+            try:
+                await self.probe()
+                await self.check_health(self.probe_timeout_s)
+            except Exception:  # the loop must outlive any one round
+                log.exception("health loop round failed")
+            await asyncio.sleep(period_s)  # the period between rounds, not a wait for a condition
 
     async def metrics(self, engine_stats: bool = True, timeout: float = 5.0) -> dict[str, dict[str, Any]]:
         """Per worker: pool, health, queue depth, tokens/s, prefill/decode tokens, time suspended."""
         out: dict[str, dict[str, Any]] = {}
         for w in self.workers.values():
-            m = {"pool": w.pool, "healthy": w.healthy, "max_inflight": w.max_inflight,
+            m = {"pool": w.pool, "healthy": w.healthy, "max_inflight": w.max_inflight, "max_queued": w.max_queued,
                  **w.metrics.snapshot(w.inflight)}
             get_stats = getattr(w.engine, "get_stats", None)
             if engine_stats and w.healthy and get_stats is not None:

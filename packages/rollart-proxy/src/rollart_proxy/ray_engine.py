@@ -8,25 +8,36 @@ from typing import Any
 from rollart_core.errors import EngineError
 from rollart_core.protocols import PauseMode
 from rollart_core.types import GenerateOutput, GenerateRequest
+from rollart_proxy.errors import WorkerUnavailableError
 
 __all__ = ["RayActorEngine"]
 
 
 class RayActorEngine:
-    """Forwards every call to ``handle.<method>.remote(...)``; request errors keep their type."""
+    """Forwards every call to ``handle.<method>.remote(...)``; request errors keep their type. A dead,
+    restarting or unreachable actor raises :class:`WorkerUnavailableError` naming the worker."""
 
     def __init__(self, handle: Any, name: str) -> None:
         self.handle = handle
         self.name = name
 
     async def _call(self, method: str, *args: Any) -> Any:
-        from ray.exceptions import RayTaskError
+        from ray.exceptions import RayActorError, RayTaskError, WorkerCrashedError
 
         try:
             return await getattr(self.handle, method).remote(*args)
         except RayTaskError as exc:
             _reraise_engine_error(exc)
             raise
+        except (RayActorError, WorkerCrashedError) as exc:
+            raise WorkerUnavailableError(f"worker {self.name}: actor unavailable during {method}: "
+                                         f"{type(exc).__name__}") from exc
+
+    async def start(self) -> str:
+        return await self._call("start")  # type: ignore[no-any-return]
+
+    async def pid(self) -> int:
+        return await self._call("pid")  # type: ignore[no-any-return]
 
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
         return await self._call("generate", request)
@@ -34,7 +45,7 @@ class RayActorEngine:
     async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
         """Streams through a Ray streaming generator when the actor has ``generate_stream``;
         otherwise yields the complete output only."""
-        from ray.exceptions import RayTaskError
+        from ray.exceptions import RayActorError, RayTaskError, WorkerCrashedError
 
         method = getattr(self.handle, "generate_stream", None)
         if method is None:
@@ -47,6 +58,9 @@ class RayActorEngine:
         except RayTaskError as exc:
             _reraise_engine_error(exc)
             raise
+        except (RayActorError, WorkerCrashedError) as exc:
+            raise WorkerUnavailableError(f"worker {self.name}: actor unavailable mid-stream: "
+                                         f"{type(exc).__name__}") from exc
 
     async def abort(self, request_id: str) -> None:
         await self._call("abort", request_id)

@@ -15,18 +15,40 @@ Endpoints:
   ``GET /admin/weight_versions``, ``GET /metrics`` (per worker), ``GET /health``
 
 Bad input gets a 4xx with an OpenAI-style ``{"error": {"message", "type", "code"}}`` body: unknown
-model 404, malformed body / invalid sampling parameters / prompt longer than the context 400. A
-request no worker can serve gets 503. Streaming responses are well-formed SSE; the chunks are sent
-when the turn completes (engines return whole turns).
+model 404, malformed body / invalid sampling parameters / prompt longer than the context 400, a body
+over ``max_body_bytes`` 413. A request no worker can serve gets 503; one refused because every
+worker's queue is full gets 429. Streaming responses are well-formed SSE.
+
+Closed by default:
+
+- **Bind**: 127.0.0.1 unless told otherwise; binding beyond loopback without an API key logs a WARNING.
+- **API keys** (``api_key``, or env ``ROLLART_PROXY_API_KEY``, comma-separated for several clients):
+  when set, every endpoint (``/health`` included) needs ``Authorization: Bearer <key>`` (401 without).
+- **Admin** (``/admin/*``): needs the admin token (``admin_key`` or env ``ROLLART_PROXY_ADMIN_KEY``;
+  it is also accepted on every other endpoint). Without an admin token, admin endpoints answer 403,
+  unless the server was made with ``enable_admin=True`` (``--enable-admin``) *and* binds a loopback
+  address: then they take the API key, if any (a non-loopback bind with that setting is refused).
+- **Sessions** belong to the key whose request created them: reading, draining, aborting, deleting
+  or adding turns to a session needs that key or the admin token (403 otherwise). Without API keys
+  every client is the same anonymous principal.
+- **Bounded**: bodies (413), session records and owners (``max_sessions``, oldest dropped first), and
+  the proxy's queues (429). Chat templating and (de)tokenisation run in worker threads, off the
+  event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
+import ipaddress
 import json
+import logging
+import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
@@ -34,13 +56,20 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from rollart_core.errors import EngineError
+from rollart_core.errors import ConfigError, EngineError
 from rollart_core.types import GenerateOutput, GenerateRequest, SamplingParams
 from rollart_proxy.chat_template import ChatTemplate
-from rollart_proxy.errors import WorkerUnavailableError
+from rollart_proxy.errors import ProxyOverloadedError, WorkerUnavailableError
 from rollart_proxy.proxy import LLMProxy
 
-__all__ = ["OpenAIServer", "SessionRecorder"]
+__all__ = ["API_KEY_ENV", "ADMIN_KEY_ENV", "OpenAIServer", "SessionRecorder"]
+
+log = logging.getLogger(__name__)
+
+API_KEY_ENV = "ROLLART_PROXY_API_KEY"
+ADMIN_KEY_ENV = "ROLLART_PROXY_ADMIN_KEY"
+_ADMIN = "admin"
+"""The principal of the admin token: may touch every session."""
 
 
 class _ApiError(Exception):
@@ -126,14 +155,42 @@ class ChatBody(_Common):
 class SessionRecorder:
     """Token ids, logprobs and versions of every call, per session, until the trainer takes them."""
 
-    def __init__(self, max_sessions: int = 100_000) -> None:
+    def __init__(self, max_sessions: int = 100_000, max_calls_per_session: int = 10_000) -> None:
         self.max_sessions = max_sessions
+        self.max_calls_per_session = max_calls_per_session
         self._calls: dict[str, list[dict[str, Any]]] = {}
+        self._owners: OrderedDict[str, str | None] = OrderedDict()
+        """Session → principal that created it (LRU, at most ``max_sessions``)."""
+
+    def claim(self, session_id: str, principal: str | None) -> bool:
+        """Record ``principal`` as the session's owner if it has none; False if another owns it."""
+        if session_id in self._owners:
+            if not self.may_access(session_id, principal):
+                return False
+            self._owners.move_to_end(session_id)
+            return True
+        self._owners[session_id] = principal
+        while len(self._owners) > self.max_sessions:
+            self._owners.popitem(last=False)
+        return True
+
+    def may_access(self, session_id: str, principal: str | None) -> bool:
+        owner = self._owners.get(session_id, principal)
+        return principal == _ADMIN or owner == principal
+
+    def forget(self, session_id: str) -> None:
+        self._owners.pop(session_id, None)
+
+    def sizes(self) -> dict[str, int]:
+        return {"recorded_sessions": len(self._calls), "owned_sessions": len(self._owners)}
 
     def record(self, session_id: str, endpoint: str, prompt_ids: list[int], out: GenerateOutput) -> None:
         if session_id not in self._calls and len(self._calls) >= self.max_sessions:
             self._calls.pop(next(iter(self._calls)))  # oldest session first
-        self._calls.setdefault(session_id, []).append({
+        calls = self._calls.setdefault(session_id, [])
+        if len(calls) >= self.max_calls_per_session:
+            calls.pop(0)  # a session nobody drains keeps only its latest calls
+        calls.append({
             "request_id": out.request_id, "endpoint": endpoint, "prompt_ids": list(prompt_ids),
             "output_ids": list(out.token_ids), "logprobs": list(out.logprobs), "versions": list(out.versions),
             "finish_reason": out.finish_reason, "worker": out.worker, "time": time.time(),
@@ -162,9 +219,30 @@ class OpenAIServer:
         default_max_tokens: int = 256,
         session_header: str = "X-Session-Id",
         task_header: str = "X-Rollart-Task",
+        api_key: str | Sequence[str] | None = None,
+        admin_key: str | None = None,
+        enable_admin: bool = False,
+        max_body_bytes: int = 8 << 20,
+        max_sessions: int = 100_000,
     ) -> None:
+        """``api_key`` / ``admin_key``: None reads ``ROLLART_PROXY_API_KEY`` (comma-separated) /
+        ``ROLLART_PROXY_ADMIN_KEY``; an empty string or list means none. ``enable_admin``: admin
+        endpoints without an admin token, on a loopback bind only (see the module doc)."""
         from pathlib import Path
 
+        if api_key is None:
+            api_key = os.environ.get(API_KEY_ENV, "")
+        keys = [k.strip() for k in api_key.split(",")] if isinstance(api_key, str) else list(api_key)
+        self._api_keys = [(k.encode(), "key-" + hashlib.sha256(k.encode()).hexdigest()[:16]) for k in keys if k]
+        if admin_key is None:
+            admin_key = os.environ.get(ADMIN_KEY_ENV, "")
+        self._admin_key = admin_key.encode() if admin_key else None
+        if self._admin_key is not None and any(hmac.compare_digest(k, self._admin_key) for k, _ in self._api_keys):
+            raise ConfigError("the admin key must differ from every API key")
+        self.enable_admin = enable_admin
+        if max_body_bytes < 1:
+            raise ConfigError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
+        self.max_body_bytes = max_body_bytes
         self.proxy = proxy
         self.template = ChatTemplate(model_path)
         self.model_name = served_model_name or Path(model_path).name
@@ -173,7 +251,7 @@ class OpenAIServer:
         self.default_max_tokens = default_max_tokens
         self.session_header = session_header
         self.task_header = task_header
-        self.recorder = SessionRecorder()
+        self.recorder = SessionRecorder(max_sessions)
         self._server: Any = None
         self._task: asyncio.Task[None] | None = None
         self.app = self._build()
@@ -183,6 +261,14 @@ class OpenAIServer:
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Serve in the running loop; returns the bound port."""
         import uvicorn
+
+        loopback = _is_loopback(host)
+        if self.enable_admin and self._admin_key is None and not loopback:
+            raise ConfigError(f"admin endpoints without an admin key are only served on loopback, not on {host!r}: "
+                              f"set an admin key (--admin-key / {ADMIN_KEY_ENV})")
+        if not loopback and not self._api_keys:
+            log.warning("rollart-proxy binds %s (beyond loopback) without an API key: anyone who reaches it can "
+                        "generate and read sessions; set --api-key / %s", host, API_KEY_ENV)
 
         config = uvicorn.Config(self.app, host=host, port=port, log_level="warning", lifespan="off")
         self._server = uvicorn.Server(config)
@@ -206,7 +292,8 @@ class OpenAIServer:
     # app ---------------------------------------------------------------------------------------
 
     def _build(self) -> FastAPI:
-        app = FastAPI(title="rollart-proxy", docs_url=None, redoc_url=None)
+        app = FastAPI(title="rollart-proxy", docs_url=None, redoc_url=None, openapi_url=None)
+        app.add_middleware(_Guard, server=self)
 
         @app.exception_handler(_ApiError)
         async def _api_error(_: Request, e: _ApiError) -> JSONResponse:
@@ -216,6 +303,15 @@ class OpenAIServer:
         async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
             msgs = "; ".join(f"{'.'.join(str(x) for x in err.get('loc', ()))}: {err.get('msg')}" for err in e.errors())
             return _error(400, f"invalid request: {msgs}")
+
+        @app.exception_handler(ProxyOverloadedError)
+        async def _overloaded(_: Request, e: ProxyOverloadedError) -> JSONResponse:
+            return _error(429, str(e), "rate_limit_exceeded")
+
+        @app.exception_handler(Exception)
+        async def _internal(_: Request, e: Exception) -> JSONResponse:
+            log.exception("internal error: %r", e)
+            return _error(500, f"internal error: {type(e).__name__}", "internal_error")
 
         @app.exception_handler(WorkerUnavailableError)
         async def _unavailable(_: Request, e: WorkerUnavailableError) -> JSONResponse:
@@ -240,11 +336,13 @@ class OpenAIServer:
             if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str):
                 if len(body.prompt) != 1:
                     raise _ApiError(400, "only one prompt per request is supported", param="prompt")
-                prompt_ids = self.template.encode(body.prompt[0])
+                prompt_ids = await asyncio.to_thread(self.template.encode, body.prompt[0])
             elif isinstance(body.prompt, str):
-                prompt_ids = self.template.encode(body.prompt)
+                prompt_ids = await asyncio.to_thread(self.template.encode, body.prompt)
             else:
                 prompt_ids = list(body.prompt)  # token ids
+                if any(t < 0 for t in prompt_ids):  # type: ignore[operator]
+                    raise _ApiError(400, "token ids must be >= 0", param="prompt")
             return await self._serve("completions", body, prompt_ids, body.max_tokens, request)
 
         @app.post("/v1/chat/completions")
@@ -255,24 +353,32 @@ class OpenAIServer:
                         for m in body.messages]
             except ValueError as e:
                 raise _ApiError(400, str(e), param="messages") from None
-            prompt_ids = self.template.encode_messages(msgs)
+            try:
+                prompt_ids = await asyncio.to_thread(self.template.encode_messages, msgs)
+            except Exception as e:  # the model's template refused these messages (raise_exception, bad roles)
+                raise _ApiError(400, f"chat template: {e}", param="messages") from None
             return await self._serve("chat", body, prompt_ids, body.max_completion_tokens or body.max_tokens, request)
 
         @app.get("/v1/sessions/{session_id}")
-        async def session(session_id: str) -> dict[str, Any]:
+        async def session(session_id: str, request: Request) -> dict[str, Any]:
+            self._check_owner(session_id, request)
             return {"session_id": session_id, "calls": self.recorder.get(session_id)}
 
         @app.post("/v1/sessions/{session_id}/drain")
-        async def drain(session_id: str) -> dict[str, Any]:
+        async def drain(session_id: str, request: Request) -> dict[str, Any]:
+            self._check_owner(session_id, request)
             return {"session_id": session_id, "calls": self.recorder.drain(session_id)}
 
         @app.post("/v1/sessions/{session_id}/abort")
-        async def abort(session_id: str) -> dict[str, Any]:
+        async def abort(session_id: str, request: Request) -> dict[str, Any]:
+            self._check_owner(session_id, request)
             return {"session_id": session_id, "aborted": await self.proxy.abort(session_id)}
 
         @app.delete("/v1/sessions/{session_id}")
-        async def end(session_id: str) -> dict[str, Any]:
+        async def end(session_id: str, request: Request) -> dict[str, Any]:
+            self._check_owner(session_id, request)
             self.proxy.end_session(session_id)
+            self.recorder.forget(session_id)
             return {"session_id": session_id, "calls": len(self.recorder.drain(session_id))}
 
         @app.post("/admin/suspend")
@@ -303,6 +409,44 @@ class OpenAIServer:
 
         return app
 
+    # access ---------------------------------------------------------------------------------------
+
+    def _authorize(self, path: str, authorization: str | None) -> tuple[str | None, tuple[int, str] | None]:
+        """``(principal, None)`` or ``(None, (status, message))`` for a request to ``path``."""
+        token: bytes | None = None
+        if authorization:
+            scheme, _, value = authorization.partition(" ")
+            if scheme.lower() == "bearer" and value.strip():
+                token = value.strip().encode()
+        is_admin = token is not None and self._admin_key is not None and hmac.compare_digest(token, self._admin_key)
+        if path == "/admin" or path.startswith("/admin/"):
+            if self._admin_key is not None:
+                if is_admin:
+                    return _ADMIN, None
+                return None, (401 if token is None else 403, "admin endpoints need the admin token "
+                              "(Authorization: Bearer <admin key>)")
+            if not self.enable_admin:
+                return None, (403, f"admin endpoints are disabled: start the server with an admin key (--admin-key "
+                                   f"or {ADMIN_KEY_ENV}), or with --enable-admin on a loopback address")
+        if is_admin:
+            return _ADMIN, None
+        if not self._api_keys:
+            return None, None
+        if token is None:
+            return None, (401, "missing API key (Authorization: Bearer <key>)")
+        for key, principal in self._api_keys:
+            if hmac.compare_digest(token, key):
+                return principal, None
+        return None, (401, "invalid API key")
+
+    @staticmethod
+    def _principal(request: Request) -> str | None:
+        return getattr(request.state, "rollart_principal", None)
+
+    def _check_owner(self, session_id: str, request: Request) -> None:
+        if not self.recorder.may_access(session_id, self._principal(request)):
+            raise _ApiError(403, f"session {session_id!r} belongs to another API key", "permission_denied")
+
     def _check_model(self, model: str) -> None:
         if model not in self._model_aliases:
             raise _ApiError(404, f"The model {model!r} does not exist (served: {self.model_name!r})",
@@ -328,6 +472,8 @@ class OpenAIServer:
         except ValidationError as e:
             raise _ApiError(400, f"invalid sampling parameters: {e.errors()[0].get('msg')}") from None
         session = request.headers.get(self.session_header) or None
+        if session is not None and not self.recorder.claim(session, self._principal(request)):
+            raise _ApiError(403, f"session {session!r} belongs to another API key", "permission_denied")
         rid = f"{session or 'anon'}-{uuid.uuid4().hex[:12]}"
         req = GenerateRequest(rid, prompt_ids, sampling, session_id=session,
                               task=request.headers.get(self.task_header) or None)
@@ -343,7 +489,7 @@ class OpenAIServer:
                                      media_type="text/event-stream")
         out = await self.proxy.generate(req)
         self._record(session, endpoint, prompt_ids, out)
-        return self._response(endpoint, body, out, prompt_ids)
+        return await asyncio.to_thread(self._response, endpoint, body, out, prompt_ids)  # detokenises
 
     def _record(self, session: str | None, endpoint: str, prompt_ids: list[int], out: GenerateOutput) -> None:
         if session:
@@ -423,7 +569,7 @@ class OpenAIServer:
             while part is not None and not part.finish_reason:
                 ids += part.token_ids
                 lps += part.logprobs
-                text = self.template.decode(ids)
+                text = await asyncio.to_thread(self.template.decode, ids)
                 safe = len(text) - hold
                 while safe > sent_text and text[safe - 1] == "\ufffd":  # an incomplete UTF-8 sequence
                     safe -= 1
@@ -438,7 +584,7 @@ class OpenAIServer:
             raise RuntimeError(f"stream of {first.request_id} ended without a complete output")
         out = part
         self._record(session, endpoint, prompt_ids, out)
-        text, finish = self._text(out, stops)
+        text, finish = await asyncio.to_thread(self._text, out, stops)
         if text[sent_text:] or out.token_ids[sent_tokens:]:
             yield chunk(text[sent_text:], out.token_ids[sent_tokens:], out.logprobs[sent_tokens:], None)
         yield chunk("", [], [], finish)
@@ -447,6 +593,78 @@ class OpenAIServer:
                      "total_tokens": len(prompt_ids) + len(out.token_ids)}
             yield f"data: {json.dumps({**head, 'object': obj, 'choices': [], 'usage': usage, 'rollart': self._extra(out, prompt_ids)})}\n\n"
         yield "data: [DONE]\n\n"
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name other than localhost: assume it reaches beyond this machine
+        return False
+
+
+class _Guard:
+    """ASGI middleware: authorisation (before any body is read), then the body-size limit. The body
+    is read up to the limit and replayed to the app; a longer one gets 413 without being read on."""
+
+    def __init__(self, app: Any, server: OpenAIServer) -> None:
+        self.app = app
+        self.server = server
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        principal, denied = self.server._authorize(scope.get("path", ""), headers.get("authorization"))
+        if denied is not None:
+            status, message = denied
+            code = "authentication_error" if status == 401 else "permission_denied"
+            extra = {"www-authenticate": "Bearer"} if status == 401 else {}
+            await _send_error(send, status, message, code, extra)
+            return
+        scope.setdefault("state", {})["rollart_principal"] = principal
+        limit = self.server.max_body_bytes
+        declared = headers.get("content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                await _send_error(send, 400, "invalid Content-Length header")
+                return
+            if int(declared) > limit:
+                await _send_error(send, 413, f"request body of {declared} bytes exceeds the limit of {limit}",
+                                  "request_too_large")
+                return
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            if len(body) > limit:
+                await _send_error(send, 413, f"request body exceeds the limit of {limit} bytes", "request_too_large")
+                return
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()  # type: ignore[no-any-return]
+
+        await self.app(scope, replay, send)
+
+
+async def _send_error(send: Any, status: int, message: str, code: str = "invalid_request_error",
+                      extra_headers: dict[str, str] | None = None) -> None:
+    payload = json.dumps({"error": {"message": message, "type": code, "param": None, "code": status}}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
+               *((k.encode(), v.encode()) for k, v in (extra_headers or {}).items())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
 
 
 def _error(status: int, message: str, code: str = "invalid_request_error", param: str | None = None) -> JSONResponse:

@@ -58,6 +58,16 @@ class ServiceConfig(BaseModel):
     """Context length for prompt checks; default: what the first vLLM server reports."""
     default_max_tokens: int = Field(256, ge=1)
     session_header: str = "X-Session-Id"
+    enable_admin: bool = False
+    """Serve ``/admin/*`` without an admin key (only on a loopback ``host``). Keys are never read from
+    this file: pass them as ``--api-key`` / ``--admin-key`` or in ``ROLLART_PROXY_API_KEY`` /
+    ``ROLLART_PROXY_ADMIN_KEY``."""
+    max_body_bytes: int = Field(8 << 20, ge=1)
+    """Larger request bodies get 413."""
+    max_sessions: int = Field(100_000, ge=1)
+    """Bound of the session tables (stickiness, records, owners); the least recently used go first."""
+    max_queued: int = Field(4096, ge=0)
+    """Requests that may wait per worker beyond its ``max_inflight``; more get 429."""
 
     @model_validator(mode="after")
     def _check(self) -> ServiceConfig:
@@ -93,11 +103,14 @@ async def build_proxy(cfg: ServiceConfig) -> LLMProxy:
         engine = cls(cls.Config(url=w.url, weights_path_template=w.weights_path_template,
                                 request_timeout_s=w.request_timeout_s), name=w.name or w.url)
         await engine.start()
-        handles.append(WorkerHandle(w.name or w.url, engine, w.pool, w.max_inflight))
-    return LLMProxy(handles, task_pools=cfg.task_pools, max_retries=cfg.max_retries)
+        handles.append(WorkerHandle(w.name or w.url, engine, w.pool, w.max_inflight, cfg.max_queued))
+    return LLMProxy(handles, task_pools=cfg.task_pools, max_retries=cfg.max_retries, max_sessions=cfg.max_sessions)
 
 
-async def run_service(cfg: ServiceConfig) -> None:
+async def run_service(cfg: ServiceConfig, *, api_keys: list[str] | None = None, admin_key: str | None = None,
+                      enable_admin: bool | None = None) -> None:
+    """Serve until SIGINT/SIGTERM. ``api_keys`` / ``admin_key``: None reads the environment (see
+    :class:`~rollart_proxy.server.OpenAIServer`); ``enable_admin``: None takes the config's."""
     from rollart_proxy.server import OpenAIServer
 
     proxy = await build_proxy(cfg)
@@ -106,11 +119,15 @@ async def run_service(cfg: ServiceConfig) -> None:
         max_len = next((getattr(w.engine, "max_model_len", None) for w in proxy.workers.values()
                         if getattr(w.engine, "max_model_len", None)), None)
     server = OpenAIServer(proxy, str(cfg.model), served_model_name=cfg.served_model_name, max_model_len=max_len,
-                          default_max_tokens=cfg.default_max_tokens, session_header=cfg.session_header)
+                          default_max_tokens=cfg.default_max_tokens, session_header=cfg.session_header,
+                          api_key=api_keys, admin_key=admin_key,
+                          enable_admin=cfg.enable_admin if enable_admin is None else enable_admin,
+                          max_body_bytes=cfg.max_body_bytes, max_sessions=cfg.max_sessions)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    proxy.start_health_loop()  # dead servers that come back are brought to the served version first
     port = await server.start(cfg.host, cfg.port)
     print(f"rollart-proxy serving {server.model_name!r} on http://{cfg.host}:{port} "
           f"over {len(proxy.workers)} worker(s)", flush=True)
@@ -118,5 +135,6 @@ async def run_service(cfg: ServiceConfig) -> None:
         await stop.wait()
     finally:
         await server.stop()
+        await proxy.stop_health_loop()
         for w in proxy.workers.values():
             await w.engine.shutdown()  # type: ignore[attr-defined]

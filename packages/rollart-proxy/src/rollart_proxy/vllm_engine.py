@@ -24,7 +24,7 @@ from rollart_core.errors import EngineError, WeightSyncError
 from rollart_core.extras import require
 from rollart_core.protocols import PauseMode, WeightStore
 from rollart_core.types import GenerateOutput, GenerateRequest
-from rollart_proxy.errors import WorkerUnavailableError
+from rollart_proxy.errors import EngineNotStartedError, WorkerUnavailableError
 from rollart_proxy.metrics import WorkerMetrics
 
 __all__ = ["VllmEngine", "VllmEngineConfig", "vllm_ipc_dir"]
@@ -120,7 +120,11 @@ class VllmEngineConfig(BaseModel):
 
 @affinity(pool=None, num_cpus=1)
 class VllmEngine:
-    """One vLLM engine replica. Call :meth:`start` once (async) before generating."""
+    """One vLLM engine replica. Call :meth:`start` once (async) before generating.
+
+    Until then every call raises :class:`EngineNotStartedError` (how the proxy tells an actor that
+    Ray restarted, which runs ``__init__`` again but not ``start()``, from one shut down on purpose,
+    which raises :class:`WorkerUnavailableError`)."""
 
     Config = VllmEngineConfig
 
@@ -147,6 +151,9 @@ class VllmEngine:
         """vLLM's scheduler is paused (by :meth:`pause` or inside an update): aborts are deferred."""
         self._deferred_aborts: set[str] = set()
         self._closing = False
+        self._starting = False
+        self._stopped = False
+        """:meth:`shutdown` was called: the engine stays down unless started explicitly."""
         self._cancel: set[str] = set()
         self._progress: dict[str, int] = {}
         self._metrics = WorkerMetrics()
@@ -178,6 +185,7 @@ class VllmEngine:
             **c.engine_args,
         )
         t0 = time.perf_counter()
+        self._starting = True
         _ipc_acquire()
         # in a thread: the event loop stays responsive, and several engines of one process can start
         # side by side (the engine-core process's start-up is mostly imports and waiting), unless
@@ -193,7 +201,9 @@ class VllmEngine:
                         building.result().shutdown()
             finally:
                 _ipc_release()
+                self._starting = False
             raise
+        self._starting = self._stopped = False
         del building  # holds the engine, and start()'s frame was seen to outlive the call (under pytest)
         self._closing = False
         # vLLM labels every output token with the engine's weight version (spans over the
@@ -205,6 +215,7 @@ class VllmEngine:
     async def shutdown(self) -> None:
         """Stop the engine. In-flight requests fail with :class:`WorkerUnavailableError` (the proxy
         retries them on another worker) instead of hanging."""
+        self._stopped = True
         if self._engine is None:
             return
         self._closing = True
@@ -224,9 +235,21 @@ class VllmEngine:
             _ipc_release()
 
     def _require_started(self) -> Any:
+        if self._engine is None and not (self._stopped or self._starting or self._closing):
+            raise EngineNotStartedError(f"{self.name}: engine not started (call start(); a restarted actor "
+                                        "needs it, and then the served weights)")
         if self._engine is None or self._closing:
-            raise WorkerUnavailableError(f"{self.name}: engine not running (not started or shut down)")
+            state = "starting" if self._starting else "shut down"
+            raise WorkerUnavailableError(f"{self.name}: engine not running ({state})")
         return self._engine
+
+    async def started(self) -> bool:
+        """True once :meth:`start` finished (and no :meth:`shutdown` since)."""
+        return self._engine is not None and not self._closing
+
+    async def pid(self) -> int:
+        """The OS process the engine lives in (its Ray actor's worker process)."""
+        return os.getpid()
 
     # generation ------------------------------------------------------------------------------
 
