@@ -417,6 +417,13 @@ class TorchRankWorker:
     def set_num_threads(self, n: int) -> None:
         torch.set_num_threads(n)
 
+    def set_version(self, version: int) -> None:
+        """Continue under ``version`` (a restarted worker group rebases the weights restored from an
+        older checkpoint onto the version it had reached, so versions stay monotone)."""
+        if version < 0:
+            raise TrainerError(f"set_version: versions are >= 0, got {version}")
+        self.version = version
+
     def state(self) -> dict[str, Any]:
         return {"version": self.version, **self.counters, "extra": self.extra_state,
                 "entropy_coef": self.entropy_coef,

@@ -1,0 +1,491 @@
+"""RayTrainerGroup: the trainer as a placed, restartable group of Ray actors, one per rank.
+
+Where :class:`~rollart_train.TorchTrainer` runs its ranks in the driver or in processes spawned on the
+driver's host, this group puts every rank in its own Ray actor on a node of the trainer's pool (a Ray
+custom resource or GPU model, :mod:`rollart_core.resources`) and drives them from the caller:
+
+- **Placement**: one :class:`~rollart_core.resources.WorkerDecl` ``"trainer"`` with ``count = ranks``
+  goes through :func:`rollart_core.resources.place` (validated first: a pool the cluster lacks or one
+  too small raises ConfigError before any actor starts); rank ``r`` is created with
+  ``Placement.actor_options("trainer", r)``. :meth:`RayTrainerGroup.validate` runs the same check
+  statically, so a pipeline can refuse a plan before it starts its engines.
+- **Rendezvous**: rank 0's actor reports its node IP and a free port there; every rank then joins
+  ``torch.distributed`` (gloo on CPU, NCCL with ``device: cuda``) at that address and builds a
+  :class:`~rollart_train.torch_rank.TorchRankWorker`. One rank: no process group.
+- **Calls** are collective (every rank gets the same arguments; a batch is ``ray.put`` once and every
+  rank takes its own shard); rank 0's answer is returned.
+- **Weights**: :meth:`RayTrainerGroup.push_weights` gathers the full state dict on rank 0 (every rank
+  joins ``full_weights``, an all-gather per tensor) and rank 0 pushes it to the weight store itself, so
+  the weights never pass through the driver. Gathered-on-rank-0 rather than one push per rank's shard
+  because the stores' layout is one full Hugging Face state dict per version, committed once (a
+  per-shard push would need a multi-writer commit protocol in every back-end), and inference workers pull
+  full tensors under HF names (they shard differently from FSDP, so shards would be re-assembled on the
+  reader side anyway). The gather costs one extra copy of the weights in rank 0's host memory.
+- **Restarts**: when a rank actor dies (``RayActorError``: a crash, ``kill -9``, its node lost) or a call
+  exceeds ``call_timeout_s``, every rank of the group is killed (the survivors' collectives are broken)
+  and, while ``restarts < max_restarts``, all ranks are rebuilt in the same placement group from the
+  newest ``checkpoint-<n>`` in ``checkpoint_dir`` (the initial model if none) and the failed call is
+  retried once. Versions stay monotone: the restored weights continue under the group's version, and
+  the retried call's metrics carry ``trainer_restarts``, ``restart_s``, ``restored_version`` and
+  ``lost_steps``. With the budget spent the call raises TrainerError naming the rank, its node and the
+  budget.
+
+Importing this module imports neither ray nor torch (they are imported inside the functions that use
+them); the rank actor class is turned into a Ray actor when a group is built.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from rollart_core.affinity import AffinitySpec
+from rollart_core.errors import ConfigError, RollartError, TrainerError
+from rollart_core.resources import ClusterView, WorkerDecl
+from rollart_core.types import Trajectory
+
+if TYPE_CHECKING:
+    import torch
+
+    from rollart_core.protocols import WeightStore
+    from rollart_core.resources import Placement
+
+__all__ = ["RayTrainerGroup", "RayTrainerGroupConfig"]
+
+log = logging.getLogger(__name__)
+
+_WORKERS: dict[str, tuple[str, str]] = {
+    "torch": ("rollart_train.torch_config:TorchTrainerConfig", "rollart_train.torch_rank:TorchRankWorker"),
+}
+"""Rank kinds: name → (per-rank config model, rank class), both as ``module:attr`` (imported on use)."""
+_STATE_FILE = "rollart_trainer.json"  # torch_rank.STATE_FILE, without importing torch here
+_GRACE_S = 5.0
+"""After a rank raised, how long to wait for the other ranks before treating the group as diverged."""
+
+
+def _load(path: str) -> Any:
+    import importlib
+
+    module, attr = path.split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+class RayTrainerGroupConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    worker: Literal["torch"] = "torch"
+    """Rank class: ``torch`` (:class:`~rollart_train.torch_rank.TorchRankWorker`, FSDP2)."""
+    ranks: int = Field(1, ge=1)
+    """Number of ranks (one Ray actor each); the per-rank ``world_size``."""
+    pool: str | None = None
+    """Pool the ranks are placed on (a Ray custom resource such as ``H800``, a GPU model or a labelled
+    CPU pool; :mod:`rollart_core.resources`). None: any node."""
+    num_cpus_per_rank: float = Field(1.0, ge=0)
+    """Ray CPUs reserved per rank (also the rank's torch threads unless ``options.num_threads``)."""
+    num_gpus_per_rank: float = Field(0.0, ge=0)
+    """Ray GPUs reserved per rank (use with ``options.device: cuda``)."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """The per-rank trainer config (:class:`~rollart_train.TorchTrainerConfig` for ``torch``);
+    ``world_size`` comes from ``ranks``, and ``spawn`` does not apply."""
+    max_restarts: int = Field(0, ge=0)
+    """How many times the group may rebuild its ranks after a rank died or a call timed out."""
+    checkpoint_dir: str | None = None
+    """Where restarts restore from: the newest ``checkpoint-<n>`` in it (the initial model if none).
+    Must be readable from every rank's node."""
+    call_timeout_s: float = Field(900.0, gt=0)
+    """Longest wait for one collective call (a train step, a push, a save) before the group counts as
+    failed."""
+    placement_timeout_s: float = Field(120.0, gt=0)
+    """Longest wait for the placement group and for the ranks to start and join the process group."""
+
+    @model_validator(mode="after")
+    def _check(self) -> RayTrainerGroupConfig:
+        self.rank_config()
+        return self
+
+    def rank_config(self) -> Any:
+        """The validated per-rank config (``world_size = ranks``); ValueError on a conflict."""
+        config_cls = _load(_WORKERS[self.worker][0])
+        ws = self.options.get("world_size")
+        if ws is not None and ws != self.ranks:
+            raise ValueError(f"options.world_size ({ws}) conflicts with ranks ({self.ranks}): leave it out, "
+                             "the group derives it from ranks")
+        if self.options.get("spawn"):
+            raise ValueError("options.spawn does not apply to a Ray trainer group (every rank is already "
+                             "its own actor process): leave it out")
+        if self.num_gpus_per_rank > 0 and self.options.get("device", "cpu") != "cuda":
+            raise ValueError("num_gpus_per_rank > 0 needs options.device: cuda")
+        try:
+            return config_cls.model_validate({**self.options, "world_size": self.ranks})
+        except ValidationError as exc:
+            details = "; ".join(f"{'.'.join(map(str, e['loc'])) or '(root)'}: {e['msg']}" for e in exc.errors())
+            raise ValueError(f"options ({config_cls.__name__}): {details}") from None
+
+
+class _RankActor:
+    """One rank in its Ray actor: rendezvous, then the rank worker's methods (collective)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.worker: Any = None
+        self.store: Any = None
+
+    def identity(self) -> tuple[int, str]:
+        import ray
+
+        return os.getpid(), ray.get_runtime_context().get_node_id()
+
+    def address(self) -> tuple[str, int]:
+        """This node's IP and a port free on it (rank 0: the process group's rendezvous)."""
+        import ray
+
+        ip = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((ip, 0))
+            return ip, int(s.getsockname()[1])
+
+    def setup(self, worker_path: str, config: Any, model_path: str, world_size: int, master: tuple[str, int],
+              store: Any, version: int | None, num_threads: int) -> dict[str, Any]:
+        import torch
+
+        torch.set_num_threads(config.num_threads or num_threads)
+        if config.device == "cuda":
+            torch.cuda.set_device(self.rank % torch.cuda.device_count())
+        if world_size > 1:
+            import torch.distributed as dist
+
+            dist.init_process_group("nccl" if config.device == "cuda" else "gloo",
+                                    init_method=f"tcp://{master[0]}:{master[1]}", rank=self.rank,
+                                    world_size=world_size, timeout=datetime.timedelta(seconds=config.rank_timeout_s))
+        self.worker = _load(worker_path)(config, model_path, rank=self.rank, world_size=world_size)
+        if version is not None:
+            self.worker.set_version(version)
+        self.store = store
+        return self.worker.state()
+
+    def call(self, method: str, *args: Any) -> Any:
+        result = getattr(self.worker, method)(*args)
+        return result if self.rank == 0 else None
+
+    def push_weights(self, version: int) -> dict[str, float] | None:
+        t0 = time.perf_counter()
+        weights = self.worker.full_weights()  # collective; the full dict on rank 0 only
+        if self.rank != 0:
+            return None
+        gathered = time.perf_counter()
+        self.store.push(version, weights).result()
+        return {"push_s": time.perf_counter() - t0, "push_gather_s": gathered - t0,
+                "push_bytes": float(sum(t.numel() * t.element_size() for t in weights.values()))}
+
+
+class _RankFailed(Exception):
+    """A rank died or a call timed out: the group's ranks are no longer usable."""
+
+    def __init__(self, rank: int, reason: str) -> None:
+        super().__init__(reason)
+        self.rank, self.reason = rank, reason
+
+
+class RayTrainerGroup:
+    """rollart's Trainer (plus ``load``, ``push_weights``) over ``ranks`` placed Ray actors.
+
+    Needs a running Ray (the pipeline's ``RayCluster``). ``weight_store`` is the store
+    :meth:`push_weights` writes to from rank 0 (it travels to the actor pickled, as it does to engines).
+    """
+
+    Config = RayTrainerGroupConfig
+
+    def __init__(self, config: RayTrainerGroupConfig | Mapping[str, Any] | None = None, *,
+                 model_path: str | Path, weight_store: WeightStore | None = None) -> None:
+        if config is None or isinstance(config, Mapping):
+            try:
+                config = RayTrainerGroupConfig.model_validate(dict(config or {}))
+            except ValueError as exc:
+                raise ConfigError(f"RayTrainerGroup: {exc}") from None
+        self.config = config
+        self.model_path = Path(model_path)
+        self.weight_store = weight_store
+        self.rank_config = config.rank_config()
+        self.version = 0
+        self.restarts = 0
+        self.weights_to_caller = 0
+        """How many times full weights were brought to the caller (:meth:`named_weights`)."""
+        self.resumed_state: dict[str, Any] = {}
+        self._name = f"rollart-trainer-{uuid.uuid4().hex[:8]}"
+        self._placement: Placement | None = None
+        self._actor_cls: Any = None
+        self._actors: list[Any] = []
+        self._pids: list[int] = []
+        self._node_ids: list[str] = []
+        self._closed = False
+        self._generation = 0
+        try:
+            self._placement = self._place()
+            import ray
+
+            self._actor_cls = ray.remote(_RankActor)
+            resume = self.rank_config.resume_from
+            self.resumed_state = self._build(Path(resume) if resume else None, None)
+            self.version = int(self.resumed_state["version"])
+        except BaseException:
+            self.close()
+            raise
+
+    # placement -------------------------------------------------------------------------------
+
+    @staticmethod
+    def worker_decl(config: RayTrainerGroupConfig) -> WorkerDecl:
+        """The group's resource demand, for the pipeline's plan (``validate_plan`` / ``place``)."""
+        return WorkerDecl("trainer", AffinitySpec(pool=config.pool, num_cpus=config.num_cpus_per_rank,
+                                                  num_gpus=config.num_gpus_per_rank, count=config.ranks), "trainer")
+
+    @classmethod
+    def validate(cls, config: RayTrainerGroupConfig, cluster: ClusterView) -> list[str]:
+        """Check that ``cluster`` can host the group (no actor starts); returns the node id per rank.
+        ConfigError naming the pool, the rank count and the pools that exist otherwise."""
+        from rollart_core.resources import validate_plan
+
+        try:
+            return validate_plan([cls.worker_decl(config)], cluster)["trainer"]
+        except ConfigError as exc:
+            raise ConfigError(_placement_message(config, cluster, exc)) from None
+
+    def _place(self) -> Placement:
+        from rollart_core.resources import place
+
+        cluster = ClusterView.from_ray()
+        self.validate(self.config, cluster)
+        return place([self.worker_decl(self.config)], cluster, timeout_s=self.config.placement_timeout_s)
+
+    # ranks -----------------------------------------------------------------------------------
+
+    def _build(self, resume_from: Path | None, version: int | None) -> dict[str, Any]:
+        """Start every rank (from ``resume_from`` or the initial model; under ``version`` if given)."""
+        import ray
+
+        if self._placement is None:
+            raise TrainerError("the trainer group is closed")
+        n, c = self.config.ranks, self.config
+        cfg = self.rank_config.model_copy(update={"resume_from": str(resume_from) if resume_from else None})
+        self._generation += 1
+        self._actors = []
+        for r in range(n):  # appended one by one: a failure half-way still kills those created
+            self._actors.append(self._actor_cls.options(
+                **self._placement.actor_options("trainer", r), name=f"{self._name}-g{self._generation}-rank{r}",
+                max_restarts=0, max_task_retries=0).remote(r))
+        identities = self._gather([a.identity.remote() for a in self._actors], "start", c.placement_timeout_s,
+                                  every=True)
+        self._pids = [int(pid) for pid, _ in identities]
+        self._node_ids = [str(node) for _, node in identities]
+        master = ray.get(self._actors[0].address.remote(), timeout=c.placement_timeout_s)
+        threads = max(1, int(c.num_cpus_per_rank))
+        return self._gather([a.setup.remote(_WORKERS[c.worker][1], cfg, str(self.model_path), n, master,
+                                            self.weight_store, version, threads) for a in self._actors],
+                            "start", c.placement_timeout_s)
+
+    def _kill(self) -> None:
+        import ray
+
+        for actor in self._actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception as exc:  # already gone, or the cluster is going away
+                log.debug("killing a trainer rank: %r", exc)
+        self._actors = []
+
+    def _gather(self, refs: list[Any], what: str, timeout: float, every: bool = False) -> Any:
+        """Rank 0's answer (``every``: all answers). Raises _RankFailed on a death or a timeout."""
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        rank_of = {ref: r for r, ref in enumerate(refs)}
+        pending = list(refs)
+        deadline = time.monotonic() + timeout
+        app_error: tuple[int, RayTaskError] | None = None
+        while pending:
+            left = deadline - time.monotonic()
+            if app_error is not None:  # a rank raised: the others get a short grace, then count as hung
+                left = min(left, _GRACE_S)
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(left, 0))
+            if not ready:
+                if app_error is not None:
+                    break
+                raise _RankFailed(rank_of[pending[0]], f"{what} timed out after {timeout:g}s")
+            try:
+                ray.get(ready[0])
+            except RayActorError as exc:
+                raise _RankFailed(rank_of[ready[0]], f"{what}: the rank's actor died ({type(exc).__name__})") from exc
+            except RayTaskError as exc:
+                app_error = app_error or (rank_of[ready[0]], exc)
+        if app_error is not None:
+            rank, exc = app_error
+            if pending:  # the others are stuck in a collective the failed rank left
+                self._kill()
+            cause = exc.cause if isinstance(getattr(exc, "cause", None), BaseException) else exc
+            if isinstance(cause, RollartError):
+                raise cause
+            raise TrainerError(f"trainer rank {rank}: {what} failed: {cause!r}") from exc
+        out = ray.get(refs)
+        return out if every else out[0]
+
+    def _call(self, what: str, submit: Callable[[list[Any]], list[Any]]) -> tuple[Any, dict[str, float]]:
+        """Run one collective call (``submit`` sends it to every rank); on a rank failure restart the
+        group within the budget and retry once. Returns rank 0's answer and the restart's metrics."""
+        if self._closed:
+            raise TrainerError("the trainer group is closed")
+        restart: dict[str, float] = {}
+        if not self._actors:  # an earlier failure left the group without ranks
+            restart = self._restart(None)
+        try:
+            return self._gather(submit(self._actors), what, self.config.call_timeout_s), restart
+        except _RankFailed as failure:
+            restart = self._restart(failure)
+        try:
+            return self._gather(submit(self._actors), what, self.config.call_timeout_s), restart
+        except _RankFailed as failure:
+            self._kill()
+            raise TrainerError(f"trainer rank {failure.rank} failed again right after a restart: "
+                               f"{failure.reason}") from failure
+
+    def _restart(self, failure: _RankFailed | None) -> dict[str, float]:
+        """Kill every rank; rebuild them all from the newest checkpoint (within the budget)."""
+        c = self.config
+        rank = failure.rank if failure is not None else 0
+        node = self._node_ids[rank] if rank < len(self._node_ids) else "?"
+        reason = failure.reason if failure is not None else "no live ranks"
+        self._kill()
+        if self.restarts >= c.max_restarts:
+            raise TrainerError(f"trainer rank {rank} on node {node} failed ({reason}) and the restart budget is "
+                               f"spent ({self.restarts} of max_restarts={c.max_restarts} used)") from failure
+        t0 = time.monotonic()
+        self.restarts += 1
+        ckpt = _newest_checkpoint(c.checkpoint_dir)
+        restored = _checkpoint_version(ckpt) if ckpt is not None else 0
+        version = max(self.version, restored)
+        log.warning("trainer rank %d on node %s failed (%s): restart %d of %d from %s (version %d, group at "
+                    "version %d: %d step(s) lost)", rank, node, reason, self.restarts, c.max_restarts,
+                    ckpt or "the initial model", restored, self.version, max(self.version - restored, 0))
+        try:
+            self._build(ckpt, version)
+        except _RankFailed as again:
+            self._kill()
+            raise TrainerError(f"trainer rank {again.rank} failed while restarting the group "
+                               f"(restart {self.restarts} of {c.max_restarts}): {again.reason}") from again
+        lost = max(self.version - restored, 0)
+        self.version = version
+        return {"trainer_restarts": float(self.restarts), "restart_s": time.monotonic() - t0,
+                "restored_version": float(restored), "lost_steps": float(lost)}
+
+    # the Trainer protocol --------------------------------------------------------------------
+
+    def train_step(self, batch: Sequence[Trajectory]) -> dict[str, float]:
+        if not batch:
+            raise TrainerError("train_step called with an empty batch")
+        import ray
+
+        ref = ray.put(list(batch))
+        metrics, restart = self._call("train_step", lambda actors: [a.call.remote("train_step", ref) for a in actors])
+        self.version += 1
+        return {**metrics, "version": float(self.version), **restart}
+
+    def push_weights(self, version: int) -> dict[str, float]:
+        """Push the current weights as ``version`` from rank 0 to the weight store (blocking)."""
+        if self.weight_store is None:
+            raise ConfigError("RayTrainerGroup.push_weights needs the weight_store the group was built with")
+        metrics, restart = self._call("push_weights", lambda actors: [a.push_weights.remote(version) for a in actors])
+        return {**metrics, **restart}
+
+    def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """Full tensors brought to the caller (tests, export); the pipeline pushes with :meth:`push_weights`."""
+        weights, _ = self._call("full_weights", lambda actors: [a.call.remote("full_weights") for a in actors])
+        self.weights_to_caller += 1
+        return iter(weights.items())
+
+    def logprobs(self, token_ids: Sequence[int]) -> list[float]:
+        """Logprob of each token given the previous ones under the current weights (first: none)."""
+        ids = list(token_ids)
+        out, _ = self._call("logprobs", lambda actors: [a.call.remote("logprobs", ids) for a in actors])
+        return out
+
+    def set_num_threads(self, n: int) -> None:
+        if n < 1:
+            raise TrainerError(f"set_num_threads: need at least 1 thread, got {n}")
+        self._call("set_num_threads", lambda actors: [a.call.remote("set_num_threads", n) for a in actors])
+
+    def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
+        """Checkpoint to ``path`` (written by rank 0: a path on a file system that node can write, and
+        that every node can read for restarts)."""
+        self._call("save", lambda actors: [a.call.remote("save", str(path), extra) for a in actors])
+
+    def load(self, path: str | Path) -> None:
+        """Continue from a checkpoint written by :meth:`save` (or the newest inside ``path``): every rank
+        is rebuilt from it, at its version (``SupportsResume``)."""
+        ckpt = _newest_checkpoint(path, required=True)
+        self._kill()
+        try:
+            self.resumed_state = self._build(ckpt, None)
+        except _RankFailed as failure:
+            self._kill()
+            raise TrainerError(f"trainer rank {failure.rank} failed while loading {ckpt}: {failure.reason}") from None
+        self.version = int(self.resumed_state["version"])
+
+    # introspection and shutdown --------------------------------------------------------------
+
+    @property
+    def pids(self) -> list[int]:
+        """Process id of each rank's actor."""
+        return list(self._pids)
+
+    @property
+    def node_ids(self) -> list[str]:
+        """Ray node id of each rank."""
+        return list(self._node_ids)
+
+    def close(self) -> None:
+        """Kill the rank actors and remove the placement group. Idempotent."""
+        self._closed = True
+        if self._actors:
+            self._kill()
+        if self._placement is not None:
+            self._placement.remove()
+            self._placement = None
+
+    def __enter__(self) -> RayTrainerGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _newest_checkpoint(path: str | Path | None, required: bool = False) -> Path | None:
+    if path is None:
+        return None
+    from rollart_train.torch_rank import find_checkpoint
+
+    try:
+        return find_checkpoint(path)
+    except TrainerError:
+        if required:
+            raise
+        return None
+
+
+def _checkpoint_version(ckpt: Path) -> int:
+    return int(json.loads((ckpt / _STATE_FILE).read_text())["version"])
+
+
+def _placement_message(config: RayTrainerGroupConfig, cluster: ClusterView, exc: ConfigError) -> str:
+    pools = "; ".join(p.describe() for p in cluster.pools.values() if p.kind != "serverless")
+    return (f"trainer group of {config.ranks} rank(s) on pool {config.pool or 'cpu'!r} "
+            f"({config.num_cpus_per_rank:g} CPU, {config.num_gpus_per_rank:g} GPU each) cannot be placed: {exc} "
+            f"[cluster pools: {pools}]")
