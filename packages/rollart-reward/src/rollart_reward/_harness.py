@@ -391,6 +391,11 @@ def worker(resp_fd, solution, mode):
     sys.stdin = open(os.devnull)
 
     def reply(**msg):
+        for stream in (sys.stdout, sys.stderr):  # the harness stops the worker once it has the reply
+            try:
+                stream.flush()
+            except Exception:
+                pass
         out.write(json.dumps(msg) + "\n")
         out.flush()
 

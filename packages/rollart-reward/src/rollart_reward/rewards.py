@@ -152,18 +152,27 @@ class MathVerifyReward:
 
 class CodeTestsConfig(_Base):
     answer_key: str = "tests"
-    """Key of the test code (asserts run after the solution) in ``trajectory.info``."""
+    """Key of the test cases in ``trajectory.info``: a list of ``{"call", "args", "kwargs", "expected"}`` /
+    ``{"stdin", "stdout"}`` dicts, or test code (see :func:`rollart_reward.sandbox.parse_tests`)."""
     timeout_s: float = Field(5.0, gt=0)
     memory_mb: int = Field(512, ge=32)
     max_output_bytes: int = Field(65536, ge=1024)
+    isolation: Literal["require", "best_effort"] = "require"
+    """``require``: refuse to run (a RewardError naming what is missing) unless bubblewrap namespaces work
+    here; ``best_effort``: fall back to rlimits (``details['isolation']`` says which level ran)."""
+    partial_credit: bool = False
+    """Score ``wrong + (correct - wrong) * tests_passed / tests_total`` instead of all-or-nothing."""
 
 
 _FENCE = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)
+MAX_CODE_CHARS = 1 << 20
+"""Longest response the code reward looks for code in (a longer one scores ``wrong``)."""
 
 
 class CodeTestsReward:
-    """Runs the response's code (last fenced block, or the whole text) plus the reference tests in
-    the sandbox (:mod:`rollart_reward.sandbox`); ``correct`` iff it exits 0 in time."""
+    """Runs the response's code (last fenced block, or the whole text) against the reference test cases
+    in the sandbox (:mod:`rollart_reward.sandbox`); a harness process, not the code, judges each case.
+    ``correct`` iff every case passed."""
 
     Config = CodeTestsConfig
     stateless = True
@@ -176,12 +185,23 @@ class CodeTestsReward:
 
         c = self.config
         text = response_text(trajectory, c.response_from)
-        blocks = _FENCE.findall(text)
+        blocks = _FENCE.findall(text) if len(text) <= MAX_CODE_CHARS else []
         code = blocks[-1] if blocks else text
-        r = await run_python_async(code, str(_reference(trajectory, c.answer_key)), timeout_s=c.timeout_s,
-                                   memory_mb=c.memory_mb, max_output_bytes=c.max_output_bytes)
-        return RewardResult(c.correct if r.passed else c.wrong, {
+        if len(code) > MAX_CODE_CHARS:
+            return RewardResult(c.wrong, {"passed": False, "error": f"code longer than {MAX_CODE_CHARS} chars",
+                                          "tests_passed": 0, "tests_total": 0})
+        tests = _reference(trajectory, c.answer_key)
+        if not isinstance(tests, str | list):
+            tests = str(tests)
+        r = await run_python_async(code, tests, timeout_s=c.timeout_s, memory_mb=c.memory_mb,
+                                   max_output_bytes=c.max_output_bytes, isolation=c.isolation)
+        if c.partial_credit and r.tests_total and r.killed_reason is None:
+            score = c.wrong + (c.correct - c.wrong) * r.tests_passed / r.tests_total
+        else:
+            score = c.correct if r.passed else c.wrong
+        return RewardResult(score, {
             "passed": r.passed, "returncode": r.returncode, "killed_reason": r.killed_reason,
+            "tests_passed": r.tests_passed, "tests_total": r.tests_total, "isolation": r.isolation,
             "stderr_tail": r.stderr[-500:], "duration_s": r.duration_s,
         })
 
