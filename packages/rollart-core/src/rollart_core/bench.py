@@ -93,12 +93,10 @@ async def measure_capacity(p: Any, free: RunConfig, faulty: RunConfig, size: Ben
     num_groups = sum(t.groups_per_step for t in free.tasks)
     # generation alone: envs and rewards free, a saturating number of trajectories at once
     warm = Rollout(p)
-    warm.served_version = p.trainer.version
     for ti in range(len(free.tasks)):
         warm.launch_group(ti, tag="warm")
     await warm.wait_all()
     ro = Rollout(p)
-    ro.served_version = p.trainer.version
     n_groups = max(1, inflight // (size.group_size * len(free.tasks)))
     t0 = time.perf_counter()
     for _ in range(n_groups):
@@ -227,7 +225,7 @@ async def run_segment(p: Any, cfg: RunConfig, keep_intervals: bool, threads: int
         "wasted_gen_tokens": sum(h["wasted_gen_tokens"] for h in hist) + p.buffer.stale_tokens,
         "episodes": episode_sums(hist),
         "launched": summary["launched"],
-        "fates": dict(p.buffer.fates),
+        "fates": summary["fates"],
         "step_s": [h["step_s"] for h in hist],
         "wait_s": [h["wait_s"] for h in hist],
         "train_s": [h.get("train_s", 0.0) for h in hist],

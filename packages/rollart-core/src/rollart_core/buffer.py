@@ -38,10 +38,10 @@ class SampleBuffer:
         self.consumed = 0
         self.stale_tokens = 0
         """Generated tokens of finished trajectories dropped here as stale."""
-        self.last_batch_version: int | None = None
-        """Trainer version of the last batch handed out (the next one trains at least one later)."""
         self.dropped_groups: list[str] = []
         """Groups removed with nothing trainable (all failed or stale)."""
+        self.on_relabel: Callable[[Fate, Fate], None] | None = None
+        """Told when a finished trajectory is relabelled ``aborted_stale`` (the run's fate ledger)."""
 
     def expect(self, group_id: str, n: int, task: str | None = None) -> None:
         """Announce that ``n`` trajectories were launched for ``group_id`` (of ``task``)."""
@@ -71,10 +71,14 @@ class SampleBuffer:
     def _trainable(self, group: str, version: int) -> bool:
         return any(t.fate is Fate.FINISHED and self.fresh(t, version) for t in self._groups[group])
 
-    async def get_batch(self, num_groups: int, version: int, mix: Mapping[str, int] | None = None) -> list[Trajectory]:
+    async def get_batch(self, num_groups: int, version: int, mix: Mapping[str, int] | None = None,
+                        on_drop: Callable[[str, str | None], Any] | None = None,
+                        on_taken: Callable[[], Any] | None = None) -> list[Trajectory]:
         """Wait for ``num_groups`` ready groups that hold a fresh finished trajectory (with ``mix``:
         that many of each task, summing to ``num_groups``); return those trajectories, oldest groups
-        first. Ready groups with nothing trainable (all failed or stale) are dropped, counted."""
+        first. Ready groups with nothing trainable (all failed or stale) are dropped, counted, and
+        reported to ``on_drop(group_id, task)`` (which may launch a replacement). ``on_taken()`` runs
+        once the batch is taken, before any waiter wakes (the version clock moves there)."""
         if mix is not None and sum(mix.values()) != num_groups:
             raise ValueError(f"batch mix {dict(mix)} does not sum to {num_groups} groups")
         async with self._changed:
@@ -82,8 +86,11 @@ class SampleBuffer:
                 await self._changed.wait_for(lambda: len(self._ready()) >= 1)
                 dropped = [g for g in self._ready() if not self._trainable(g, version)]
                 for g in dropped:
+                    task = self._task[g]
                     self._take(g, version)
                     self.dropped_groups.append(g)
+                    if on_drop is not None:
+                        on_drop(g, task)
                 if dropped:
                     self._changed.notify_all()  # admission control may launch replacements now
                 chosen = self._choose([g for g in self._ready() if self._trainable(g, version)], num_groups, mix)
@@ -92,7 +99,8 @@ class SampleBuffer:
                 await self._changed.wait()
             batch = [t for g in chosen for t in self._take(g, version)]
             self.consumed += len(batch)
-            self.last_batch_version = version
+            if on_taken is not None:
+                on_taken()
             self._changed.notify_all()
             return batch
 
@@ -122,6 +130,8 @@ class SampleBuffer:
                 self.stale_tokens += t.num_generated()
                 self.fates[Fate.FINISHED.value] -= 1
                 self.fates[Fate.ABORTED_STALE.value] += 1
+                if self.on_relabel is not None:
+                    self.on_relabel(Fate.FINISHED, Fate.ABORTED_STALE)
                 continue
             out.append(t)
         self._order.remove(group)

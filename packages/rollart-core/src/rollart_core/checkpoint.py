@@ -1,34 +1,67 @@
 """Checkpoints of a whole run: the trainer's (weights, optimizer, version), the loop's step, the
-rollout's group counter (new groups never reuse an id or a seed) and the SampleBuffer's content."""
+rollout's group counter (new groups never reuse an id or a seed), the fate ledger and the
+SampleBuffer's content.
+
+A checkpoint directory is written under a temporary name, fsynced, and renamed as one unit: a
+crash leaves either the whole checkpoint or none. Trajectories still in flight at save time cannot
+be saved: they are counted, and a run resumed from the checkpoint books them as
+``cancelled_at_stop`` (their groups are relaunched by admission as usual), so launched and fates
+still add up across the resume.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rollart_core.errors import ConfigError
-from rollart_core.protocols import SupportsResume
+from rollart_core.protocols import SupportsResume, SupportsWeightPush
 
 if TYPE_CHECKING:
+    from rollart_core.control.steps import Run
     from rollart_core.pipeline import Pipeline
-    from rollart_core.rollout import Rollout
 
 __all__ = ["resume", "save_checkpoint"]
 STATE_FILE = "rollart_state.json"
 
 
-async def save_checkpoint(p: Pipeline, ro: Rollout, step: int, path: Path) -> None:
-    await asyncio.to_thread(p.trainer.save, str(path))
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            with open(os.path.join(dirpath, f), "rb") as fh:
+                os.fsync(fh.fileno())
+        fd = os.open(dirpath, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+async def save_checkpoint(p: Pipeline, run: Run, step: int, path: Path) -> None:
+    ro = run.rollout
+    tmp = path.with_name(f".{path.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    await asyncio.to_thread(p.trainer.save, str(tmp))
     state = {"step": step, "version": p.trainer.version, "groups_launched": ro.groups_launched,
+             "launched": ro.launched, "fates": dict(ro.fates), "inflight": len(ro.inflight),
              "buffer": p.buffer.state_dict()}
-    tmp = path / (STATE_FILE + ".tmp")
-    tmp.write_text(json.dumps(state))
-    tmp.replace(path / STATE_FILE)
+    (tmp / STATE_FILE).write_text(json.dumps(state))
+    await asyncio.to_thread(_fsync_tree, tmp)
+    if path.exists():
+        shutil.rmtree(path)
+    tmp.rename(path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
-async def resume(p: Pipeline, ro: Rollout, path: Path) -> int:
+async def resume(p: Pipeline, run: Run, path: Path) -> int:
     """Restore a run saved by :func:`save_checkpoint`; the engines load its weights. Returns the
     next step number."""
     state_file = path / STATE_FILE
@@ -41,8 +74,16 @@ async def resume(p: Pipeline, ro: Rollout, path: Path) -> int:
     if p.trainer.version != state["version"]:
         raise ConfigError(f"{path}: trainer state says version {p.trainer.version}, run state {state['version']}")
     p.buffer.load_state_dict(state["buffer"])
+    ro = run.rollout
     ro.groups_launched = state["groups_launched"]
-    await asyncio.wrap_future(p.store.push(p.trainer.version, dict(p.trainer.named_weights())))
-    await p.proxy.update_weights(p.trainer.version)
-    ro.served_version = p.trainer.version
+    ro.launched = state.get("launched", 0)
+    ro.ledger.counts.update(state.get("fates", {}))
+    ro.ledger.counts["cancelled_at_stop"] += state.get("inflight", 0)
+    version = p.trainer.version
+    if isinstance(p.trainer, SupportsWeightPush):
+        await asyncio.to_thread(p.trainer.push_weights, version)
+    else:
+        await asyncio.wrap_future(p.store.push(version, dict(p.trainer.named_weights())))
+    await p.proxy.update_weights(version)
+    run.clock.resume_at(version)
     return int(state["step"]) + 1

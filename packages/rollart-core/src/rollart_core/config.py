@@ -25,6 +25,7 @@ __all__ = [
     "RunConfig",
     "TaskConfig",
     "TrainConfig",
+    "TrainerSection",
     "load_config",
 ]
 
@@ -59,6 +60,29 @@ class EngineGroupConfig(_Model):
     """Pool (Ray custom resource) the engines must run on; overrides the class's affinity."""
     num_cpus: float | None = Field(None, ge=0)
     options: dict[str, Any] = Field(default_factory=dict)
+
+
+class TrainerSection(_Model):
+    impl: str = "torch"
+    """The trainer implementation (entry point in ``rollart.trainer`` or ``package.module:Class``)."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """The implementation's own settings (for a worker group: the settings of each rank)."""
+    ranks: int | None = Field(None, ge=1)
+    """Run the trainer as a worker group of this many rank actors placed on ``pool`` (torch:
+    FSDP2 over gloo on CPU, NCCL on GPU; rendezvous on rank 0's node). None: the trainer runs in the
+    driver (or in processes it spawns, per the implementation's options)."""
+    pool: str | None = None
+    """Pool of the worker group's ranks (a Ray custom resource such as ``H800``; each rank takes one
+    unit). Setting it without ``ranks`` means one rank."""
+    num_cpus: float = Field(1.0, ge=0)
+    """CPUs per rank."""
+    num_gpus: float = Field(0.0, ge=0)
+    """GPUs per rank."""
+
+    @property
+    def group(self) -> bool:
+        """Whether the trainer runs as a placed worker group."""
+        return self.ranks is not None or self.pool is not None
 
 
 class TaskConfig(_Model):
@@ -105,6 +129,20 @@ class TrainConfig(_Model):
     action at every turn, how a trained policy is usually scored); None samples like training (each
     task's own ``sampling``)."""
     save_every: int = Field(0, ge=0)
+    """Write ``checkpoint-<step>`` every this many steps (0: never)."""
+    max_trainer_restarts: int | None = Field(None, ge=0)
+    """A trainer worker group (``trainer.ranks``) whose rank dies is rebuilt from the newest
+    checkpoint at most this many times, while rollout goes on. Default: 2 for a worker group with
+    ``save_every`` set (there is a checkpoint to come back to), else 0."""
+    stall_timeout_s: float | None = Field(600.0, gt=0)
+    """Stop the run with an error naming the failing stage when no trajectory has finished for this
+    long while a batch is awaited (None: wait forever)."""
+    max_failure_share: float = Field(0.95, gt=0, le=1)
+    """Stop the run when at least this share of the last 64 trajectories (once 64 ended) failed in a
+    stage (env failed or timed out, generation failed, reward failed): nothing trainable is coming."""
+    max_group_relaunches: int = Field(64, ge=0)
+    """sync/one_off: a group that ends with nothing trainable (all members failed) is replaced by a
+    fresh one, at most this many times in a run; then the run stops naming the stage."""
     resume_from: Path | None = None
     """A checkpoint directory written by this loop (``checkpoint-<step>``): continue from it."""
     max_pending_steps: int | None = Field(None, ge=1)
@@ -153,7 +191,7 @@ class RunConfig(_Model):
     model: ModelConfig
     engines: list[EngineGroupConfig] = Field(min_length=1)
     tasks: list[TaskConfig] = Field(min_length=1)
-    trainer: ComponentConfig = ComponentConfig(impl="torch")
+    trainer: TrainerSection = TrainerSection()
     weight_store: ComponentConfig = ComponentConfig(impl="filesystem")
     train: TrainConfig = TrainConfig()
     ray: RayConfig = RayConfig()
@@ -165,6 +203,11 @@ class RunConfig(_Model):
         if self.train.mode == "one_off" and self.train.alpha < 1:
             raise ValueError("train.mode one_off trains on trajectories one version old: needs train.alpha >= 1")
         tr = self.train
+        if tr.max_trainer_restarts is None:
+            tr.max_trainer_restarts = 2 if tr.save_every and self.trainer.group else 0
+        if tr.max_trainer_restarts and not self.trainer.group:
+            raise ValueError("train.max_trainer_restarts needs the trainer as a worker group (trainer.ranks / "
+                             "trainer.pool): an in-process trainer dies with the driver")
         if tr.mode == "async" and tr.alpha == 0 and tr.async_weight_sync and not tr.update_on_arrival:
             raise ValueError("train.mode async with train.alpha 0 needs the engines on the newest weights before each "
                              "batch's rollout: set train.update_on_arrival true or train.async_weight_sync false (with "

@@ -17,9 +17,17 @@ class MetricsSink(Protocol):
 
 
 class JsonlSink:
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, first_step: int | None = None) -> None:
+        """Append to ``path``; ``first_step`` (a resumed run): first drop the rows of that step and
+        later ones, which the run is about to write again."""
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if first_step is not None and self.path.is_file():
+            kept = [line for line in self.path.read_text(encoding="utf-8").splitlines(keepends=True)
+                    if _row_step(line) < first_step]
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(kept), encoding="utf-8")
+            tmp.replace(self.path)
         self._f = open(self.path, "a", encoding="utf-8")
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
@@ -28,6 +36,13 @@ class JsonlSink:
 
     def close(self) -> None:
         self._f.close()
+
+
+def _row_step(line: str) -> float:
+    try:
+        return float(json.loads(line).get("step", float("inf")))
+    except (ValueError, AttributeError):
+        return float("inf")  # a torn last line: drop it
 
 
 class TensorBoardSink:
@@ -53,9 +68,10 @@ class TensorBoardSink:
         self._w.close()
 
 
-def default_sinks(out_dir: Path, console_keys: list[str]) -> MultiSink:
-    """JSON lines + TensorBoard (when ``tensorboardX`` is installed) + a console line per step."""
-    sinks: list[MetricsSink] = [JsonlSink(out_dir / "metrics.jsonl")]
+def default_sinks(out_dir: Path, console_keys: list[str], first_step: int | None = None) -> MultiSink:
+    """JSON lines + TensorBoard (when ``tensorboardX`` is installed) + a console line per step.
+    ``first_step``: a resumed run's first step (earlier rows of ``metrics.jsonl`` are kept, the rest dropped)."""
+    sinks: list[MetricsSink] = [JsonlSink(out_dir / "metrics.jsonl", first_step)]
     try:
         sinks.append(TensorBoardSink(out_dir / "tensorboard"))
     except ImportError:

@@ -19,7 +19,8 @@ from rollart_core.affinity import get_affinity
 from rollart_core.buffer import SampleBuffer
 from rollart_core.cluster import RayCluster
 from rollart_core.config import RunConfig, TaskConfig
-from rollart_core.errors import ConfigError
+from rollart_core.errors import ConfigError, RegistryError
+from rollart_core.protocols import ChatFormat, Proxy, RewardExecutor, Trainer, WeightStore
 from rollart_core.registry import build, resolve, validate_options
 
 __all__ = ["Pipeline"]
@@ -45,7 +46,8 @@ def overlap_warning(cfg: RunConfig) -> str | None:
     """What to tell a user whose torch trainer trains in the control plane's process while rollout
     runs beside it (one_off / async): the step and the asyncio loop then share one GIL."""
     opts = cfg.trainer.options
-    if cfg.train.mode == "sync" or cfg.trainer.impl != "torch" or opts.get("spawn") or opts.get("world_size", 1) > 1:
+    if (cfg.train.mode == "sync" or cfg.trainer.impl != "torch" or cfg.trainer.group or opts.get("spawn")
+            or opts.get("world_size", 1) > 1):
         return None
     return (f"train.mode {cfg.train.mode!r} overlaps training with rollout, but the torch trainer runs in this "
             "process: its step and the rollout's event loop share one GIL and slow each other down (measured on "
@@ -55,11 +57,19 @@ def overlap_warning(cfg: RunConfig) -> str | None:
 
 log = logging.getLogger(__name__)
 _ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
+TRAINER_GROUP = "rollart_train.ray_group:RayTrainerGroup"
 
 
 class Pipeline:
     """``async with Pipeline(cfg) as p:`` gives ``p.trainer``, ``p.store``, ``p.proxy``, ``p.chat``,
     ``p.buffer``, per-task ``p.rewards`` and ``p.make_env(task)``."""
+
+    trainer: Trainer
+    store: WeightStore
+    proxy: Proxy
+    chat: ChatFormat
+    rewards: dict[str, RewardExecutor]
+    buffer: SampleBuffer
 
     def __init__(self, config: RunConfig) -> None:
         self.config = config
@@ -95,19 +105,29 @@ class Pipeline:
         store_opts = dict(cfg.weight_store.options)
         if cfg.weight_store.impl == "filesystem":
             store_opts.setdefault("root", str(cfg.output_dir / "weights"))
-        self.store = build("weight_store", cfg.weight_store.impl, store_opts, "weight_store.options")
-        self.trainer = build("trainer", cfg.trainer.impl, cfg.trainer.options, "trainer.options", model_path=cfg.model.path)
+        self.store = build("weight_store", cfg.weight_store.impl, store_opts, "weight_store.options",
+                           protocol=WeightStore)
+        group_cfg = self._trainer_group_config(cfg) if cfg.trainer.group else None
+        if group_cfg is None:
+            self.trainer = build("trainer", cfg.trainer.impl, cfg.trainer.options, "trainer.options",
+                                 protocol=Trainer, model_path=cfg.model.path)
         if (warning := overlap_warning(cfg)) is not None:
             log.warning(warning)
         self.chat = resolve("chat", cfg.model.chat_format)(cfg.model.path)
         self.rewards = {
             t.name: build("reward_executor", t.reward_executor.impl, t.reward_executor.options,
-                          f"tasks.{i}.reward_executor.options",
+                          f"tasks.{i}.reward_executor.options", protocol=RewardExecutor,
                           fn=build("reward", t.reward.impl, t.reward.options, f"tasks.{i}.reward.options"))
             for i, t in enumerate(cfg.tasks)
         }
         self.buffer = SampleBuffer(cfg.train.alpha)
         self._stack.enter_context(RayCluster(cfg.ray))
+        if group_cfg is not None:  # placed on its pool, validated with the engines before either starts
+            t1 = time.perf_counter()
+            self._validate_plan(group_cfg)
+            self.trainer = await asyncio.to_thread(resolve("trainer", TRAINER_GROUP), group_cfg,
+                                                   model_path=cfg.model.path, weight_store=self.store)
+            self.timings["trainer_start_s"] = time.perf_counter() - t1
         self.timings["build_local_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         await self._start_engines(engine_cfgs)
@@ -115,6 +135,28 @@ class Pipeline:
         self.env_manager = None
         if cfg.env_manager is not None:
             await self._start_env_manager(cfg)
+
+    def _trainer_group_config(self, cfg: RunConfig) -> Any:
+        t = cfg.trainer
+        options = {"worker": t.impl, "ranks": t.ranks or 1, "pool": t.pool, "num_cpus_per_rank": t.num_cpus,
+                   "num_gpus_per_rank": t.num_gpus, "options": t.options,
+                   "max_restarts": cfg.train.max_trainer_restarts or 0, "checkpoint_dir": str(cfg.output_dir)}
+        return validate_options(resolve("trainer", TRAINER_GROUP), options, "trainer")
+
+    def _engine_decls(self) -> list[Any]:
+        from rollart_core.resources import WorkerDecl
+
+        return [WorkerDecl(g.name, get_affinity(resolve("engine", g.impl), pool=g.pool, num_cpus=g.num_cpus,
+                                                count=g.count), "engine group")
+                for g in self.config.engines]
+
+    def _validate_plan(self, group_cfg: Any) -> None:
+        """Engines and trainer ranks together fit the cluster's pools (ConfigError naming the worker,
+        the pool and what exists otherwise), before anything is started."""
+        from rollart_core.resources import ResourceManager
+
+        decl = resolve("trainer", TRAINER_GROUP).worker_decl(group_cfg)
+        ResourceManager.from_ray().validate([*self._engine_decls(), decl])
 
     def _ensure_model(self) -> None:
         m = self.config.model
@@ -130,14 +172,12 @@ class Pipeline:
     async def _start_engines(self, engine_cfgs: list[Any]) -> None:
         import ray
 
-        from rollart_core.resources import ResourceManager, WorkerDecl
+        from rollart_core.resources import ResourceManager
 
         proxy_cls = resolve("proxy", "default")
         classes = [resolve("engine", g.impl) for g in self.config.engines]
-        decls = [WorkerDecl(g.name, get_affinity(cls, pool=g.pool, num_cpus=g.num_cpus, count=g.count), "engine group")
-                 for g, cls in zip(self.config.engines, classes, strict=True)]
         self.resources = ResourceManager.from_ray()
-        self.placement = await asyncio.to_thread(self.resources.place, decls)
+        self.placement = await asyncio.to_thread(self.resources.place, self._engine_decls())
         members: list[tuple[str, Any, str]] = []
         for group, ecfg, cls in zip(self.config.engines, engine_cfgs, classes, strict=True):
             for r in range(group.count):
@@ -156,6 +196,8 @@ class Pipeline:
         if self._pd_kv_dir is not None:  # prefill/decode disaggregation: the PD router fronts the proxy
             pd_cls = resolve("proxy", "pd")
             self.proxy = pd_cls(self.proxy, pd_cls.Config.from_tasks(self.config.tasks, kv_store_dir=self._pd_kv_dir))
+        if not isinstance(self.proxy, Proxy):
+            raise RegistryError(f"proxy {type(self.proxy).__name__} does not implement rollart_core.protocols.Proxy")
 
     def _pd_engine_args(self, cfg: RunConfig) -> dict[str, dict[str, Any]]:
         """KV-connector engine args per engine group for tasks with ``pd`` on/auto: prefill groups
@@ -217,10 +259,20 @@ class Pipeline:
         if placement is not None:
             placement.remove()
             self.placement = None
+        trainer = getattr(self, "trainer", None)
+        if trainer is not None and hasattr(trainer, "close"):  # e.g. spawned trainer ranks, a worker group
+            try:
+                await asyncio.to_thread(trainer.close)
+            except Exception as e:
+                log.warning("trainer close failed: %r", e)
+        for name, executor in getattr(self, "rewards", {}).items():  # e.g. a reward runtime it started
+            aclose = getattr(executor, "aclose", None)
+            if aclose is not None:
+                try:
+                    await aclose()
+                except Exception as e:
+                    log.warning("reward executor of task %s failed to close: %r", name, e)
         store = getattr(self, "store", None)
         if store is not None and hasattr(store, "close"):
             store.close()
-        trainer = getattr(self, "trainer", None)
-        if trainer is not None and hasattr(trainer, "close"):  # e.g. spawned trainer ranks
-            await asyncio.to_thread(trainer.close)
         await self._stack.aclose()

@@ -17,6 +17,13 @@ Primitives and who calls them:
 ``SupportsWeightPrefetch`` (optional engine capability, called by the coordinator once a push lands)
     prefetch_weights(version) pull (and stage) ``version`` while generation goes on; returns when it
                              is ready, so the later ``update_weights(version)`` only swaps it in
+``Proxy`` (rollart-proxy's LLMProxy or PD router, driven by the control plane and the runner)
+    generate(request) / abort(request_id)   route one turn to an engine / cancel it everywhere
+    suspend() / resume()     pause every engine with in-flight requests kept / continue
+    update_weights(version)  Suspend → Update → Recompute KV → Resume on every engine; per-engine pause
+    prefetch_weights(version) every engine pulls and stages ``version`` while generating
+    end_session(session_id)  forget a finished trajectory's routing state
+    metrics()                per-engine health, queue depth, throughput, time suspended
 ``Environment`` (rollart-env, called by the trajectory runner)
     reset(seed) / step(action_text) / close(); ``action_vocabulary`` and ``system_prompt``
 ``RewardFunction`` (rollart-reward, called by a reward executor)
@@ -55,6 +62,7 @@ __all__ = [
     "Environment",
     "InferenceEngine",
     "PauseMode",
+    "Proxy",
     "RewardExecutor",
     "RewardFunction",
     "SupportsBatchScore",
@@ -121,6 +129,42 @@ class SupportsWeightPrefetch(Protocol):
     async def prefetch_weights(self, version: int) -> None:
         """Prepare ``version`` (pull; load into a standby copy where the engine can) while generation
         goes on; returns when it is ready to swap in. Callers run it as a background task."""
+        ...
+
+
+@runtime_checkable
+class Proxy(Protocol):
+    """What the control plane drives: a router over the inference engines of every pool."""
+
+    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        """One turn on an engine of the request's task pool (sticky per session)."""
+        ...
+
+    async def abort(self, request_id: str) -> int:
+        """Cancel ``request_id`` wherever it runs; returns on how many engines it was found."""
+        ...
+
+    async def suspend(self) -> None:
+        """Pause every engine, keeping in-flight requests (they continue after :meth:`resume`)."""
+        ...
+
+    async def resume(self) -> None: ...
+
+    async def update_weights(self, version: int) -> dict[str, float]:
+        """Every healthy engine loads ``version`` from the weight store (pause with requests kept,
+        swap, re-prefill the running requests, resume); returns each engine's pause in seconds."""
+        ...
+
+    async def prefetch_weights(self, version: int) -> None:
+        """Every engine pulls and stages ``version`` while it generates; returns when all are ready."""
+        ...
+
+    def end_session(self, session_id: str) -> None:
+        """Forget the routing state of a session whose trajectory ended."""
+        ...
+
+    async def metrics(self, engine_stats: bool = True, timeout: float = 5.0) -> dict[str, dict[str, Any]]:
+        """Per engine: pool, health, queue depth, tokens/s, time suspended (and the engine's own stats)."""
         ...
 
 

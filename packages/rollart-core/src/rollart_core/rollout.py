@@ -17,6 +17,8 @@ import time
 from collections import Counter
 from typing import TYPE_CHECKING
 
+from rollart_core.control.clock import VersionClock
+from rollart_core.control.ledger import FateLedger
 from rollart_core.errors import EnvError, EnvTimeoutError
 from rollart_core.runner import run_trajectory
 from rollart_core.types import Fate, Trajectory
@@ -34,23 +36,26 @@ def derive_seed(*parts: object) -> int:
 
 
 class Rollout:
-    def __init__(self, p: Pipeline) -> None:
+    def __init__(self, p: Pipeline, clock: VersionClock | None = None) -> None:
         self.p = p
-        self.served_version = 0
-        """Policy version the engines serve now (new trajectories start at it)."""
-        self.coming_version: int | None = None
-        """A newer version the engines will serve without waiting for anything the rollout does (async,
-        update on arrival: set when a batch is taken for training). Groups may be admitted on it
-        ahead of time: their environments reset while it trains and lands, and their first
-        generation waits for it (:meth:`launch_group` ``start_version``)."""
+        self.clock = clock or VersionClock(p.trainer.version)
+        """The run's versions: trajectories start on ``clock.served`` (or ahead on ``clock.coming``)."""
+        self.ledger = FateLedger()
+        """Every trajectory's fate, counted once (the buffer reports stale relabels to it)."""
+        p.buffer.on_relabel = self.ledger.relabel
         self.inflight: dict[str, tuple[Trajectory, asyncio.Task[None]]] = {}
         self.launched = 0
-        self.fates: Counter[str] = Counter()
         self.finished: list[Trajectory] = []
         """Trajectories that got a fate since the last :meth:`drain_finished`."""
         self.groups_launched = 0
         self._group_finished: dict[str, int] = {}
         self.cancelled_redundant = 0
+        self._task_index = {t.name: i for i, t in enumerate(p.config.tasks)}
+
+    @property
+    def fates(self) -> Counter[str]:
+        """Fates of every trajectory that ended (the ledger's counts)."""
+        return self.ledger.counts
 
     def launch_group(self, task_index: int, tag: str = "g", start_version: int | None = None) -> str:
         """Start ``group_size`` trajectories of one task on a fresh seed; returns the group id.
@@ -67,10 +72,16 @@ class Rollout:
         self._group_finished[group_id] = 0
         for k in range(n_launch):
             traj = Trajectory(f"{group_id}-{k}", task.name, task.env.impl, group_id, seed,
-                              max(self.served_version, start_version or 0))
+                              max(self.clock.served, start_version or 0))
             self.inflight[traj.traj_id] = (traj, asyncio.create_task(self._run(traj, task_index)))
             self.launched += 1
         return group_id
+
+    def relaunch(self, task: str | None) -> str:
+        """A fresh group of ``task`` in place of one that ended with nothing trainable."""
+        if task not in self._task_index:
+            raise ValueError(f"no task {task!r} in this run")
+        return self.launch_group(self._task_index[task], tag="r")
 
     def launch_step(self) -> list[str]:
         """One training step's worth of groups for every task."""
@@ -88,7 +99,7 @@ class Rollout:
             except EnvError as exc:
                 traj.fate, traj.error = Fate.ENV_FAILED, f"no environment: {exc}"
             else:
-                ahead = traj.start_version > self.served_version
+                ahead = traj.start_version > self.clock.served
                 await run_trajectory(traj, env=env, generator=p.proxy, chat=p.chat, scorer=p.rewards[task.name],
                                      sampling=task.sampling, max_turns=task.max_turns, context=task.context,
                                      env_timeout_s=task.env_timeout_s,
@@ -112,13 +123,13 @@ class Rollout:
                 elif task.redundancy:  # finished after its group was already complete: surplus
                     traj.fate = Fate.CANCELLED_REDUNDANT
                     self.cancelled_redundant += 1
-            self.fates[traj.fate.value] += 1
+            self.ledger.record(traj)
             self.finished.append(traj)
             await p.buffer.put(traj)
 
     async def wait_served(self, version: int) -> None:
         """Until the engines serve ``version`` or newer (the loop's update notifies the buffer)."""
-        await self.p.buffer.wait_for(lambda: True if self.served_version >= version else None)
+        await self.p.buffer.wait_for(lambda: True if self.clock.served >= version else None)
 
     def _cancel_surplus(self, group_id: str) -> None:
         """The group has its ``group_size`` finished trajectories: cancel the stragglers now

@@ -1,0 +1,100 @@
+"""``train(cfg)``: build (or borrow) a pipeline, pick the mode's recipe, run it step by step.
+
+The recipes (:mod:`.sync`, :mod:`.one_off`, :mod:`.asynchronous`) say what a step does; this
+driver does what every mode does around them: resume, held-out evaluation, checkpoints, metrics,
+the summary, and stopping everything that runs beside the loop however the run ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from rollart_core.checkpoint import resume, save_checkpoint
+from rollart_core.config import RunConfig
+from rollart_core.control.asynchronous import run_async
+from rollart_core.control.one_off import run_one_off
+from rollart_core.control.steps import Run, StepRecord, step_metrics
+from rollart_core.control.sync import run_sync
+from rollart_core.metrics import MetricsSink, default_sinks
+from rollart_core.pipeline import Pipeline
+from rollart_core.rollout import Rollout, derive_seed
+from rollart_core.runner import run_trajectory
+from rollart_core.types import Fate, Trajectory
+
+__all__ = ["RECIPES", "evaluate", "rollout_step", "train"]
+
+RECIPES: dict[str, Callable[[Run], AsyncIterator[StepRecord]]] = {
+    "sync": run_sync, "one_off": run_one_off, "async": run_async}
+CONSOLE_KEYS = ["reward_mean", "success_rate", "eval_success", "traj_per_s", "gen_tok_per_s", "wait_s",
+                "train_s", "sync_s", "lag_max", "loss", "version", "fates"]
+
+
+async def train(cfg: RunConfig, sink: MetricsSink | None = None, pipeline: Pipeline | None = None) -> dict[str, Any]:
+    """Run ``cfg.train.steps`` steps in ``cfg.train.mode``; returns a summary. ``pipeline``: run on
+    an already built one (its engines serving the trainer's version) instead of building one."""
+    tc = cfg.train
+    history: list[dict[str, Any]] = []
+    async with contextlib.nullcontext(pipeline) if pipeline is not None else Pipeline(cfg) as p:
+        run = Run(p)
+        if tc.resume_from:
+            run.first_step = await resume(p, run, tc.resume_from)
+        sink = sink or default_sinks(cfg.output_dir, CONSOLE_KEYS, run.first_step if tc.resume_from else None)
+        held_out = functools.partial(evaluate, p, tc.eval_episodes, temperature=tc.eval_temperature)
+        if tc.eval_every and run.first_step == 1:
+            sink.log(0, {**await held_out(), "version": p.trainer.version})
+        recipe = RECIPES[tc.mode](run)
+        try:
+            async for rec in recipe:
+                metrics = step_metrics(run, rec)
+                if tc.eval_every and rec.step % tc.eval_every == 0:
+                    metrics.update(await held_out())
+                if tc.save_every and rec.step % tc.save_every == 0:
+                    await save_checkpoint(p, run, rec.step, cfg.output_dir / f"checkpoint-{rec.step}")
+                sink.log(rec.step, metrics)
+                history.append(metrics)
+        finally:  # also when cancelled or failed mid-step: stop what runs beside the loop
+            await recipe.aclose()
+            await run.stop()
+        ro = run.rollout
+        summary = {"mode": tc.mode, "alpha": tc.alpha, "steps": len(history), "final_version": p.trainer.version,
+                   "served_version": run.clock.served, "launched": ro.launched, "fates": dict(ro.fates),
+                   "wall_s": time.perf_counter() - run.t_start,
+                   "dropped_groups": sorted(p.buffer.dropped_groups), "relaunched_groups": run.relaunches,
+                   "history": history, **p.timings}
+    sink.close()
+    return summary
+
+
+async def rollout_step(p: Pipeline, step: int, *, launch_tag: str = "s") -> list[Trajectory]:
+    """Launch one step's groups of every task and wait for all of them (used by tests and tools)."""
+    ro = Rollout(p)
+    for ti, task in enumerate(p.config.tasks):
+        for _ in range(task.groups_per_step):
+            ro.launch_group(ti, tag=f"{launch_tag}{step}-g")
+    await ro.wait_all()
+    return ro.drain_finished()
+
+
+async def evaluate(p: Pipeline, episodes: int, *, tag: str = "eval", temperature: float | None = None) -> dict[str, float]:
+    """Success rate and mean reward on held-out seeds (never used for training); ``temperature``
+    replaces the tasks' sampling temperature (0: greedy)."""
+    jobs = []
+    for ti, task in enumerate(p.config.tasks):
+        sampling = task.sampling if temperature is None else task.sampling.model_copy(update={"temperature": temperature})
+        for e in range(episodes):
+            traj = Trajectory(f"{tag}-{task.name}-{e}", task.name, task.env.impl, f"{tag}-{e}",
+                              derive_seed("heldout", ti, e), p.trainer.version)
+            jobs.append(run_trajectory(traj, env=p.make_env(task, ti), generator=p.proxy, chat=p.chat,
+                                       scorer=p.rewards[task.name], sampling=sampling, max_turns=task.max_turns,
+                                       context=task.context, env_timeout_s=task.env_timeout_s))
+    done = await asyncio.gather(*jobs)
+    ok = [t for t in done if t.fate is Fate.FINISHED]
+    return {
+        "eval_success": sum(bool(t.info.get("success")) for t in ok) / max(len(done), 1),
+        "eval_reward": sum(t.reward for t in ok) / max(len(ok), 1),
+    }
