@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import time
 from collections import Counter
@@ -32,16 +33,16 @@ from rollart_reward.executor import InlineExecutor
 from rollart_reward.metrics import UtilisationMeter
 from rollart_reward.wire import idempotency_key, result_from_dict, trajectory_to_dict
 
-__all__ = ["CircuitBreaker", "HttpExecutor", "HttpExecutorConfig"]
+__all__ = ["CircuitBreaker", "HttpClientConfig", "HttpExecutor", "HttpExecutorConfig"]
 
 log = logging.getLogger(__name__)
 
 
-class HttpExecutorConfig(BaseModel):
+class HttpClientConfig(BaseModel):
+    """How calls are made (everything but the URL): shared by ``http`` and ``serverless`` executors."""
+
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    url: str
-    """Base URL of the function endpoint, e.g. ``http://127.0.0.1:8700``."""
     function: str = "reward"
     """Function name used in platform paths (Lambda/FC) and in the idempotency key."""
     adapter: Literal["json", "lambda", "fc"] = "json"
@@ -68,6 +69,13 @@ class HttpExecutorConfig(BaseModel):
     """Where calls go while the circuit is open: the function run in-process (needs ``fn``), or nowhere."""
     seed: int | None = None
     """Seed of the jitter RNG (tests)."""
+    api_key: str | None = Field(None, repr=False, min_length=1)
+    """Bearer token sent as ``Authorization: Bearer ...``; None: ``$ROLLART_REWARD_API_KEY`` if set."""
+
+
+class HttpExecutorConfig(HttpClientConfig):
+    url: str
+    """Base URL of the function endpoint, e.g. ``http://127.0.0.1:8700``."""
 
 
 class CircuitBreaker:
@@ -126,6 +134,7 @@ class HttpExecutor:
         self._rng = random.Random(config.seed)
         self._last_ok: float | None = None
         self._client: Any = None
+        self._retired: list[Any] = []
         self._sem: asyncio.Semaphore | None = None
         self._pending: list[tuple[str, dict[str, Any], asyncio.Future[RewardResult]]] = []
         self._flusher: asyncio.Task[None] | None = None
@@ -136,17 +145,32 @@ class HttpExecutor:
             import httpx
 
             n = self.config.max_concurrency
-            self._client = httpx.AsyncClient(base_url=self.config.url, limits=httpx.Limits(
-                max_connections=n, max_keepalive_connections=n))
-            self._sem = asyncio.Semaphore(n)
+            token = self.config.api_key or os.environ.get("ROLLART_REWARD_API_KEY") or None
+            self._client = httpx.AsyncClient(
+                base_url=self.config.url, headers={"Authorization": f"Bearer {token}"} if token else None,
+                limits=httpx.Limits(max_connections=n, max_keepalive_connections=n))
+            if self._sem is None:
+                self._sem = asyncio.Semaphore(n)
         return self._client
+
+    def retarget(self, url: str) -> None:
+        """Send the next attempts to ``url`` (the endpoint moved, e.g. a restarted runtime on a new
+        port). Requests already on the wire finish on the old client, which is closed by :meth:`aclose`."""
+        if url == self.config.url:
+            return
+        self.config = self.config.model_copy(update={"url": url})
+        if self._client is not None:
+            self._retired.append(self._client)
+            self._client = None
 
     async def aclose(self) -> None:
         if self._flusher is not None:
             self._flusher.cancel()
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
+        clients, self._retired = [*self._retired, self._client], []
+        self._client = None
+        for client in clients:
+            if client is not None:
+                await client.aclose()
 
     def _timeout(self) -> float:
         c = self.config
