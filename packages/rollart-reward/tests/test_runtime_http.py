@@ -46,10 +46,10 @@ def _serve_cmd() -> list[str]:
 
 
 @contextlib.contextmanager
-def serving(*args: str) -> Iterator[str]:
+def serving(*args: str, env: dict[str, str] | None = None) -> Iterator[str]:
     """``rollart-reward serve --function synthetic ARGS`` as a real process; yields its URL, ends it by PID."""
     proc = subprocess.Popen([*_serve_cmd(), "serve", "--function", "synthetic", *args], stdout=subprocess.PIPE,
-                            text=True)
+                            text=True, env={**os.environ, **(env or {})})
     try:
         line = proc.stdout.readline()  # type: ignore[union-attr]
         assert line.startswith("serving synthetic on http://127.0.0.1:"), line
@@ -66,6 +66,7 @@ def serving(*args: str) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def runtime() -> Iterator[str]:
     with serving("--max-workers", "6", "--idle-timeout", "0.5", "--idle-policy", "fixed", "--admin",
+                 "--max-body-bytes", str(1 << 20), "--max-batch", "64",
                  "--options", json.dumps({"work_s": 0.02})) as url:
         yield url
 
@@ -253,3 +254,181 @@ def test_serve_rejects_unknown_function() -> None:
     r = subprocess.run([*_serve_cmd(), "serve", "--function", "no_such_reward"], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 2 and "unknown reward implementation 'no_such_reward'" in r.stderr
+
+
+# ---------------------------------------------------------------- the hardened HTTP surface
+def wire(i: int | str, **info: Any) -> dict[str, Any]:
+    from rollart_reward.wire import trajectory_to_dict
+
+    return trajectory_to_dict(traj(i, **info))
+
+
+def test_bearer_token_401_without_it_200_with_it() -> None:
+    with serving("--options", json.dumps({"work_s": 0.0}), env={"ROLLART_REWARD_API_KEY": "s3cret"}) as url:
+        body = {"key": "tok1", "trajectory": wire("tok1", score=2)}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            r = httpx.post(f"{url}/invoke", json=body, headers=headers)
+            assert r.status_code == 401 and "bearer token" in r.json()["error"], (headers, r.text)
+        assert httpx.get(f"{url}/stats").status_code == 401
+        assert httpx.get(f"{url}/healthz").status_code == 200  # liveness stays open
+        r = httpx.post(f"{url}/invoke", json=body, headers={"Authorization": "Bearer s3cret"})
+        assert r.status_code == 200 and r.json()["result"]["score"] == 2.0
+        stats = httpx.get(f"{url}/stats", headers={"Authorization": "Bearer s3cret"}).json()
+        assert stats["unauthorized"] == 4 and stats["executions"] == 1
+
+
+async def test_http_executor_sends_the_token_and_a_401_is_not_retried() -> None:
+    with serving("--options", json.dumps({"work_s": 0.0}), "--api-key", "k1") as url:
+        ex = executor(url, api_key="k1")
+        bad = executor(url, api_key="other")
+        try:
+            assert (await ex.score(traj("auth-ok", score=4))).score == 4.0
+            with pytest.raises(RewardError, match="HTTP 401"):
+                await bad.score(traj("auth-bad"))
+        finally:
+            await ex.aclose()
+            await bad.aclose()
+        assert bad.stats()["http_attempts"] == 1
+
+
+def test_binding_beyond_loopback_without_a_token_warns() -> None:
+    from rollart_reward.runtime import FunctionRuntime, RuntimeConfig
+
+    async def start_stop() -> None:
+        rt = FunctionRuntime(RuntimeConfig(function="synthetic", host="127.0.0.2"))  # not "loopback" by name
+        try:
+            await rt.start()
+        finally:
+            await rt.stop()
+
+    import logging as _logging
+
+    records: list[_logging.LogRecord] = []
+    handler = _logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    _logging.getLogger("rollart_reward.runtime").addHandler(handler)
+    try:
+        asyncio.run(start_stop())
+    finally:
+        _logging.getLogger("rollart_reward.runtime").removeHandler(handler)
+    assert any("without an API key" in r.getMessage() for r in records)
+
+
+_VALID = {"traj_id": "v", "task": "t", "env_id": "e", "group_id": "g", "seed": 0, "start_version": 0}
+_FC = "/2023-03-30/functions/synthetic/invocations"
+_LAMBDA = "/2015-03-31/functions/synthetic/invocations"
+BAD_BODIES: list[tuple[str, str, bytes | Any, dict[str, str], int]] = [
+    # (name, path, body (bytes raw, else JSON), headers, expected status)
+    ("not-json", "/invoke", b"{nope", {}, 400),
+    ("not-utf8", "/invoke", b"\xff\xfe\xfa", {}, 400),
+    ("deeply-nested", "/invoke", b"[" * 100_000 + b"]" * 100_000, {}, 400),
+    ("number-body", "/invoke", 5, {}, 400),
+    ("list-body", "/invoke", [1, 2], {}, 400),
+    ("null-body", "/invoke", None, {}, 400),
+    ("no-trajectory", "/invoke", {"key": "k"}, {}, 400),
+    ("trajectory-number", "/invoke", {"trajectory": 5}, {}, 400),
+    ("trajectory-string", "/invoke", {"trajectory": "x"}, {}, 400),
+    ("trajectory-empty", "/invoke", {"trajectory": {}}, {}, 400),
+    ("unknown-field", "/invoke", {"trajectory": {**_VALID, "bogus": 1}}, {}, 400),
+    ("seed-string", "/invoke", {"trajectory": {**_VALID, "seed": "x"}}, {}, 400),
+    ("turns-number", "/invoke", {"trajectory": {**_VALID, "turns": 3}}, {}, 400),
+    ("turn-not-object", "/invoke", {"trajectory": {**_VALID, "turns": [7]}}, {}, 400),
+    ("turn-ids-strings", "/invoke", {"trajectory": {**_VALID, "turns": [{"context_ids": ["a"]}]}}, {}, 400),
+    ("bad-fate", "/invoke", {"trajectory": {**_VALID, "fate": "eaten"}}, {}, 400),
+    ("info-list", "/invoke", {"trajectory": {**_VALID, "info": []}}, {}, 400),
+    ("key-number", "/invoke", {"key": 5, "trajectory": _VALID}, {}, 400),
+    ("key-too-long", "/invoke", {"key": "k" * 1000, "trajectory": _VALID}, {}, 400),
+    ("items-number", "/invoke", {"items": 5}, {}, 400),
+    ("items-bad-item", "/invoke", {"items": [{"trajectory": _VALID}, 5]}, {}, 400),
+    ("items-too-many", "/invoke", {"items": [{"trajectory": _VALID}] * 65}, {}, 413),
+    ("too-large", "/invoke", b'{"trajectory": "' + b"x" * (2 << 20) + b'"}', {}, 413),
+    ("lambda-not-json", _LAMBDA, b"{", {}, 400),
+    ("lambda-number", _LAMBDA, 5, {}, 400),
+    ("lambda-no-trajectory", _LAMBDA, {}, {}, 400),
+    ("lambda-bad-invocation", _LAMBDA, {"trajectory": _VALID}, {"X-Amz-Invocation-Type": "Maybe"}, 400),
+    ("lambda-event-no-key", _LAMBDA, {"trajectory": _VALID}, {"X-Amz-Invocation-Type": "Event"}, 400),
+    ("fc-not-json", _FC, b"]", {}, 400),
+    ("fc-trajectory-list", _FC, {"trajectory": [1]}, {}, 400),
+    ("fc-bad-invocation", _FC, {"trajectory": _VALID}, {"x-fc-invocation-type": "Later"}, 400),
+    ("fc-async-no-task-id", _FC, {"trajectory": _VALID}, {"x-fc-invocation-type": "Async"}, 400),
+    ("admin-faults-bad", "/admin/faults", {"error_before": 7}, {}, 400),
+]
+
+
+@pytest.mark.parametrize("name,path,body,headers,expected", BAD_BODIES, ids=[b[0] for b in BAD_BODIES])
+def test_malformed_bodies_are_4xx_with_a_message(runtime: str, name: str, path: str, body: Any,
+                                                 headers: dict[str, str], expected: int) -> None:
+    admin(runtime)
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(f"{runtime}{path}", content=content, headers={"Content-Type": "application/json", **headers},
+                   timeout=30)
+    assert r.status_code == expected, (name, r.status_code, r.text[:300])
+    message = r.json()
+    assert isinstance(message, dict) and any(isinstance(v, str) and v for v in message.values()), r.text[:300]
+    # the server still answers, and a good call still works
+    assert httpx.get(f"{runtime}/healthz").status_code == 200
+    ok = httpx.post(f"{runtime}/invoke", json={"trajectory": wire(f"after-{name}", score=1.5)}, timeout=30)
+    assert ok.status_code == 200 and ok.json()["result"]["score"] == 1.5
+
+
+async def test_a_key_cannot_be_pre_seeded_with_another_trajectory(runtime: str) -> None:
+    admin(runtime)
+    genuine, forged = wire("seed-me", score=1), wire("seed-me", score=0, forged=True)
+    key = "victim-key"
+    async with httpx.AsyncClient(base_url=runtime, timeout=30) as client:
+        r = await client.post("/invoke", json={"key": key, "trajectory": forged})  # the attacker goes first
+        assert r.status_code == 200 and r.json()["result"]["score"] == 0.0
+        r = await client.post("/invoke", json={"key": key, "trajectory": genuine})
+        assert r.status_code == 409 and "different trajectory" in r.json()["error"]
+        r = await client.post("/invoke", json={"key": key, "trajectory": forged})  # a true retry still replays
+        assert r.status_code == 200 and r.json()["result"]["score"] == 0.0
+        # while running, too: a second body under a running call's key is refused, not joined
+        slow, other = wire("running", score=3, work_s=0.5), wire("running", score=4)
+        first = asyncio.create_task(client.post("/invoke", json={"key": "k-running", "trajectory": slow}))
+        await until(lambda: _running_calls(runtime), 10, "the first call to run")
+        second = await client.post("/invoke", json={"key": "k-running", "trajectory": other})
+        assert second.status_code == 409
+        assert (await first).json()["result"]["score"] == 3.0
+        # the same for async task ids (FC) and Event keys (Lambda)
+        fc = {"x-fc-invocation-type": "Async", "x-fc-async-task-id": "task-seed"}
+        assert (await client.post(_FC, json={"trajectory": forged}, headers=fc)).status_code == 202
+        assert (await client.post(_FC, json={"trajectory": genuine}, headers=fc)).status_code == 409
+        assert (await client.post(_FC, json={"trajectory": forged}, headers=fc)).status_code == 202
+        ev = {"X-Amz-Invocation-Type": "Event"}
+        assert (await client.post(_LAMBDA, json={"key": "ev-seed", "trajectory": forged}, headers=ev)).status_code == 202
+        r = await client.post(_LAMBDA, json={"key": "ev-seed", "trajectory": genuine}, headers=ev)
+        assert r.status_code == 409
+    s = stats(runtime)
+    assert s["key_conflicts"] >= 2 and httpx.get(f"{runtime}/executions/{key}").json()["executions"] == 1
+
+
+async def _running_calls(url: str) -> bool:
+    return stats(url)["in_flight"] > 0
+
+
+async def test_async_task_table_forgets_finished_tasks_and_is_bounded() -> None:
+    with serving("--max-workers", "2", "--max-async-tasks", "8", "--options", json.dumps({"work_s": 0.0})) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            fc = {"x-fc-invocation-type": "Async"}
+            for i in range(40):  # one at a time: each finishes before the next
+                r = await client.post(_FC, json={"trajectory": wire(f"a{i}", score=i)},
+                                      headers={**fc, "x-fc-async-task-id": f"task{i}"})
+                assert r.status_code == 202
+                ev = await client.post(_LAMBDA, json={"key": f"ev{i}", "trajectory": wire(f"ev{i}")},
+                                       headers={"X-Amz-Invocation-Type": "Event"})
+                assert ev.status_code == 202
+
+            async def settled() -> bool:
+                return stats(url)["async_tasks_running"] == 0
+
+            await until(settled, 20, "async tasks to finish")
+            s = stats(url)
+            assert s["async_tasks_held"] <= 8 and s["executions"] == 80, s
+            newest = (await client.get("/2023-03-30/functions/synthetic/async-tasks/task39")).json()
+            assert newest["status"] == "Succeeded" and json.loads(newest["returnPayload"])["score"] == 39.0
+            assert (await client.get("/2023-03-30/functions/synthetic/async-tasks/task0")).status_code == 404
+            # running tasks are bounded too: beyond the limit a new one is refused with 429
+            statuses = [(await client.post(_FC, json={"trajectory": wire(f"slow{i}", work_s=1.0)},
+                                           headers={**fc, "x-fc-async-task-id": f"slow{i}"})).status_code
+                        for i in range(10)]
+            assert statuses.count(202) == 8 and statuses[8:] == [429, 429], statuses
