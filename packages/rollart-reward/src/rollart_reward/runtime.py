@@ -55,7 +55,18 @@ log = logging.getLogger(__name__)
 
 API_KEY_ENV = "ROLLART_REWARD_API_KEY"
 """Environment variable ``rollart-reward serve`` reads its bearer token from (keeps it out of ``ps``)."""
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and 127.0.0.0/8, ::1: addresses no other machine can reach."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
 
 
 class FaultConfig(BaseModel):
@@ -218,7 +229,7 @@ class FunctionRuntime:
         from aiohttp import web
 
         c = self.config
-        if c.host not in LOOPBACK_HOSTS and c.api_key is None:
+        if not is_loopback(c.host) and c.api_key is None:
             log.warning("function runtime: bound to %s without an API key: anyone who reaches this address "
                         "can call the function (set --api-key or %s)", c.host, API_KEY_ENV)
         app = web.Application(client_max_size=c.max_body_bytes, middlewares=[self._guard()])

@@ -52,7 +52,7 @@ from rollart_core.errors import ConfigError, RewardError
 from rollart_core.protocols import RewardFunction
 from rollart_core.types import RewardResult, Trajectory
 from rollart_reward.http_executor import HttpClientConfig, HttpExecutor, HttpExecutorConfig
-from rollart_reward.runtime import API_KEY_ENV, LOOPBACK_HOSTS, ScalingConfig
+from rollart_reward.runtime import API_KEY_ENV, ScalingConfig, is_loopback
 
 __all__ = ["RewardRef", "ServerlessExecutor", "ServerlessExecutorConfig", "serve_command"]
 
@@ -346,7 +346,7 @@ class _RayHandle:
                 raise cause from None
             raise RewardError(f"reward stage: the function runtime's Ray actor failed to start it: {exc!r}") from exc
         here = self.ray.util.get_node_ip_address()
-        if c.host in LOOPBACK_HOSTS and info["node_ip"] != here:
+        if is_loopback(c.host) and info["node_ip"] != here:
             self.stop_sync()
             raise RewardError(f"reward stage: the function runtime was placed on node {info['node_ip']} but binds "
                               f"{c.host}, which this node ({here}) cannot reach: set host: node")
