@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import asyncio
 import re
-import threading
 import time
+from fractions import Fraction
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollart_core.errors import RewardError
 from rollart_core.types import RewardResult, Trajectory
-from rollart_reward.extract import extract_answer, normalize_answer, parse_number
+from rollart_reward import _bounded
+from rollart_reward.extract import MAX_ANSWER_CHARS, extract_answer, normalize_answer, parse_number
 
 __all__ = [
     "CodeTestsReward",
@@ -108,13 +109,17 @@ class NumberMatchReward:
             raise RewardError(f"trajectory {trajectory.traj_id}: reference {trajectory.info[c.answer_key]!r} "
                               "is not a number")
         got = parse_number(pred) if pred is not None else None
-        ok = got is not None and (got == ref or abs(float(got - ref)) <= c.rel_tol * max(abs(float(ref)), 1e-12))
+        # exact rational arithmetic: a float() of a large answer (1e400) would overflow
+        ok = got is not None and (got == ref or abs(got - ref) <= Fraction(c.rel_tol) * max(abs(ref), Fraction(1, 10**12)))
         return RewardResult(c.correct if ok else c.wrong, {"extracted": pred, "correct": ok})
 
 
 class MathVerifyConfig(_Base):
     timeout_s: int = Field(5, ge=1)
-    """Parsing/verification timeout (enforced with SIGALRM, so only on the main thread)."""
+    """math-verify's own parsing/verification timeout (SIGALRM, in the worker process's main thread)."""
+    hard_timeout_s: float = Field(30.0, gt=0)
+    """Wall-clock limit of one check, enforced by killing the worker process (sympy evaluating
+    ``9**9**9**9`` never returns to SIGALRM). Includes the worker's first start (importing sympy)."""
 
 
 def _as_math(text: str) -> str:
@@ -133,21 +138,33 @@ class MathVerifyReward:
         self.config = config or MathVerifyConfig()
 
     def equivalent(self, pred: str, ref: str) -> bool:
-        from math_verify import parse, verify
-
-        timeout = self.config.timeout_s if threading.current_thread() is threading.main_thread() else None
-        gold = parse(_as_math(ref), parsing_timeout=timeout)  # type: ignore[arg-type]
-        got = parse(_as_math(pred), parsing_timeout=timeout)  # type: ignore[arg-type]
-        if not gold or not got:
-            return normalize_answer(pred) == normalize_answer(ref)
-        return bool(verify(gold, got, timeout_seconds=timeout))
+        """In this process (blocking, bounded only by math-verify's SIGALRM on the main thread)."""
+        return math_equivalent(pred, ref, self.config.timeout_s)
 
     async def score(self, trajectory: Trajectory) -> RewardResult:
         c = self.config
         text = response_text(trajectory, c.response_from)
-        pred = extract_answer(text, last_number=False) or text.strip()
-        ok = self.equivalent(pred, str(_reference(trajectory, c.answer_key)))
+        pred = extract_answer(text, last_number=False) or text[-MAX_ANSWER_CHARS - 1:].strip()
+        ref = str(_reference(trajectory, c.answer_key))
+        if len(pred) > MAX_ANSWER_CHARS:
+            return RewardResult(c.wrong, {"extracted": None, "correct": False, "error": "answer too long"})
+        ok = await _bounded.call("rollart_reward.rewards:math_equivalent", pred, ref, c.timeout_s,
+                                 timeout_s=c.hard_timeout_s, what=f"math_verify (hard_timeout_s={c.hard_timeout_s:g})")
         return RewardResult(c.correct if ok else c.wrong, {"extracted": pred, "correct": ok})
+
+
+def math_equivalent(pred: str, ref: str, timeout_s: int | None) -> bool:
+    """math-verify equivalence; ``timeout_s`` (SIGALRM) applies only on the main thread."""
+    import threading
+
+    from math_verify import parse, verify
+
+    timeout = timeout_s if threading.current_thread() is threading.main_thread() else None
+    gold = parse(_as_math(ref), parsing_timeout=timeout)  # type: ignore[arg-type]
+    got = parse(_as_math(pred), parsing_timeout=timeout)  # type: ignore[arg-type]
+    if not gold or not got:
+        return normalize_answer(pred) == normalize_answer(ref)
+    return bool(verify(gold, got, timeout_seconds=timeout))
 
 
 class CodeTestsConfig(_Base):
@@ -216,6 +233,16 @@ class FormatConfig(BaseModel):
     response_from: Literal["last_turn", "all_turns"] = "last_turn"
     correct: float = 1.0
     wrong: float = 0.0
+    timeout_s: float = Field(10.0, gt=0)
+    """Wall-clock limit of the match (a worker process, killed past it: a backtracking pattern on a long
+    response can run for hours holding the GIL)."""
+
+
+def format_check(pattern: str, tags: list[str], text: str) -> tuple[bool, list[str]]:
+    """``(fullmatch?, tags not present exactly once)``."""
+    regex_ok = re.fullmatch(pattern, text) is not None
+    missing = [t for t in tags if len(re.findall(f"<{re.escape(t)}>.*?</{re.escape(t)}>", text, re.DOTALL)) != 1]
+    return regex_ok, missing
 
 
 class FormatReward:
@@ -234,9 +261,9 @@ class FormatReward:
     async def score(self, trajectory: Trajectory) -> RewardResult:
         c = self.config
         text = response_text(trajectory, c.response_from)
-        regex_ok = self._re.fullmatch(text) is not None
-        missing = [t for t in c.required_tags
-                   if len(re.findall(f"<{re.escape(t)}>.*?</{re.escape(t)}>", text, re.DOTALL)) != 1]
+        regex_ok, missing = await _bounded.call("rollart_reward.rewards:format_check", c.pattern,
+                                                    c.required_tags, text, timeout_s=c.timeout_s,
+                                                    what=f"format (timeout_s={c.timeout_s:g})")
         ok = regex_ok and not missing
         return RewardResult(c.correct if ok else c.wrong, {"regex_ok": regex_ok, "missing_tags": missing})
 
