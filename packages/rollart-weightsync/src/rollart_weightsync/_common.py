@@ -1,4 +1,5 @@
-"""Helpers shared by the back-ends: a one-thread pusher, snapshots, waiting, subscriptions."""
+"""Helpers shared by the back-ends: a one-thread pusher, snapshots, waiting, subscriptions, and
+:class:`PushWatchMixin`, which gives every store the same ``wait_for`` / ``subscribe`` / ``close``."""
 
 from __future__ import annotations
 
@@ -14,7 +15,16 @@ from rollart_core.errors import WeightSyncError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Pusher", "Subscriptions", "fill_into", "full_tensor", "snapshot", "wait_until"]
+__all__ = [
+    "PushWatchMixin",
+    "Pusher",
+    "Subscriptions",
+    "check_into",
+    "fill_into",
+    "full_tensor",
+    "snapshot",
+    "wait_until",
+]
 
 log = logging.getLogger(__name__)
 
@@ -162,3 +172,49 @@ class Subscriptions:
         except WeightSyncError as exc:
             log.warning("%s: cannot read latest version: %s", self._name, exc)
             return None
+
+
+class PushWatchMixin:
+    """What every store shares: one pusher thread (started by the first push, again after
+    :meth:`close`), one subscription watcher, and ``wait_for`` / ``subscribe`` / ``close``.
+
+    A store calls :meth:`_init_push_watch` in ``__init__``, runs each commit through
+    :meth:`_submit`, calls :meth:`_committed` once a version is visible, and defines
+    ``latest_version``.
+    """
+
+    latest_version: Callable[[], int | None]
+    _pusher: Pusher | None
+    _subs: Subscriptions
+
+    def _init_push_watch(self, name: str, poll_s: float, *, cond: threading.Condition | None = None,
+                         wait_poll_s: float | None = None) -> None:
+        """``name`` prefixes the thread names; ``poll_s`` is the watcher's polling period and, unless
+        ``wait_poll_s`` is given, ``wait_for``'s. ``cond``: notified at each commit, so ``wait_for``
+        wakes at once instead of at its next poll."""
+        self._push_watch_name = name
+        self._pusher = None
+        self._subs = Subscriptions(self.latest_version, poll_s, f"{name}-weights")
+        self._wait_cond = cond
+        self._wait_poll_s = poll_s if wait_poll_s is None else wait_poll_s
+
+    def _submit(self, commit: Callable[[], None]) -> Future[None]:
+        if self._pusher is None:
+            self._pusher = Pusher(f"{self._push_watch_name}-weight-push")
+        return self._pusher.submit(commit)
+
+    def _committed(self) -> None:
+        """Wake the subscription watcher: a version was just committed by this process."""
+        self._subs.notify()
+
+    def wait_for(self, version: int, timeout: float | None = None) -> int:
+        return wait_until(self.latest_version, version, timeout, cond=self._wait_cond, poll_s=self._wait_poll_s)
+
+    def subscribe(self, callback: Callable[[int], None]) -> Callable[[], None]:
+        return self._subs.subscribe(callback)
+
+    def close(self) -> None:
+        """Finish queued pushes; a later push starts a new pusher thread."""
+        if self._pusher is not None:
+            self._pusher.close()
+            self._pusher = None

@@ -11,7 +11,7 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollart_core.errors import WeightSyncError
-from rollart_weightsync._common import Pusher, Subscriptions, fill_into, snapshot, wait_until
+from rollart_weightsync._common import PushWatchMixin, fill_into, snapshot
 
 if TYPE_CHECKING:
     import torch
@@ -38,15 +38,14 @@ class FilesystemWeightStoreConfig(BaseModel):
     """Polling period of ``wait_for`` and subscriptions (other processes commit by rename)."""
 
 
-class FilesystemWeightStore:
+class FilesystemWeightStore(PushWatchMixin):
     Config = FilesystemWeightStoreConfig
 
     def __init__(self, config: FilesystemWeightStoreConfig | None = None, *, root: str | Path | None = None) -> None:
         self.config = config or FilesystemWeightStoreConfig()
         self.root = Path(root) if root is not None else self.config.root
         self.root.mkdir(parents=True, exist_ok=True)
-        self._pusher: Pusher | None = None
-        self._subs = Subscriptions(self.latest_version, self.config.poll_s, "fs-weights")
+        self._init_push_watch("fs", self.config.poll_s)
 
     def __getstate__(self) -> dict[str, object]:  # travels to other processes without its threads
         return {"config": self.config, "root": self.root}
@@ -61,9 +60,7 @@ class FilesystemWeightStore:
         if version < 0:
             raise WeightSyncError(f"version must be >= 0, got {version}")
         snap = snapshot(tensors)
-        if self._pusher is None:
-            self._pusher = Pusher("fs-weight-push")
-        return self._pusher.submit(lambda: self._write(version, snap))
+        return self._submit(lambda: self._write(version, snap))
 
     def _write(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         from safetensors.torch import save_file
@@ -79,7 +76,7 @@ class FilesystemWeightStore:
             shutil.rmtree(final)
         os.replace(tmp, final)
         self._retain()
-        self._subs.notify()
+        self._committed()
 
     def _retain(self) -> None:
         versions = self.committed_versions()
@@ -117,17 +114,6 @@ class FilesystemWeightStore:
         except OSError as exc:  # removed by retention (or a re-push) while we read it
             raise WeightSyncError(f"version {version} vanished from {d} while pulling: {exc}") from exc
         raise WeightSyncError(f"version {version}: checksum mismatch in {d}")
-
-    def wait_for(self, version: int, timeout: float | None = None) -> int:
-        return wait_until(self.latest_version, version, timeout, poll_s=self.config.poll_s)
-
-    def subscribe(self, callback: Callable[[int], None]) -> Callable[[], None]:
-        return self._subs.subscribe(callback)
-
-    def close(self) -> None:
-        if self._pusher is not None:
-            self._pusher.close()
-            self._pusher = None
 
 
 def _sha256(path: Path) -> str:

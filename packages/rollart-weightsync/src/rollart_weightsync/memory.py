@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollart_core.errors import WeightSyncError
-from rollart_weightsync._common import Pusher, Subscriptions, fill_into, snapshot, wait_until
+from rollart_weightsync._common import PushWatchMixin, fill_into, snapshot
 
 if TYPE_CHECKING:
     import torch
@@ -25,15 +25,14 @@ class MemoryWeightStoreConfig(BaseModel):
     """Retention: how many committed versions to keep."""
 
 
-class MemoryWeightStore:
+class MemoryWeightStore(PushWatchMixin):
     Config = MemoryWeightStoreConfig
 
     def __init__(self, config: MemoryWeightStoreConfig | None = None) -> None:
         self.config = config or MemoryWeightStoreConfig()
         self._versions: dict[int, dict[str, torch.Tensor]] = {}
         self._cond = threading.Condition()
-        self._pusher = Pusher("mem-weight-push")
-        self._subs = Subscriptions(self.latest_version, 0.5, "mem-weights")
+        self._init_push_watch("mem", 0.5, cond=self._cond, wait_poll_s=0.02)
 
     def push(self, version: int, tensors: Mapping[str, torch.Tensor]) -> Future[None]:
         snap = snapshot(tensors)
@@ -44,9 +43,9 @@ class MemoryWeightStore:
                 for v in sorted(self._versions)[: -self.config.keep_last]:
                     del self._versions[v]
                 self._cond.notify_all()
-            self._subs.notify()
+            self._committed()
 
-        return self._pusher.submit(commit)
+        return self._submit(commit)
 
     def latest_version(self) -> int | None:
         with self._cond:
@@ -59,12 +58,3 @@ class MemoryWeightStore:
                 raise WeightSyncError(f"version {version} is not committed (have {sorted(self._versions)})")
             tensors = dict(self._versions[version])
         return fill_into(tensors, into)
-
-    def wait_for(self, version: int, timeout: float | None = None) -> int:
-        return wait_until(self.latest_version, version, timeout, cond=self._cond)
-
-    def subscribe(self, callback: Callable[[int], None]) -> Callable[[], None]:
-        return self._subs.subscribe(callback)
-
-    def close(self) -> None:
-        self._pusher.close()

@@ -40,7 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from rollart_core.errors import ConfigError, WeightSyncError
 from rollart_core.extras import require
 from rollart_weightsync import _layout
-from rollart_weightsync._common import Pusher, Subscriptions, check_into, wait_until
+from rollart_weightsync._common import PushWatchMixin, check_into
 
 if TYPE_CHECKING:
     import torch
@@ -217,8 +217,9 @@ class _Packed:
                 raise WeightSyncError(f"packing the pushed tensors failed: {self._error!r}")
 
 
-class MooncakeWeightStore:
-    """See the module docstring. ``push`` returns at once; ``pull`` streams bucket by bucket."""
+class MooncakeWeightStore(PushWatchMixin):
+    """See the module docstring. ``push`` returns at once; ``pull`` streams bucket by bucket;
+    ``close`` finishes queued pushes (the process-wide client stays for other store objects)."""
 
     Config = MooncakeWeightStoreConfig
 
@@ -228,8 +229,7 @@ class MooncakeWeightStore:
         elif options:
             raise ConfigError(f"give either a config or options, not both ({sorted(options)})")
         self.config = config
-        self._pusher: Pusher | None = None
-        self._subs = Subscriptions(self.latest_version, config.poll_s, "mooncake-weights")
+        self._init_push_watch("mooncake", config.poll_s)
         self._index_lock = threading.Lock()
         self._spare: torch.Tensor | None = None
         """The flat buffer of the last committed push, reused by the next push of the same size."""
@@ -292,12 +292,10 @@ class MooncakeWeightStore:
         shm = _SHM.get(id(self._conn()))
         flat, manifest, srcs = _layout.plan(tensors, version, self.config.bucket_bytes, self.config.checksum, dtype,
                                             spare, alloc=shm.take if shm is not None else None)
-        if self._pusher is None:
-            self._pusher = Pusher("mooncake-weight-push")
         # the copy into the push buffer happens here, before push returns (the caller may change the
         # tensors afterwards), while the commit already puts the buckets packed so far
         packed = _Packed()
-        future = self._pusher.submit(lambda: self._commit(flat, manifest, packed))
+        future = self._submit(lambda: self._commit(flat, manifest, packed))
         try:
             _layout.fill(flat, manifest, srcs, packed.advance)
         except BaseException as exc:
@@ -317,7 +315,7 @@ class MooncakeWeightStore:
                 self._spare = flat
         self._update_index(self._conn(), manifest.version, len(manifest.ranges()) if manifest.total_bytes else 0)
         self.stats["pushes"] += 1
-        self._subs.notify()
+        self._committed()
 
     def _put_version(self, c: Any, flat: torch.Tensor, manifest: _layout.Manifest, packed: _Packed) -> None:
         v = manifest.version
@@ -502,17 +500,3 @@ class MooncakeWeightStore:
                                   "deleted by retention or lost with the store holder")
         if _layout.checksum(view, m.checksum) != m.bucket_sums[i]:
             raise WeightSyncError(f"version {m.version}: checksum mismatch in bucket {key!r} after re-fetch")
-
-    # waiting and subscriptions ---------------------------------------------------------------
-
-    def wait_for(self, version: int, timeout: float | None = None) -> int:
-        return wait_until(self.latest_version, version, timeout, poll_s=self.config.poll_s)
-
-    def subscribe(self, callback: Callable[[int], None]) -> Callable[[], None]:
-        return self._subs.subscribe(callback)
-
-    def close(self) -> None:
-        """Finish queued pushes. The process-wide client stays for other store objects."""
-        if self._pusher is not None:
-            self._pusher.close()
-            self._pusher = None

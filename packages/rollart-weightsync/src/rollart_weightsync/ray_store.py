@@ -10,7 +10,7 @@ store (shared memory on the same node). The object is picklable and finds the ac
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from rollart_core.errors import ConfigError, WeightSyncError
 from rollart_core.extras import require
 from rollart_weightsync import _layout
-from rollart_weightsync._common import Pusher, Subscriptions, check_into, fill_into, wait_until
+from rollart_weightsync._common import PushWatchMixin, check_into, fill_into
 
 if TYPE_CHECKING:
     import torch
@@ -82,7 +82,7 @@ class _Holder:
         return sorted(self.versions)
 
 
-class RayWeightStore:
+class RayWeightStore(PushWatchMixin):
     Config = RayWeightStoreConfig
 
     def __init__(self, config: RayWeightStoreConfig | None = None, **options: Any) -> None:
@@ -93,8 +93,7 @@ class RayWeightStore:
         self.config = config
         self._actor: Any = None
         self._lock = threading.Lock()
-        self._pusher: Pusher | None = None
-        self._subs = Subscriptions(self.latest_version, config.poll_s, "ray-weights")
+        self._init_push_watch("ray", config.poll_s)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"config": self.config}
@@ -121,9 +120,7 @@ class RayWeightStore:
 
         dtype = getattr(torch, self.config.dtype) if self.config.dtype else None
         flat, manifest = _layout.pack(tensors, version, self.config.bucket_bytes, self.config.checksum, dtype)
-        if self._pusher is None:
-            self._pusher = Pusher("ray-weight-push")
-        return self._pusher.submit(lambda: self._commit(flat, manifest))
+        return self._submit(lambda: self._commit(flat, manifest))
 
     def _commit(self, flat: torch.Tensor, manifest: _layout.Manifest) -> None:
         import ray
@@ -134,7 +131,7 @@ class RayWeightStore:
         ranges = manifest.ranges() if manifest.total_bytes else []
         ray.get([holder.put_bucket.remote(manifest.version, i, arr[s:e]) for i, (s, e) in enumerate(ranges)])
         ray.get(holder.commit.remote(manifest.version, manifest.to_bytes(), len(ranges)))
-        self._subs.notify()
+        self._committed()
 
     def latest_version(self) -> int | None:
         import ray
@@ -173,14 +170,3 @@ class RayWeightStore:
             if _layout.checksum(arr, m.checksum) == m.bucket_sums[i]:
                 return arr
         raise WeightSyncError(f"version {m.version}: checksum mismatch in bucket {i} after re-fetch")
-
-    def wait_for(self, version: int, timeout: float | None = None) -> int:
-        return wait_until(self.latest_version, version, timeout, poll_s=self.config.poll_s)
-
-    def subscribe(self, callback: Callable[[int], None]) -> Callable[[], None]:
-        return self._subs.subscribe(callback)
-
-    def close(self) -> None:
-        if self._pusher is not None:
-            self._pusher.close()
-            self._pusher = None
