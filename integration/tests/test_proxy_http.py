@@ -184,10 +184,14 @@ def readme_blocks() -> tuple[str, str]:
     return yaml_block.group(1), py_block.group(1)
 
 
+ADMIN_KEY = "test-admin-key"
+
+
 def start_service(config: Path, log: Path) -> subprocess.Popen[bytes]:
     exe = Path(sys.executable).parent / "rollart-proxy"
+    env = {**os.environ, "ROLLART_PROXY_ADMIN_KEY": ADMIN_KEY}  # admin endpoints are closed without one
     return subprocess.Popen([str(exe), "serve", "--config", str(config)], stdout=log.open("wb"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
+                            stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
 
 def test_standalone_service_exactly_as_the_readme_shows(servers: tuple[Server, Server], model_dir: Path,
@@ -208,8 +212,10 @@ def test_standalone_service_exactly_as_the_readme_shows(servers: tuple[Server, S
         last = r.stdout.rstrip("\n").split("\n")[-1]  # output ids, logprobs, and versions (all 0)
         assert last.startswith("[") and re.search(r"\[0(, 0)*\]$", last), r.stdout
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", trust_env=False, timeout=60) as h:
-            assert h.post("/admin/suspend").json() == {"suspended": True}
-            assert h.post("/admin/resume").json() == {"suspended": False}
+            assert h.post("/admin/suspend").status_code == 401  # the admin token is required
+            admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+            assert h.post("/admin/suspend", headers=admin).json() == {"suspended": True}
+            assert h.post("/admin/resume", headers=admin).json() == {"suspended": False}
             m = h.get("/metrics").json()
             assert m["gen-0"]["pool"] == "H800" and m["gen-0"]["requests"] >= 1 and m["gen-0"]["suspended_s"] > 0
             r2 = h.post("/v1/chat/completions", json={"model": "tiny", "messages": "not a list"})

@@ -45,6 +45,7 @@ import ipaddress
 import json
 import logging
 import os
+import socket
 import time
 import uuid
 from collections import OrderedDict
@@ -253,6 +254,7 @@ class OpenAIServer:
         self.task_header = task_header
         self.recorder = SessionRecorder(max_sessions)
         self._server: Any = None
+        self._socket: socket.socket | None = None
         self._task: asyncio.Task[None] | None = None
         self.app = self._build()
 
@@ -270,9 +272,19 @@ class OpenAIServer:
             log.warning("rollart-proxy binds %s (beyond loopback) without an API key: anyone who reaches it can "
                         "generate and read sessions; set --api-key / %s", host, API_KEY_ENV)
 
+        # Bind here: a bind error is a plain OSError (uvicorn would sys.exit inside the serving task,
+        # which escapes the host's event loop).
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+        except OSError:
+            sock.close()
+            raise
         config = uvicorn.Config(self.app, host=host, port=port, log_level="warning", lifespan="off")
         self._server = uvicorn.Server(config)
-        self._task = asyncio.create_task(self._server.serve())
+        self._socket = sock
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
         deadline = time.monotonic() + 30
         while not self._server.started:
             if self._task.done():
@@ -281,13 +293,16 @@ class OpenAIServer:
             if time.monotonic() > deadline:
                 raise TimeoutError("uvicorn did not start within 30 s")
             await asyncio.sleep(0.02)
-        return int(self._server.servers[0].sockets[0].getsockname()[1])
+        return int(sock.getsockname()[1])
 
     async def stop(self) -> None:
         if self._server is not None and self._task is not None:
             self._server.should_exit = True
             await asyncio.wait_for(self._task, 30)
             self._server = self._task = None
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
 
     # app ---------------------------------------------------------------------------------------
 
