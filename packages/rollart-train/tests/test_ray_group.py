@@ -202,6 +202,12 @@ def test_killed_rank_restarts_from_newest_checkpoint(ray_session: None, tiny_mod
 
 def test_killed_rank_without_restart_budget_raises(ray_session: None, tiny_model: Path) -> None:
     with RayTrainerGroup(group_config(max_restarts=0), model_path=tiny_model) as group:
+        pids = group.pids
+        empty = [Trajectory(traj_id=f"e{i}", task="t", env_id="e", group_id="g", seed=i, start_version=0,
+                            turns=[Turn(context_ids=[5, 6, 7])], reward=float(i)) for i in range(2)]
+        with pytest.raises(TrainerError, match="no generated tokens"):  # raised by every rank: not a failure
+            group.train_step(empty)
+        assert group.pids == pids and group.version == 0
         node = group.node_ids[1]
         os.kill(group.pids[1], signal.SIGKILL)
         with pytest.raises(TrainerError, match=rf"trainer rank 1 on node {node} .*restart budget is spent"):

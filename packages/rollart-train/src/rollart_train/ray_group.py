@@ -7,7 +7,8 @@ custom resource or GPU model, :mod:`rollart_core.resources`) and drives them fro
 - **Placement**: one :class:`~rollart_core.resources.WorkerDecl` ``"trainer"`` with ``count = ranks``
   goes through :func:`rollart_core.resources.place` (validated first: a pool the cluster lacks or one
   too small raises ConfigError before any actor starts); rank ``r`` is created with
-  ``Placement.actor_options("trainer", r)``. :meth:`RayTrainerGroup.validate` runs the same check
+  ``Placement.actor_options(name, r)`` (a built group places itself as ``trainer-<id>``, since Ray's
+  placement group names are unique). :meth:`RayTrainerGroup.validate` runs the same check
   statically, so a pipeline can refuse a plan before it starts its engines.
 - **Rendezvous**: rank 0's actor reports its node IP and a free port there; every rank then joins
   ``torch.distributed`` (gloo on CPU, NCCL with ``device: cuda``) at that address and builds a
@@ -123,8 +124,9 @@ class RayTrainerGroupConfig(BaseModel):
         if self.options.get("spawn"):
             raise ValueError("options.spawn does not apply to a Ray trainer group (every rank is already "
                              "its own actor process): leave it out")
-        if self.num_gpus_per_rank > 0 and self.options.get("device", "cpu") != "cuda":
-            raise ValueError("num_gpus_per_rank > 0 needs options.device: cuda")
+        if (self.num_gpus_per_rank > 0) != (self.options.get("device", "cpu") == "cuda"):
+            raise ValueError("options.device: cuda and num_gpus_per_rank > 0 go together (Ray hides the GPUs "
+                             "from an actor that reserved none)")
         try:
             return config_cls.model_validate({**self.options, "world_size": self.ranks})
         except ValidationError as exc:
@@ -222,6 +224,7 @@ class RayTrainerGroup:
         """How many times full weights were brought to the caller (:meth:`named_weights`)."""
         self.resumed_state: dict[str, Any] = {}
         self._name = f"rollart-trainer-{uuid.uuid4().hex[:8]}"
+        self._decl = self.worker_decl(config, name=self._name.removeprefix("rollart-"))
         self._placement: Placement | None = None
         self._actor_cls: Any = None
         self._actors: list[Any] = []
@@ -229,6 +232,8 @@ class RayTrainerGroup:
         self._node_ids: list[str] = []
         self._closed = False
         self._generation = 0
+        self._lost = _RankFailed(0, "no live ranks")
+        """Why the group has no ranks (a failure that killed them), for the next call's restart."""
         try:
             self._placement = self._place()
             import ray
@@ -244,9 +249,11 @@ class RayTrainerGroup:
     # placement -------------------------------------------------------------------------------
 
     @staticmethod
-    def worker_decl(config: RayTrainerGroupConfig) -> WorkerDecl:
-        """The group's resource demand, for the pipeline's plan (``validate_plan`` / ``place``)."""
-        return WorkerDecl("trainer", AffinitySpec(pool=config.pool, num_cpus=config.num_cpus_per_rank,
+    def worker_decl(config: RayTrainerGroupConfig, name: str = "trainer") -> WorkerDecl:
+        """The group's resource demand, for the pipeline's plan (``validate_plan`` / ``place``). A built
+        group places itself under a name of its own (``trainer-<id>``: Ray placement group names are
+        unique, and two groups may share a cluster)."""
+        return WorkerDecl(name, AffinitySpec(pool=config.pool, num_cpus=config.num_cpus_per_rank,
                                                   num_gpus=config.num_gpus_per_rank, count=config.ranks), "trainer")
 
     @classmethod
@@ -265,33 +272,44 @@ class RayTrainerGroup:
 
         cluster = ClusterView.from_ray()
         self.validate(self.config, cluster)
-        return place([self.worker_decl(self.config)], cluster, timeout_s=self.config.placement_timeout_s)
+        return place([self._decl], cluster, timeout_s=self.config.placement_timeout_s)
 
     # ranks -----------------------------------------------------------------------------------
 
     def _build(self, resume_from: Path | None, version: int | None) -> dict[str, Any]:
         """Start every rank (from ``resume_from`` or the initial model; under ``version`` if given)."""
-        import ray
-
         if self._placement is None:
             raise TrainerError("the trainer group is closed")
         n, c = self.config.ranks, self.config
+        t0 = time.monotonic()
         cfg = self.rank_config.model_copy(update={"resume_from": str(resume_from) if resume_from else None})
         self._generation += 1
         self._actors = []
         for r in range(n):  # appended one by one: a failure half-way still kills those created
             self._actors.append(self._actor_cls.options(
-                **self._placement.actor_options("trainer", r), name=f"{self._name}-g{self._generation}-rank{r}",
+                **self._placement.actor_options(self._decl.name, r), name=f"{self._name}-g{self._generation}-rank{r}",
                 max_restarts=0, max_task_retries=0).remote(r))
-        identities = self._gather([a.identity.remote() for a in self._actors], "start", c.placement_timeout_s,
-                                  every=True)
-        self._pids = [int(pid) for pid, _ in identities]
-        self._node_ids = [str(node) for _, node in identities]
-        master = ray.get(self._actors[0].address.remote(), timeout=c.placement_timeout_s)
+        try:
+            identities = self._gather([a.identity.remote() for a in self._actors], "start",
+                                      c.placement_timeout_s, every=True)
+            self._pids = [int(pid) for pid, _ in identities]
+            self._node_ids = [str(node) for _, node in identities]
+            master = self._gather([self._actors[0].address.remote()], "start", c.placement_timeout_s)
+        except BaseException:
+            self._kill()
+            raise
         threads = max(1, int(c.num_cpus_per_rank))
-        return self._gather([a.setup.remote(_WORKERS[c.worker][1], cfg, str(self.model_path), n, master,
-                                            self.weight_store, version, threads) for a in self._actors],
-                            "start", c.placement_timeout_s)
+        started = time.monotonic()
+        try:
+            state = self._gather([a.setup.remote(_WORKERS[c.worker][1], cfg, str(self.model_path), n, master,
+                                                self.weight_store, version, threads) for a in self._actors],
+                                "start", c.placement_timeout_s)
+        except BaseException:
+            self._kill()  # half-started ranks are of no use
+            raise
+        log.debug("trainer ranks: actors up in %.2fs, model loaded and process group joined in %.2fs",
+                  started - t0, time.monotonic() - started)
+        return state
 
     def _kill(self) -> None:
         import ray
@@ -329,10 +347,11 @@ class RayTrainerGroup:
                 app_error = app_error or (rank_of[ready[0]], exc)
         if app_error is not None:
             rank, exc = app_error
-            if pending:  # the others are stuck in a collective the failed rank left
-                self._kill()
             cause = exc.cause if isinstance(getattr(exc, "cause", None), BaseException) else exc
-            if isinstance(cause, RollartError):
+            if pending:  # the others are stuck in a collective the failed rank left: the group diverged
+                raise _RankFailed(rank, f"{what} raised {cause!r} on rank {rank} while other ranks waited "
+                                        "in a collective") from exc
+            if isinstance(cause, RollartError):  # every rank raised it: the group is still consistent
                 raise cause
             raise TrainerError(f"trainer rank {rank}: {what} failed: {cause!r}") from exc
         out = ray.get(refs)
@@ -345,7 +364,7 @@ class RayTrainerGroup:
             raise TrainerError("the trainer group is closed")
         restart: dict[str, float] = {}
         if not self._actors:  # an earlier failure left the group without ranks
-            restart = self._restart(None)
+            restart = self._restart(self._lost)
         try:
             return self._gather(submit(self._actors), what, self.config.call_timeout_s), restart
         except _RankFailed as failure:
@@ -354,16 +373,17 @@ class RayTrainerGroup:
             return self._gather(submit(self._actors), what, self.config.call_timeout_s), restart
         except _RankFailed as failure:
             self._kill()
+            self._lost = failure
             raise TrainerError(f"trainer rank {failure.rank} failed again right after a restart: "
                                f"{failure.reason}") from failure
 
-    def _restart(self, failure: _RankFailed | None) -> dict[str, float]:
+    def _restart(self, failure: _RankFailed) -> dict[str, float]:
         """Kill every rank; rebuild them all from the newest checkpoint (within the budget)."""
         c = self.config
-        rank = failure.rank if failure is not None else 0
+        rank, reason = failure.rank, failure.reason
         node = self._node_ids[rank] if rank < len(self._node_ids) else "?"
-        reason = failure.reason if failure is not None else "no live ranks"
         self._kill()
+        self._lost = failure
         if self.restarts >= c.max_restarts:
             raise TrainerError(f"trainer rank {rank} on node {node} failed ({reason}) and the restart budget is "
                                f"spent ({self.restarts} of max_restarts={c.max_restarts} used)") from failure
@@ -378,7 +398,7 @@ class RayTrainerGroup:
         try:
             self._build(ckpt, version)
         except _RankFailed as again:
-            self._kill()
+            self._lost = again
             raise TrainerError(f"trainer rank {again.rank} failed while restarting the group "
                                f"(restart {self.restarts} of {c.max_restarts}): {again.reason}") from again
         lost = max(self.version - restored, 0)
@@ -430,12 +450,14 @@ class RayTrainerGroup:
     def load(self, path: str | Path) -> None:
         """Continue from a checkpoint written by :meth:`save` (or the newest inside ``path``): every rank
         is rebuilt from it, at its version (``SupportsResume``)."""
+        if self._closed:
+            raise TrainerError("the trainer group is closed")
         ckpt = _newest_checkpoint(path, required=True)
         self._kill()
         try:
             self.resumed_state = self._build(ckpt, None)
         except _RankFailed as failure:
-            self._kill()
+            self._lost = failure
             raise TrainerError(f"trainer rank {failure.rank} failed while loading {ckpt}: {failure.reason}") from None
         self.version = int(self.resumed_state["version"])
 
