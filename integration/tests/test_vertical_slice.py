@@ -9,6 +9,7 @@ import math
 
 import pytest
 
+from rollart_core.control.clock import VersionClock
 from rollart_core.errors import EngineError
 from rollart_core.loop import rollout_step
 from rollart_core.runner import run_trajectory
@@ -208,8 +209,7 @@ async def test_redundant_rollouts_cancel_exactly_the_surplus(pipeline) -> None:
     old = task.redundancy, task.max_turns
     task.redundancy, task.max_turns = 3, 6
     try:
-        ro = Rollout(p)
-        ro.served_version = max((await p.proxy.weight_versions()).values())
+        ro = Rollout(p, VersionClock(max((await p.proxy.weight_versions()).values())))
         gid = ro.launch_group(0, tag="red")
         await ro.wait_all()
         mine = [t for t in ro.drain_finished() if t.group_id == gid]
@@ -217,7 +217,7 @@ async def test_redundant_rollouts_cancel_exactly_the_surplus(pipeline) -> None:
         fates = [t.fate for t in mine]
         assert fates.count(Fate.FINISHED) == task.group_size
         assert fates.count(Fate.CANCELLED_REDUNDANT) == 3 == ro.cancelled_redundant
-        batch = await p.buffer.get_batch(1, version=ro.served_version)
+        batch = await p.buffer.get_batch(1, version=ro.clock.served)
         assert len(batch) == task.group_size and {t.group_id for t in batch} == {gid}
         # the cancelled requests are gone from the inference worker, not just from our side
         engine = next(iter(p.proxy.workers.values())).engine
@@ -237,8 +237,7 @@ async def test_a_group_admitted_ahead_generates_only_on_the_coming_version(pipel
     task = p.config.tasks[0]
     v = p.trainer.version
     assert set((await p.proxy.weight_versions()).values()) == {v}
-    ro = Rollout(p)
-    ro.served_version = v
+    ro = Rollout(p)  # its clock: trained and served version v
     gid = ro.launch_group(0, tag="ahead", start_version=v + 1)
     mine = [t for t, _ in ro.inflight.values() if t.group_id == gid]
     assert mine and all(t.start_version == v + 1 for t in mine)
@@ -258,7 +257,8 @@ async def test_a_group_admitted_ahead_generates_only_on_the_coming_version(pipel
     p.trainer.train_step(batch)
     await asyncio.wrap_future(p.store.push(v + 1, dict(p.trainer.named_weights())))
     await p.proxy.update_weights(v + 1)
-    ro.served_version = v + 1
+    ro.clock.trained_to(v + 1)
+    ro.clock.serve(v + 1)
     await p.buffer.notify()
     await asyncio.wait_for(ro.wait_all(), 120)
     assert all(t.fate is Fate.FINISHED for t in mine), [t.error for t in mine]

@@ -3,15 +3,16 @@
 Public API, grouped:
 
 - protocols: :class:`InferenceEngine`, :class:`SupportsPause`, :class:`SupportsWeightUpdate`,
-  :class:`Environment`, :class:`RewardFunction`, :class:`Trainer`, :class:`WeightStore`,
-  :class:`ChatFormat`
+  :class:`Proxy`, :class:`Environment`, :class:`RewardFunction`, :class:`Trainer`,
+  :class:`SupportsWeightPush`, :class:`WeightStore`, :class:`ChatFormat`
 - types: :class:`Trajectory`, :class:`Turn`, :class:`Fate`, :class:`SamplingParams`,
   :class:`GenerateRequest`, :class:`GenerateOutput`, :class:`StepResult`, :class:`RewardResult`
 - config: :class:`RunConfig` (and its sections), :func:`load_config`
 - errors: :class:`RollartError`, :class:`ConfigError`, ...
 - registry: :func:`resolve`, :func:`build`, :func:`available`
 - resource plane: :func:`affinity`, :class:`AffinitySpec`
-- control plane: :class:`SampleBuffer`, :func:`run_trajectory` (``rollart_core.loop.train`` runs a job)
+- control plane: :class:`SampleBuffer`, :func:`run_trajectory`, :class:`VersionClock`
+  (``rollart_core.control.train.train`` runs a job: one recipe per mode over named primitives)
 
 Importing rollart_core never imports torch, vLLM, Ray or any member package.
 """
@@ -26,8 +27,10 @@ from rollart_core.config import (
     RunConfig,
     TaskConfig,
     TrainConfig,
+    TrainerSection,
     load_config,
 )
+from rollart_core.control.clock import VersionClock
 from rollart_core.errors import (
     ConfigError,
     EngineError,
@@ -44,9 +47,11 @@ from rollart_core.protocols import (
     ChatFormat,
     Environment,
     InferenceEngine,
+    Proxy,
     RewardFunction,
     SupportsPause,
     SupportsWeightPrefetch,
+    SupportsWeightPush,
     SupportsWeightUpdate,
     Trainer,
     WeightStore,
@@ -66,18 +71,18 @@ from rollart_core.types import (
 
 __all__ = [
     # protocols
-    "ChatFormat", "Environment", "InferenceEngine", "RewardFunction", "SupportsPause",
-    "SupportsWeightPrefetch", "SupportsWeightUpdate", "Trainer", "WeightStore",
+    "ChatFormat", "Environment", "InferenceEngine", "Proxy", "RewardFunction", "SupportsPause",
+    "SupportsWeightPrefetch", "SupportsWeightPush", "SupportsWeightUpdate", "Trainer", "WeightStore",
     # types
     "Fate", "GenerateOutput", "GenerateRequest", "RewardResult", "SamplingParams", "StepResult",
     "Trajectory", "Turn",
     # config
     "ComponentConfig", "EngineGroupConfig", "ModelConfig", "RayConfig", "RunConfig", "TaskConfig",
-    "TrainConfig", "load_config",
+    "TrainConfig", "TrainerSection", "load_config",
     # errors
     "ConfigError", "EngineError", "EnvError", "EnvTimeoutError", "MissingExtraError", "RegistryError", "RewardError",
     "RollartError", "TrainerError", "WeightSyncError",
     # registry, resource and control planes
     "AffinitySpec", "SampleBuffer", "affinity", "available", "build", "get_affinity", "resolve",
-    "run_trajectory",
+    "VersionClock", "run_trajectory",
 ]

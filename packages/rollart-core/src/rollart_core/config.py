@@ -59,6 +59,9 @@ class EngineGroupConfig(_Model):
     pool: str | None = None
     """Pool (Ray custom resource) the engines must run on; overrides the class's affinity."""
     num_cpus: float | None = Field(None, ge=0)
+    max_restarts: int = Field(2, ge=0)
+    """Ray restarts of each engine actor that dies; the proxy's health loop brings a restarted
+    engine to the served weights before it takes requests again."""
     options: dict[str, Any] = Field(default_factory=dict)
 
 

@@ -185,7 +185,8 @@ class Pipeline:
                 actor = (
                     ray.remote(cls)
                     .options(**self.placement.actor_options(group.name, r), name=f"rollart-{name}",
-                             max_concurrency=1024, runtime_env={"env_vars": _ENGINE_ENV})
+                             max_concurrency=1024, runtime_env={"env_vars": _ENGINE_ENV},
+                             max_restarts=group.max_restarts, max_task_retries=0)
                     .remote(ecfg, model_path=str(self.config.model.path), weight_store=self.store, name=name)
                 )
                 self.actors.append(actor)
@@ -198,6 +199,9 @@ class Pipeline:
             self.proxy = pd_cls(self.proxy, pd_cls.Config.from_tasks(self.config.tasks, kv_store_dir=self._pd_kv_dir))
         if not isinstance(self.proxy, Proxy):
             raise RegistryError(f"proxy {type(self.proxy).__name__} does not implement rollart_core.protocols.Proxy")
+        start_health = getattr(self.proxy, "start_health_loop", None)
+        if start_health is not None:  # restarted engines come back on the served weights
+            start_health()
 
     def _pd_engine_args(self, cfg: RunConfig) -> dict[str, dict[str, Any]]:
         """KV-connector engine args per engine group for tasks with ``pd`` on/auto: prefill groups
@@ -246,6 +250,9 @@ class Pipeline:
             except Exception as e:
                 log.warning("env manager shutdown failed: %r", e)
             self.env_manager = None
+        stop_health = getattr(getattr(self, "proxy", None), "stop_health_loop", None)
+        if stop_health is not None:
+            await stop_health()
         if self.actors:
             import ray
         for a in self.actors:

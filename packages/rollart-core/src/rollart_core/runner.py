@@ -141,6 +141,9 @@ async def run_trajectory(
             await env.close()
         except Exception as exc:
             log.warning("trajectory %s: env.close failed: %r", traj.traj_id, exc)
+    end_session = getattr(generator, "end_session", None)
+    if end_session is not None:  # the proxy forgets the trajectory's routing state
+        end_session(traj.traj_id)
     if on_done is not None:
         await on_done(traj)
     return traj
