@@ -192,6 +192,7 @@ def test_killed_rank_restarts_from_newest_checkpoint(ray_session: None, tiny_mod
         assert metrics["restart_s"] > 0
         assert metrics["version"] == 3.0 and group.version == 3  # rebased: monotone
         assert metrics["optimizer_steps"] == 2.0  # checkpoint-1's one step + this one: weights from checkpoint-1
+        assert metrics["token_lag_mean"] == 2.0  # the ranks themselves continue at version 2 (tokens are v0)
         assert not set(group.pids) & set(old)
         assert not wait_gone(old)
         warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]

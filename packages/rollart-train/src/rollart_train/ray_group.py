@@ -52,6 +52,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from rollart_core.affinity import AffinitySpec
 from rollart_core.errors import ConfigError, RollartError, TrainerError
+from rollart_core.extras import require
 from rollart_core.resources import ClusterView, WorkerDecl
 from rollart_core.types import Trajectory
 
@@ -234,10 +235,9 @@ class RayTrainerGroup:
         self._generation = 0
         self._lost = _RankFailed(0, "no live ranks")
         """Why the group has no ranks (a failure that killed them), for the next call's restart."""
+        ray = require("ray", "pip install 'rollart-core[ray]'")
         try:
             self._placement = self._place()
-            import ray
-
             self._actor_cls = ray.remote(_RankActor)
             resume = self.rank_config.resume_from
             self.resumed_state = self._build(Path(resume) if resume else None, None)
