@@ -42,6 +42,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -232,7 +233,11 @@ class RayTrainerGroup:
         self._pids: list[int] = []
         self._node_ids: list[str] = []
         self._closed = False
+        self._serial = threading.RLock()
+        """Collective calls go to every rank in the same order: callers in several threads (a push
+        beside a checkpoint save) take turns here."""
         self._generation = 0
+        self._pending_restart: dict[str, float] = {}
         self._lost = _RankFailed(0, "no live ranks")
         """Why the group has no ranks (a failure that killed them), for the next call's restart."""
         ray = require("ray", "pip install 'rollart-core[ray]'")
@@ -360,6 +365,13 @@ class RayTrainerGroup:
     def _call(self, what: str, submit: Callable[[list[Any]], list[Any]]) -> tuple[Any, dict[str, float]]:
         """Run one collective call (``submit`` sends it to every rank); on a rank failure restart the
         group within the budget and retry once. Returns rank 0's answer and the restart's metrics."""
+        with self._serial:
+            out, restart = self._call_serial(what, submit)
+            if restart:  # reported with the next train step's metrics, whichever call restarted
+                self._pending_restart = restart
+            return out, restart
+
+    def _call_serial(self, what: str, submit: Callable[[list[Any]], list[Any]]) -> tuple[Any, dict[str, float]]:
         if self._closed:
             raise TrainerError("the trainer group is closed")
         restart: dict[str, float] = {}
@@ -384,6 +396,8 @@ class RayTrainerGroup:
         node = self._node_ids[rank] if rank < len(self._node_ids) else "?"
         self._kill()
         self._lost = failure
+        if self._closed:
+            raise TrainerError(f"the trainer group was closed while rank {rank} failed ({reason})") from failure
         if self.restarts >= c.max_restarts:
             raise TrainerError(f"trainer rank {rank} on node {node} failed ({reason}) and the restart budget is "
                                f"spent ({self.restarts} of max_restarts={c.max_restarts} used)") from failure
@@ -414,8 +428,9 @@ class RayTrainerGroup:
         import ray
 
         ref = ray.put(list(batch))
-        metrics, restart = self._call("train_step", lambda actors: [a.call.remote("train_step", ref) for a in actors])
+        metrics, _ = self._call("train_step", lambda actors: [a.call.remote("train_step", ref) for a in actors])
         self.version += 1
+        restart, self._pending_restart = self._pending_restart, {}
         return {**metrics, "version": float(self.version), **restart}
 
     def push_weights(self, version: int) -> dict[str, float]:
@@ -450,16 +465,17 @@ class RayTrainerGroup:
     def load(self, path: str | Path) -> None:
         """Continue from a checkpoint written by :meth:`save` (or the newest inside ``path``): every rank
         is rebuilt from it, at its version (``SupportsResume``)."""
-        if self._closed:
-            raise TrainerError("the trainer group is closed")
-        ckpt = _newest_checkpoint(path, required=True)
-        self._kill()
-        try:
-            self.resumed_state = self._build(ckpt, None)
-        except _RankFailed as failure:
-            self._lost = failure
-            raise TrainerError(f"trainer rank {failure.rank} failed while loading {ckpt}: {failure.reason}") from None
-        self.version = int(self.resumed_state["version"])
+        with self._serial:
+            if self._closed:
+                raise TrainerError("the trainer group is closed")
+            ckpt = _newest_checkpoint(path, required=True)
+            self._kill()
+            try:
+                self.resumed_state = self._build(ckpt, None)
+            except _RankFailed as failure:
+                self._lost = failure
+                raise TrainerError(f"trainer rank {failure.rank} failed while loading {ckpt}: {failure.reason}") from None
+            self.version = int(self.resumed_state["version"])
 
     # introspection and shutdown --------------------------------------------------------------
 

@@ -65,6 +65,7 @@ async def train(cfg: RunConfig, sink: MetricsSink | None = None, pipeline: Pipel
                    "served_version": run.clock.served, "launched": ro.launched, "fates": dict(ro.fates),
                    "wall_s": time.perf_counter() - run.t_start,
                    "dropped_groups": sorted(p.buffer.dropped_groups), "relaunched_groups": run.relaunches,
+                   "trainer_restarts": getattr(p.trainer, "restarts", 0),
                    "history": history, **p.timings}
     sink.close()
     return summary
