@@ -7,10 +7,16 @@ Wire protocol (JSON bodies; one session = one environment instance on the server
     POST   /sessions/{id}/reset {seed}  → {observation, info}
     POST   /sessions/{id}/step {action} → {observation, reward, terminated, truncated, info}
     DELETE /sessions/{id}               → {}   (closes the env)
-    GET    /health                      → {sessions, created}
+    GET    /health                      → {sessions, created, expired, max_sessions, idle_ttl_s}
 
-Errors come back as ``{"error": ..., "type": ...}`` with status 404 (unknown session), 409
-(``max_sessions`` reached), 422 (bad body) or 500 (the environment raised); the client raises
+Sessions are bounded: at most ``max_sessions`` at once (a create beyond it gets 429 with
+``Retry-After``), and a session not used for ``idle_ttl_s`` is closed by the server (a client that
+vanished without ``DELETE`` leaks nothing); calls to it then get 404. A session's call in progress
+keeps it alive.
+
+Errors come back as ``{"error": ..., "type": ...}`` with status 404 (unknown or expired session),
+413 (body too large), 422 (bad body), 429 (``max_sessions`` reached) or 500 (the environment
+raised); the client raises
 :class:`~rollart_core.errors.EnvError` naming the cause, or
 :class:`~rollart_core.errors.EnvTimeoutError` when a call exceeds its timeout. The server binds
 127.0.0.1 unless told otherwise; the served environment is fixed by the server's owner (clients
@@ -19,11 +25,13 @@ cannot choose code to load).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -43,17 +51,44 @@ def _dumps(obj: Any) -> str:
     return json.dumps(obj, default=str)  # info dicts may carry numpy scalars, enums, ...
 
 
+@dataclass(eq=False)
+class _Session:
+    env: Environment
+    last_used: float
+    busy: int = 0
+    """Calls in progress: a busy session never expires."""
+
+
 class EnvServer:
-    """Serves environments made by ``factory`` over HTTP. ``async with EnvServer(f) as s: s.url``."""
+    """Serves environments made by ``factory`` over HTTP. ``async with EnvServer(f) as s: s.url``.
+
+    ``max_sessions``: sessions held at once (more creates get 429). ``idle_ttl_s``: a session unused
+    for this long is closed (None: never; then only ``DELETE`` frees one). ``max_body_bytes``: larger
+    request bodies get 413."""
 
     def __init__(self, factory: Callable[[], Environment], *, host: str = "127.0.0.1", port: int = 0,
-                 max_sessions: int = 256) -> None:
+                 max_sessions: int = 256, idle_ttl_s: float | None = 600.0,
+                 max_body_bytes: int = 1 << 20) -> None:
+        if max_sessions < 1:
+            raise ValueError("max_sessions must be >= 1")
+        if idle_ttl_s is not None and idle_ttl_s <= 0:
+            raise ValueError("idle_ttl_s must be > 0 (or None: sessions never expire)")
         self.factory = factory
         self.host, self.port = host, port
         self.max_sessions = max_sessions
-        self.sessions: dict[str, Environment] = {}
+        self.idle_ttl_s = idle_ttl_s
+        self.max_body_bytes = max_body_bytes
+        self._sessions: dict[str, _Session] = {}
         self.created = 0
+        self.expired = 0
+        self._creating = 0
         self._runner: Any = None
+        self._reaper: asyncio.Task[None] | None = None
+
+    @property
+    def sessions(self) -> dict[str, Environment]:
+        """The open sessions' environments by session id (a snapshot)."""
+        return {sid: s.env for sid, s in self._sessions.items()}
 
     @property
     def url(self) -> str:
@@ -61,7 +96,7 @@ class EnvServer:
 
     async def start(self) -> str:
         web = require("aiohttp.web", _INSTALL)
-        app = web.Application()
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._errors_as_json(web)])
         app.add_routes([
             web.get("/health", self._health),
             web.post("/sessions", self._create),
@@ -74,15 +109,17 @@ class EnvServer:
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
         self.port = self._runner.addresses[0][1]  # the bound port when port=0
+        if self.idle_ttl_s is not None:
+            self._reaper = asyncio.create_task(self._reap_loop(), name="rollart-env-server-reaper")
         return self.url
 
     async def stop(self) -> None:
-        for sid in list(self.sessions):
-            env = self.sessions.pop(sid)
-            try:
-                await env.close()
-            except Exception as exc:
-                log.warning("closing session %s failed: %r", sid, exc)
+        if self._reaper is not None:
+            self._reaper.cancel()
+            await asyncio.gather(self._reaper, return_exceptions=True)
+            self._reaper = None
+        for sid in list(self._sessions):
+            await self._close_env(sid, self._sessions.pop(sid).env)
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -94,7 +131,54 @@ class EnvServer:
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
 
+    # sessions --------------------------------------------------------------------------------
+
+    @staticmethod
+    async def _close_env(sid: str, env: Environment) -> None:
+        try:
+            await env.close()
+        except Exception as exc:
+            log.warning("closing session %s failed: %r", sid, exc)
+
+    async def expire_idle(self) -> int:
+        """Close the sessions idle for longer than ``idle_ttl_s``; returns how many."""
+        if self.idle_ttl_s is None:
+            return 0
+        cutoff = time.monotonic() - self.idle_ttl_s
+        stale = [sid for sid, s in self._sessions.items() if not s.busy and s.last_used < cutoff]
+        for sid in stale:
+            session = self._sessions.pop(sid)
+            self.expired += 1
+            log.info("env session %s expired after %.0fs idle", sid, self.idle_ttl_s)
+            await self._close_env(sid, session.env)
+        return len(stale)
+
+    async def _reap_loop(self) -> None:
+        assert self.idle_ttl_s is not None
+        interval = min(max(self.idle_ttl_s / 4, 0.05), 10.0)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.expire_idle()
+            except Exception as exc:  # never let one bad close stop the expiry of the rest
+                log.warning("expiring idle env sessions failed: %r", exc)
+
     # handlers --------------------------------------------------------------------------------
+
+    def _errors_as_json(self, web: Any) -> Any:
+        """Router and body-size refusals (404, 405, 413) in the same JSON shape as the handlers' errors."""
+        @web.middleware
+        async def errors(request: Any, handler: Any) -> Any:
+            try:
+                return await handler(request)
+            except web.HTTPException as exc:
+                if exc.status < 400:
+                    raise
+                resp = self._error(exc.status, exc.reason)
+                if "Allow" in exc.headers:
+                    resp.headers["Allow"] = exc.headers["Allow"]
+                return resp
+        return errors
 
     @staticmethod
     def _json(data: Any, status: int = 200) -> Any:
@@ -111,16 +195,24 @@ class EnvServer:
         try:
             body = await request.json()
             value = body[key]
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, IndexError, RecursionError):
             return None
         return value if isinstance(value, kind) and not isinstance(value, bool) else None
 
     async def _health(self, request: Any) -> Any:
-        return self._json({"sessions": len(self.sessions), "created": self.created})
+        return self._json({"sessions": len(self._sessions), "created": self.created, "expired": self.expired,
+                           "max_sessions": self.max_sessions, "idle_ttl_s": self.idle_ttl_s})
 
     async def _create(self, request: Any) -> Any:
-        if len(self.sessions) >= self.max_sessions:
-            return self._error(409, f"max_sessions={self.max_sessions} reached")
+        if len(self._sessions) + self._creating >= self.max_sessions:
+            await self.expire_idle()  # make room from the expired ones before refusing
+        if len(self._sessions) + self._creating >= self.max_sessions:
+            retry = max(1, round(self.idle_ttl_s / 4)) if self.idle_ttl_s else 5
+            resp = self._error(429, f"max_sessions={self.max_sessions} reached: close a session (DELETE) or "
+                                    "retry later")
+            resp.headers["Retry-After"] = str(retry)
+            return resp
+        self._creating += 1  # a slot is held while the environment starts
         try:
             env = self.factory()
             start = getattr(env, "start", None)
@@ -128,48 +220,52 @@ class EnvServer:
                 await start()
         except Exception as exc:
             return self._error(500, exc)
+        finally:
+            self._creating -= 1
         sid = uuid.uuid4().hex
-        self.sessions[sid] = env
+        self._sessions[sid] = _Session(env, time.monotonic())
         self.created += 1
         vocab = list(env.action_vocabulary) if env.action_vocabulary else None
         return self._json({"session": sid, "action_vocabulary": vocab, "system_prompt": env.system_prompt})
 
-    def _env(self, request: Any) -> Environment | None:
-        return self.sessions.get(request.match_info["sid"])
+    async def _use(self, request: Any, key: str, kind: type, call: Callable[[Environment, Any], Any],
+                   usage: str) -> Any:
+        """Run ``call(env, body[key])`` on the request's session, which stays alive while it runs."""
+        session = self._sessions.get(request.match_info["sid"])
+        if session is None:
+            return self._error(404, "unknown or expired session")
+        session.busy += 1
+        try:
+            value = await self._body(request, key, kind)
+            if value is None:
+                return self._error(422, f"body must be {usage}")
+            try:
+                return self._json(await call(session.env, value))
+            except Exception as exc:
+                return self._error(500, exc)
+        finally:
+            session.busy -= 1
+            session.last_used = time.monotonic()
 
     async def _reset(self, request: Any) -> Any:
-        env = self._env(request)
-        if env is None:
-            return self._error(404, "unknown session")
-        seed = await self._body(request, "seed", int)
-        if seed is None:
-            return self._error(422, "body must be {\"seed\": <int>}")
-        try:
+        async def reset(env: Environment, seed: int) -> dict[str, Any]:
             obs, info = await env.reset(seed)
-        except Exception as exc:
-            return self._error(500, exc)
-        return self._json({"observation": obs, "info": info})
+            return {"observation": obs, "info": info}
+        return await self._use(request, "seed", int, reset, '{"seed": <int>}')
 
     async def _step(self, request: Any) -> Any:
-        env = self._env(request)
-        if env is None:
-            return self._error(404, "unknown session")
-        action = await self._body(request, "action", str)
-        if action is None:
-            return self._error(422, "body must be {\"action\": <str>}")
-        try:
+        async def step(env: Environment, action: str) -> dict[str, Any]:
             r = await env.step(action)
-        except Exception as exc:
-            return self._error(500, exc)
-        return self._json({"observation": r.observation, "reward": r.reward, "terminated": r.terminated,
-                           "truncated": r.truncated, "info": r.info})
+            return {"observation": r.observation, "reward": r.reward, "terminated": r.terminated,
+                    "truncated": r.truncated, "info": r.info}
+        return await self._use(request, "action", str, step, '{"action": <str>}')
 
     async def _close(self, request: Any) -> Any:
-        env = self.sessions.pop(request.match_info["sid"], None)
-        if env is None:
-            return self._error(404, "unknown session")
+        session = self._sessions.pop(request.match_info["sid"], None)
+        if session is None:
+            return self._error(404, "unknown or expired session")
         try:
-            await env.close()
+            await session.env.close()
         except Exception as exc:
             return self._error(500, exc)
         return self._json({})
