@@ -1,14 +1,25 @@
-"""``rollart`` command line: ``rollart train <config.yaml>``, ``rollart plan <config.yaml>``; no arguments prints help."""
+"""``rollart`` command line: ``rollart train <config.yaml>``, ``report RUN_DIR``, ``export CKPT --hf DIR``,
+``plan``, ``bench``, ``check-config``; no arguments prints help.
+
+A user's mistake (a config file that does not exist, bad YAML, an unknown field, a model directory
+without weights, a port in use) is one line on stderr naming the file / field / port, exit code 2;
+``--verbose`` adds the traceback. ``rollart train`` keeps vLLM/Ray logs in ``<output_dir>/logs``
+(``--verbose``: on the console) and writes ``report.html`` into the run directory at the end."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import json
 import logging
+import socket
 import sys
+import traceback
+from pathlib import Path
+from typing import Any
 
-from rollart_core.errors import RollartError
+from rollart_core.errors import ConfigError, RollartError
 
 __all__ = ["main"]
 
@@ -20,9 +31,19 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("config", help="path to the run config (YAML)")
     t.add_argument("--steps", type=int, help="override train.steps")
     t.add_argument("--output-dir", help="override output_dir")
-    t.add_argument("-v", "--verbose", action="store_true", help="show INFO logs")
+    t.add_argument("-v", "--verbose", action="store_true",
+                   help="show every log (vLLM, Ray, rollart INFO) on the console, and tracebacks")
     c = sub.add_parser("check-config", help="validate a config file and print it resolved")
     c.add_argument("config")
+    c.add_argument("-v", "--verbose", action="store_true", help="show tracebacks")
+    r = sub.add_parser("report", help="(re)build RUN_DIR/report.html from its metrics.jsonl (and timeline.json)")
+    r.add_argument("run_dir")
+    r.add_argument("-v", "--verbose", action="store_true", help="show tracebacks")
+    e = sub.add_parser("export", help="turn a checkpoint into a Hugging Face model directory")
+    e.add_argument("checkpoint", help="a checkpoint directory written by the trainer (e.g. RUN/checkpoint-12)")
+    e.add_argument("--hf", required=True, metavar="OUT_DIR", help="the Hugging Face model directory to write")
+    e.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
+    e.add_argument("-v", "--verbose", action="store_true", help="show tracebacks")
     pl = sub.add_parser("plan", help="propose pools and task→hardware mapping for a workload (roofline + simulation)")
     pl.add_argument("config", help="path to the run config (YAML): its tasks, batch sizes and turns")
     pl.add_argument("--profile", help="workload profile (YAML/JSON; see rollart_core.workload), e.g. measured by a run")
@@ -47,49 +68,200 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _bad_input_line(exc: BaseException) -> str | None:
+    """The one line for a user's mistake (a bad config, a missing file, a port in use); None: a bug."""
+    if isinstance(exc, RollartError):
+        return _one_line(str(exc))
+    if isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE:
+        return _one_line(f"address already in use: {exc}")
+    return None
+
+
+def _one_line(msg: str) -> str:
+    """A multi-line message (a YAML parser's, several validation errors) as one line."""
+    parts = [ln.strip() for ln in msg.splitlines() if ln.strip() and set(ln.strip()) != {"^"}]
+    return "; ".join(parts).replace('in "<unicode string>", ', "")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 0
-    from rollart_core.config import load_config
-
+    verbose = getattr(args, "verbose", False)
     try:
-        if args.command == "bench":
-            from rollart_core.bench import run_bench_cli
-
-            return run_bench_cli(args)
-        cfg = load_config(args.config)
-        if args.command == "plan":
-            from rollart_core.planner_cli import run_plan
-
-            print(run_plan(cfg, args))
-            return 0
-        if args.command == "check-config":
-            print(cfg.model_dump_json(indent=2))
-            return 0
-        updates: dict[str, object] = {}
-        if args.steps is not None:
-            cfg.train.steps = args.steps
-        if args.output_dir is not None:
-            from pathlib import Path
-
-            updates["output_dir"] = Path(args.output_dir).resolve()
-        cfg = cfg.model_copy(update=updates)
-        logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        from rollart_core.loop import train
-
-        summary = asyncio.run(train(cfg))
-    except RollartError as exc:
-        print(f"rollart: error: {exc}", file=sys.stderr)
-        return 2
+        return _run(args)
     except KeyboardInterrupt:
         return 130
-    summary.pop("history", None)
-    print(json.dumps(summary, indent=2, default=str))
+    except Exception as exc:
+        line = _bad_input_line(exc)
+        if verbose:
+            traceback.print_exc()
+        if line is not None:
+            print(f"rollart: error: {line}", file=sys.stderr)
+            return 2
+        where = getattr(exc, "_rollart_log", None)
+        hint = f" (traceback in {where})" if where else " (--verbose shows the traceback)"
+        print(f"rollart: error: {type(exc).__name__}: {exc}{hint if not verbose else ''}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command == "bench":
+        from rollart_core.bench import run_bench_cli
+
+        return run_bench_cli(args)
+    if args.command == "report":
+        from rollart_core.report import write_report
+
+        print(f"report: {write_report(Path(args.run_dir).resolve())}")
+        return 0
+    if args.command == "export":
+        return _export(args)
+    from rollart_core.config import load_config
+
+    cfg = load_config(args.config)
+    if args.command == "plan":
+        from rollart_core.planner_cli import run_plan
+
+        print(run_plan(cfg, args))
+        return 0
+    if args.command == "check-config":
+        print(cfg.model_dump_json(indent=2))
+        return 0
+    if args.steps is not None:
+        cfg.train.steps = args.steps
+    if args.output_dir is not None:
+        cfg = cfg.model_copy(update={"output_dir": Path(args.output_dir).resolve()})
+    _preflight(cfg)
+    return _train(cfg, verbose=args.verbose)
+
+
+def _export(args: argparse.Namespace) -> int:
+    from rollart_core.registry import resolve
+
+    export_hf = resolve("exporter", "rollart_train.export:export_hf")  # rollart-core never imports rollart-train
+    out = export_hf(Path(args.checkpoint), Path(args.hf), overwrite=args.force)
+    print(f"exported {args.checkpoint} -> {out} (a Hugging Face model directory)")
     return 0
+
+
+def _preflight(cfg: Any) -> None:
+    """User mistakes found before anything starts: a model directory without weights, a port in use."""
+    model = Path(cfg.model.path)
+    if model.is_dir() and (model / "config.json").is_file() and not any(model.glob("*.safetensors")):
+        raise ConfigError(f"model.path {model}: has config.json but no weights (*.safetensors); point it at a "
+                          "complete Hugging Face model directory")
+    if model.exists() and not model.is_dir():
+        raise ConfigError(f"model.path {model}: not a directory")
+    for where, host, port in _configured_ports(cfg.model_dump(mode="json")):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError as exc:
+                raise ConfigError(f"{where}: port {port} on {host} is in use ({exc.strerror})") from None
+
+
+def _configured_ports(node: Any, where: str = "") -> list[tuple[str, str, int]]:
+    """Every ``port`` / ``*_port`` field with a fixed value (0 and None pick a free one), with the host beside it."""
+    found: list[tuple[str, str, int]] = []
+    if isinstance(node, dict):
+        host = node.get("host") if isinstance(node.get("host"), str) else "127.0.0.1"
+        for k, v in node.items():
+            path = f"{where}.{k}" if where else str(k)
+            if (k == "port" or k.endswith("_port")) and isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                found.append((path, host if host not in ("node", "") else "127.0.0.1", v))
+            else:
+                found += _configured_ports(v, path)
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            found += _configured_ports(v, f"{where}.{i}")
+    return found
+
+
+def _train(cfg: Any, *, verbose: bool) -> int:
+    from rollart_core.cluster import worker_logs_to
+    from rollart_core.console import route_logs, startup_display, wants_live
+    from rollart_core.metrics import since_process_start
+    from rollart_core.report import save_timeline, write_report
+    from rollart_core.timeline import Timeline
+
+    out: Path = cfg.output_dir
+    log_file = out / "logs" / "rollart.log"
+    live = wants_live()
+    summary: dict[str, Any] = {}
+    error: BaseException | None = None
+    import_s: float | None = None
+    worker_logs_to(None if verbose else out / "logs" / "ray")
+    with route_logs(log_file, verbose=verbose):
+        logging.getLogger(__name__).info("rollart train %s -> %s", cfg.name, out)
+        if not live:
+            print(f"rollart: starting {cfg.name} ({cfg.train.mode}, {cfg.train.steps} steps); logs: {log_file}",
+                  flush=True)
+        try:
+            with Timeline() as tl, startup_display(f"starting {cfg.name}"):
+                import_s = since_process_start()
+                from rollart_core.loop import train
+
+                summary = asyncio.run(train(cfg))
+        except BaseException as exc:
+            error = exc
+            logging.getLogger(__name__).info("the run failed", exc_info=True)  # the file only
+        finally:
+            worker_logs_to(None)
+        summary.pop("history", None)
+        if import_s is not None:
+            summary["import_s"] = import_s
+        summary = {"name": cfg.name, "output_dir": str(out), **summary}
+        report = _write_outputs(out, summary, tl, error, save_timeline, write_report)
+    if error is not None:
+        if not isinstance(error, (KeyboardInterrupt, RollartError)):
+            error._rollart_log = log_file  # type: ignore[attr-defined]
+        _print_where(out, log_file, report, stream=sys.stderr)
+        raise error
+    if live:
+        _print_summary(summary)
+    else:
+        print(json.dumps(summary, indent=2, default=str), flush=True)
+    _print_where(out, log_file, report, stream=sys.stdout if live else sys.stderr)
+    return 0
+
+
+def _write_outputs(out: Path, summary: dict[str, Any], tl: Any, error: BaseException | None,
+                   save_timeline: Any, write_report: Any) -> Path | None:
+    """``summary.json``, ``timeline.json`` and the report; a failure here is logged, never hides the run's own."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        if not error:
+            (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+        if tl.intervals:
+            save_timeline(tl.intervals, min(s for _, s, _, _ in tl.intervals), out / "timeline.json")
+        if not (out / "metrics.jsonl").is_file():
+            return None
+        return write_report(out, summary, error=None if error is None else f"{type(error).__name__}: {error}")
+    except Exception:
+        logging.getLogger(__name__).exception("writing the report failed")
+        return None
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    phases = ", ".join(f"{k[:-2]} {summary[k]:.1f}" for k in ("import_s", "ray_start_s", "model_s", "trainer_start_s",
+                                                             "engines_start_s", "first_step_s", "wall_s")
+                       if isinstance(summary.get(k), float))
+    print(f"done: {summary.get('steps')} steps, version {summary.get('final_version')}, fates {summary.get('fates')}")
+    print(f"start-up and wall time (s): {phases}")
+
+
+def _print_where(out: Path, log_file: Path, report: Path | None, stream: Any) -> None:
+    print(f"run directory: {out}", file=stream)
+    print(f"log file:      {log_file}" + (f"  (Ray workers: {out / 'logs' / 'ray'})" if (out / "logs" / "ray").exists()
+                                          else ""), file=stream)
+    if report is not None:
+        print(f"report:        {report}", file=stream)
+    if (out / "tensorboard").is_dir():
+        print(f"tensorboard:   tensorboard --logdir {out / 'tensorboard'}", file=stream)
+    stream.flush()
 
 
 if __name__ == "__main__":

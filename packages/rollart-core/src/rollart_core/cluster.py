@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import logging
 import os
+import time
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from rollart_core.config import RayConfig
 from rollart_core.extras import require
 
-__all__ = ["LOOPBACK_ENV", "RayCluster"]
+__all__ = ["LOOPBACK_ENV", "RayCluster", "worker_logs_to"]
 
 log = logging.getLogger(__name__)
 
@@ -23,12 +25,39 @@ LOOPBACK_ENV = {
 }
 
 
+_worker_log_link: Path | None = None
+
+
+def worker_logs_to(link: Path | None) -> None:
+    """Process-wide (the CLI calls it): Ray workers' output (engines, trainer ranks, env workers) is
+    not printed by the driver (``log_to_driver=False``) but stays in Ray's session log folder, and
+    ``link`` (e.g. ``<output_dir>/logs/ray``) is made a symlink to that folder when this process
+    starts Ray, so it can be found from the run directory. None: print it on the driver (the default)."""
+    global _worker_log_link
+    _worker_log_link = link
+
+
+def _link_worker_logs(ray: Any, link: Path) -> None:
+    try:
+        logs = Path(ray._private.worker._global_node.get_logs_dir_path())  # no public API for this
+    except Exception as exc:  # the output is still in Ray's temp dir, only not linked
+        log.warning("cannot find Ray's log folder to link it at %s: %r", link, exc)
+        return
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(logs, target_is_directory=True)
+    log.info("Ray workers' logs (engines, trainer ranks): %s -> %s", link, logs)
+
+
 class RayCluster:
     """``with RayCluster(cfg):`` — ``ray.init`` on 127.0.0.1 unless Ray is already initialised."""
 
     def __init__(self, config: RayConfig | None = None) -> None:
         self.config = config or RayConfig()
         self.started = False
+        self.start_s = 0.0
+        """Seconds ``ray.init`` took (0 when joining an initialised Ray)."""
 
     def __enter__(self) -> RayCluster:
         for k, v in LOOPBACK_ENV.items():
@@ -36,15 +65,19 @@ class RayCluster:
         ray = require("ray", "pip install 'rollart-core[ray]'")
         if ray.is_initialized():
             return self
-        kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
+        kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": _worker_log_link is None}
         if self.config.address:
             kwargs["address"] = self.config.address
         else:
             kwargs.update(_node_ip_address="127.0.0.1", resources=dict(self.config.resources))
             if self.config.num_cpus is not None:
                 kwargs["num_cpus"] = self.config.num_cpus
+        t0 = time.perf_counter()
         ray.init(**kwargs)
+        self.start_s = time.perf_counter() - t0
         self.started = True
+        if _worker_log_link is not None:
+            _link_worker_logs(ray, _worker_log_link)
         return self
 
     def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:

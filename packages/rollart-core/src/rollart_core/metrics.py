@@ -1,13 +1,30 @@
-"""One metrics interface. Sinks: a JSON-lines file and a one-line console summary per step."""
+"""One metrics interface. Sinks: a JSON-lines file, TensorBoard, and the console: a live display on an
+interactive terminal (:class:`rollart_core.console.LiveSink`), else a plain line per step."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
-__all__ = ["ConsoleSink", "JsonlSink", "MemorySink", "MetricsSink", "MultiSink", "TensorBoardSink", "default_sinks"]
+__all__ = ["ConsoleSink", "JsonlSink", "MemorySink", "MetricsSink", "MultiSink", "TensorBoardSink", "default_sinks",
+           "since_process_start"]
+
+
+def since_process_start() -> float | None:
+    """Seconds since this process started (Linux ``/proc``; None elsewhere): start-up phases are
+    measured from the command, imports included, not from when the loop began."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rpartition(")")[2].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+
 
 
 class MetricsSink(Protocol):
@@ -68,20 +85,26 @@ class TensorBoardSink:
         self._w.close()
 
 
-def default_sinks(out_dir: Path, console_keys: list[str], first_step: int | None = None) -> MultiSink:
-    """JSON lines + TensorBoard (when ``tensorboardX`` is installed) + a console line per step.
-    ``first_step``: a resumed run's first step (earlier rows of ``metrics.jsonl`` are kept, the rest dropped)."""
+def default_sinks(out_dir: Path, console_keys: list[str], first_step: int | None = None,
+                  total_steps: int | None = None) -> MultiSink:
+    """JSON lines + TensorBoard (when ``tensorboardX`` is installed) + the console: a live display
+    (step k/``total_steps``, ETA, …) when stdout is an interactive terminal and ``rich`` is
+    installed, else a plain line per step. ``first_step``: a resumed run's first step (earlier rows
+    of ``metrics.jsonl`` are kept, the rest dropped)."""
     sinks: list[MetricsSink] = [JsonlSink(out_dir / "metrics.jsonl", first_step)]
     try:
         sinks.append(TensorBoardSink(out_dir / "tensorboard"))
     except ImportError:
         pass  # optional extra; the JSON lines carry the same numbers
-    sinks.append(ConsoleSink(console_keys))
+    from rollart_core.console import LiveSink, wants_live
+
+    sinks.append(LiveSink(total_steps, first_step or 1) if wants_live() else ConsoleSink(console_keys))
     return MultiSink(*sinks)
 
 
 class ConsoleSink:
-    """Prints the keys it is given, in order, as ``key=value``."""
+    """Prints the keys it is given, in order, as ``key=value``; then the step's warnings, summarised
+    (when ``rollart train`` counts them: :func:`rollart_core.console.route_logs`)."""
 
     def __init__(self, keys: list[str], stream: TextIO | None = None) -> None:
         self.keys = keys
@@ -94,6 +117,11 @@ class ConsoleSink:
                 v = metrics[k]
                 parts.append(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}")
         print("  ".join(parts), file=self.stream, flush=True)
+        from rollart_core.console import active_tally
+
+        tally = active_tally()
+        for line in tally.drain() if tally is not None else []:
+            print(f"  warnings: {line}", file=self.stream, flush=True)
 
     def close(self) -> None:
         pass

@@ -20,7 +20,7 @@ from rollart_core.control.asynchronous import run_async
 from rollart_core.control.one_off import run_one_off
 from rollart_core.control.steps import Run, StepRecord, step_metrics
 from rollart_core.control.sync import run_sync
-from rollart_core.metrics import MetricsSink, default_sinks
+from rollart_core.metrics import MetricsSink, default_sinks, since_process_start
 from rollart_core.pipeline import Pipeline
 from rollart_core.rollout import Rollout, derive_seed
 from rollart_core.runner import run_trajectory
@@ -43,10 +43,13 @@ async def train(cfg: RunConfig, sink: MetricsSink | None = None, pipeline: Pipel
         run = Run(p)
         if tc.resume_from:
             run.first_step = await resume(p, run, tc.resume_from)
-        sink = sink or default_sinks(cfg.output_dir, CONSOLE_KEYS, run.first_step if tc.resume_from else None)
+        sink = sink or default_sinks(cfg.output_dir, CONSOLE_KEYS, run.first_step if tc.resume_from else None,
+                                     total_steps=tc.steps)
         held_out = functools.partial(evaluate, p, tc.eval_episodes, temperature=tc.eval_temperature)
         if tc.eval_every and run.first_step == 1:
+            t_eval = time.perf_counter()
             sink.log(0, {**await held_out(), "version": p.trainer.version})
+            p.timings["eval0_s"] = time.perf_counter() - t_eval
         recipe = RECIPES[tc.mode](run)
         try:
             async for rec in recipe:
@@ -56,6 +59,8 @@ async def train(cfg: RunConfig, sink: MetricsSink | None = None, pipeline: Pipel
                 if tc.save_every and rec.step % tc.save_every == 0:
                     await save_checkpoint(p, run, rec.step, cfg.output_dir / f"checkpoint-{rec.step}")
                 sink.log(rec.step, metrics)
+                if "first_step_s" not in p.timings and (age := since_process_start()) is not None:
+                    p.timings["first_step_s"] = age  # from the command's start: what a user waits for
                 history.append(metrics)
         finally:  # also when cancelled or failed mid-step: stop what runs beside the loop
             await recipe.aclose()
