@@ -22,6 +22,7 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1'; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libibverbs1 >/dev/null
 fi
 if ! command -v bwrap >/dev/null 2>&1; then echo "setup: installing bubblewrap (the code sandbox)"; SUDO=""; if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi; $SUDO apt-get update -qq; DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq bubblewrap >/dev/null; fi
+if ! command -v chromium >/dev/null 2>&1; then echo "setup: installing chromium (headless check of run reports)"; SUDO=""; if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi; $SUDO apt-get update -qq; DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null; fi
 
 if ! ls /opt/wheels/torch-2.13.0+cpu-*.whl >/dev/null 2>&1; then
   echo "setup: error: the CPU torch wheel is not in /opt/wheels." >&2
