@@ -246,11 +246,17 @@ def read_yaml_mapping(path: str | Path, what: str) -> dict[str, Any]:
     (and ``what`` it should be: ``config``, ``profile``, ...) otherwise."""
     p = Path(path)
     try:
-        raw = yaml.safe_load(p.read_text())  # YAML is a superset of JSON
+        raw = yaml.safe_load(p.read_text(encoding="utf-8"))  # YAML is a superset of JSON
     except FileNotFoundError:
         raise ConfigError(f"{p}: no such {what} file") from None
+    except (IsADirectoryError, PermissionError) as exc:
+        raise ConfigError(f"{p}: cannot read the {what} file: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{p}: not a UTF-8 text file ({exc.reason} at byte {exc.start})") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{p}: not valid YAML: {exc}") from None
+    except RecursionError:  # the YAML parser recurses per nesting level
+        raise ConfigError(f"{p}: not valid YAML: nested too deeply") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{p}: expected a mapping at the top level, got {type(raw).__name__}")
     return raw
