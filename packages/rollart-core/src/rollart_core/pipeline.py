@@ -101,7 +101,9 @@ class Pipeline:
                              f"engines.{i}.options")
             for i, g in enumerate(cfg.engines)
         ]
+        t_model = time.perf_counter()
         self._ensure_model()
+        self.timings["model_s"] = time.perf_counter() - t_model  # start-up phases (the run summary)
         store_opts = dict(cfg.weight_store.options)
         if cfg.weight_store.impl == "filesystem":
             store_opts.setdefault("root", str(cfg.output_dir / "weights"))
@@ -109,8 +111,10 @@ class Pipeline:
                            protocol=WeightStore)
         group_cfg = self._trainer_group_config(cfg) if cfg.trainer.group else None
         if group_cfg is None:
+            t_trainer = time.perf_counter()
             self.trainer = build("trainer", cfg.trainer.impl, cfg.trainer.options, "trainer.options",
                                  protocol=Trainer, model_path=cfg.model.path)
+            self.timings["trainer_start_s"] = time.perf_counter() - t_trainer
         if (warning := overlap_warning(cfg)) is not None:
             log.warning(warning)
         self.chat = resolve("chat", cfg.model.chat_format)(cfg.model.path)
@@ -121,7 +125,7 @@ class Pipeline:
             for i, t in enumerate(cfg.tasks)
         }
         self.buffer = SampleBuffer(cfg.train.alpha)
-        self._stack.enter_context(RayCluster(cfg.ray))
+        self.timings["ray_start_s"] = self._stack.enter_context(RayCluster(cfg.ray)).start_s
         if group_cfg is not None:  # placed on its pool, validated with the engines before either starts
             t1 = time.perf_counter()
             self._validate_plan(group_cfg)
