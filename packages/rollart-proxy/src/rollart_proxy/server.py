@@ -200,6 +200,15 @@ class ChatBody(_Common):
 
 # session records -------------------------------------------------------------------------------
 
+class UpdateWeightsBody(BaseModel):
+    """``POST /admin/update_weights``. At module level: with postponed annotations FastAPI resolves the
+    handler's annotation in the module's namespace (a class local to ``_build`` made the route's body
+    model unresolvable and ``app.openapi()`` raise)."""
+
+    model_config = ConfigDict(extra="forbid")
+    version: int = Field(ge=0)
+
+
 class SessionRecorder:
     """Token ids, logprobs and versions of every call, per session, until the trainer takes them."""
 
@@ -504,12 +513,8 @@ class OpenAIServer:
             await self.proxy.resume()
             return {"suspended": False}
 
-        class _Update(BaseModel):
-            model_config = ConfigDict(extra="forbid")
-            version: int = Field(ge=0)
-
         @app.post("/admin/update_weights")
-        async def update(body: _Update) -> dict[str, Any]:
+        async def update(body: UpdateWeightsBody) -> dict[str, Any]:
             return {"version": body.version, "paused_s": await self.proxy.update_weights(body.version)}
 
         @app.get("/admin/weight_versions")
