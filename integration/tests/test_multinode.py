@@ -117,7 +117,7 @@ class LocalCluster:
     def start(self) -> None:
         self._start("--num-cpus=1", '--resources={"H800": 1}', head=True)
         self._start("--num-cpus=1", '--resources={"H20": 1}')
-        self._start("--num-cpus=2", "--labels=rollart.io/pool=env")
+        self._start("--num-cpus=2", "--labels=rollart.io/pool=env", '--resources={"env_cpu": 8}')
 
     def stop(self, deadline_s: float = 20.0) -> list[int]:
         """SIGTERM each node's ``ray start --block`` (it stops what it started), workers before the
@@ -146,9 +146,17 @@ class LocalCluster:
         return _alive(tree)
 
 
+_ADDRESS: list[str] = []
+
+
+def cluster_address() -> str:
+    return _ADDRESS[0]
+
+
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[ClusterView]:
     c = LocalCluster()
+    _ADDRESS[:] = [c.address]
     try:
         with pytest.MonkeyPatch.context() as mp:
             for k, v in LOOPBACK_ENV.items():
@@ -322,3 +330,53 @@ async def test_task_routed_to_h20_is_served_only_by_h20(cluster: ClusterView) ->
     prefill_nodes = {w for rid, w in served if not int(rid[1:]) % 2}
     assert decode_nodes == {h20}, json.dumps(served)
     assert prefill_nodes == {h800}
+
+
+async def test_async_training_run_places_every_stage_on_its_node(cluster: ClusterView, tiny_model: Path,
+                                                                 tmp_path: Path) -> None:
+    """The whole pipeline across the three nodes: the trainer's rank on H800, the engine on H20,
+    the environment workers and the reward runtime on the CPU node, weights through the Ray object
+    store (every node reaches it). A local filesystem store is refused on this cluster."""
+    from ray.util.state import list_actors
+
+    from rollart_core.config import RunConfig
+    from rollart_core.control.train import train
+    from rollart_core.metrics import MemorySink
+    from rollart_core.pipeline import Pipeline
+
+    from .conftest import slice_config
+
+    data = slice_config(tmp_path, model_path=tiny_model, steps=3).model_dump(mode="json")
+    data["engines"][0].update(pool="H20", num_cpus=0.25)
+    data["trainer"] = {"impl": "torch", "ranks": 1, "pool": "H800", "num_cpus": 0.5,
+                       "options": {"lr": 0.01, "num_threads": 1}}
+    data["tasks"][0]["reward_executor"] = {"impl": "serverless", "options": {
+        "pool": "env_cpu", "num_cpus": 0.25, "http": {"fallback": "none"}, "runtime": {"max_workers": 1}}}
+    data["env_manager"] = {"num_envs": 4, "options": {"pool": "env_cpu", "envs_per_actor": 2}}
+    data["train"] = {"mode": "async", "alpha": 1, "steps": 3}
+    data["ray"] = {"address": cluster_address()}
+
+    local = RunConfig.model_validate(data)  # the default filesystem store: a local directory
+    with pytest.raises(ConfigError, match=r"filesystem .* local directory, but the cluster has 3 nodes"):
+        async with Pipeline(local):
+            pass
+    data["weight_store"] = {"impl": "ray", "options": {"name": f"mn-weights-{os.getpid()}"}}
+    cfg = RunConfig.model_validate(data)
+    async with Pipeline(cfg) as p:
+        summary = await asyncio.wait_for(train(cfg, sink=MemorySink(), pipeline=p), 600)
+        served = await p.proxy.weight_versions()
+        trainer_nodes = set(p.trainer.node_ids)
+        alive = list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+        runtime_stats = p.rewards[cfg.tasks[0].name].stats()
+    nodes_of = {}
+    for a in alive:
+        nodes_of.setdefault(a.class_name, set()).add(a.node_id)
+    assert trainer_nodes == {_node_of_pool(cluster, "H800")}
+    assert nodes_of["VllmEngine"] == {_node_of_pool(cluster, "H20")}
+    env_node = _node_of_pool(cluster, "env")
+    assert nodes_of["EnvWorker"] == {env_node}
+    assert nodes_of["RuntimeHost"] == {env_node}, nodes_of
+    assert summary["steps"] == 3 and summary["final_version"] == 3
+    assert set(served.values()) == {3}
+    assert runtime_stats["runtime_calls"] > 0
+    assert summary["launched"] == sum(summary["fates"].values())

@@ -86,7 +86,7 @@ async def test_code_tests_reward_runs_in_sandbox() -> None:
     tests = "assert add(2, 3) == 5\n"
     good = "Here you go:\n```python\ndef add(a, b):\n    return a + b\n```"
     loop = "```python\ndef add(a, b):\n    while True:\n        pass\n```"
-    reward = build("reward", "code_tests", {"timeout_s": 1.5}, where="test")
+    reward = build("reward", "code_tests", {"timeout_s": 5.0}, where="test")  # a loaded machine: bwrap + 2 interpreters
     r_good, r_bad, r_loop = await asyncio.gather(
         reward.score(traj(good, tests=tests)),
         reward.score(traj("def add(a, b): return a * b", tests=tests)),

@@ -126,6 +126,7 @@ class Pipeline:
         }
         self.buffer = SampleBuffer(cfg.train.alpha)
         self.timings["ray_start_s"] = self._stack.enter_context(RayCluster(cfg.ray)).start_s
+        self._check_store_reach(cfg)
         if group_cfg is not None:  # placed on its pool, validated with the engines before either starts
             t1 = time.perf_counter()
             self._validate_plan(group_cfg)
@@ -139,6 +140,18 @@ class Pipeline:
         self.env_manager = None
         if cfg.env_manager is not None:
             await self._start_env_manager(cfg)
+
+    def _check_store_reach(self, cfg: RunConfig) -> None:
+        """Every node must reach the weight store: a local directory does not span nodes."""
+        import ray
+
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        store_cfg = getattr(self.store, "config", None)
+        if cfg.weight_store.impl == "filesystem" and len(nodes) > 1 and not getattr(store_cfg, "shared", False):
+            raise ConfigError(f"weight_store filesystem ({getattr(self.store, 'root', '?')}) is a local directory, but "
+                              f"the cluster has {len(nodes)} nodes: engines on other nodes would never see the "
+                              "weights. Use a store every node reaches (weight_store.impl: mooncake or ray), or set "
+                              "weight_store.options.shared: true if the directory is on a shared file system")
 
     def _trainer_group_config(self, cfg: RunConfig) -> Any:
         t = cfg.trainer

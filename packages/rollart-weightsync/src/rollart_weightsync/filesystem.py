@@ -36,6 +36,10 @@ class FilesystemWeightStoreConfig(BaseModel):
     """Retention: how many committed versions to keep."""
     poll_s: float = Field(0.05, gt=0)
     """Polling period of ``wait_for`` and subscriptions (other processes commit by rename)."""
+    shared: bool = False
+    """The directory is on a file system every node mounts (NFS, a parallel FS). A pipeline on a
+    multi-node cluster refuses this store unless it is set: engines on another node would never see
+    the versions."""
 
 
 class FilesystemWeightStore(PushWatchMixin):

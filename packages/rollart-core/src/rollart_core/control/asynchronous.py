@@ -14,7 +14,7 @@ A producer keeps launching groups under staleness-aware admission (:mod:`.admiss
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from rollart_core.control.admission import produce
 from rollart_core.control.steps import (
@@ -31,7 +31,7 @@ from rollart_core.control.steps import (
 __all__ = ["run_async"]
 
 
-async def run_async(run: Run) -> AsyncIterator[StepRecord]:
+async def run_async(run: Run) -> AsyncGenerator[StepRecord, None]:
     tc = run.cfg.train
     on_arrival = tc.async_weight_sync and tc.update_on_arrival
     depth = tc.max_pending_steps or tc.alpha + 1  # steps' worth of groups launched ahead of training

@@ -6,7 +6,7 @@ rollout overlaps this step's training; they start on weights one version old (ne
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from rollart_core.control.steps import (
     Run,
@@ -22,7 +22,7 @@ from rollart_core.control.steps import (
 __all__ = ["run_one_off"]
 
 
-async def run_one_off(run: Run) -> AsyncIterator[StepRecord]:
+async def run_one_off(run: Run) -> AsyncGenerator[StepRecord, None]:
     run.rollout.launch_step()
     for rec in run.steps():
         batch = await get_batch(run, rec, relaunch=True)  # 1. Get Batch

@@ -270,6 +270,8 @@ def step_metrics(run: Run, rec: StepRecord) -> dict[str, Any]:
         "lag_mean": sum(lags) / max(len(lags), 1),
         "batch_size": len(batch),
         "batch_groups": sorted({t.group_id for t in batch}),
+        "batch_traj_ids": [t.traj_id for t in batch],
+        "batch_start_versions": [t.min_version() for t in batch],
         "batch_tasks": dict(Counter(t.task for t in batch)),
         "fates": run.rollout.ledger.take_step(),
     }

@@ -6,14 +6,14 @@ continuously); only the step boundary is a barrier. With ``alpha = 0`` this is o
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from rollart_core.control.steps import Run, StepRecord, get_batch, landed, push, sync_weights, train_step
 
 __all__ = ["run_sync"]
 
 
-async def run_sync(run: Run) -> AsyncIterator[StepRecord]:
+async def run_sync(run: Run) -> AsyncGenerator[StepRecord, None]:
     for rec in run.steps():
         run.rollout.launch_step()
         batch = await get_batch(run, rec, relaunch=True)  # 1. Get Batch: the whole step's groups

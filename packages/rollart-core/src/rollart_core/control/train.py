@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from rollart_core.checkpoint import resume, save_checkpoint
@@ -28,7 +28,7 @@ from rollart_core.types import Fate, Trajectory
 
 __all__ = ["RECIPES", "evaluate", "rollout_step", "train"]
 
-RECIPES: dict[str, Callable[[Run], AsyncIterator[StepRecord]]] = {
+RECIPES: dict[str, Callable[[Run], AsyncGenerator[StepRecord, None]]] = {
     "sync": run_sync, "one_off": run_one_off, "async": run_async}
 CONSOLE_KEYS = ["reward_mean", "success_rate", "eval_success", "traj_per_s", "gen_tok_per_s", "wait_s",
                 "train_s", "sync_s", "lag_max", "loss", "version", "fates"]
