@@ -7,6 +7,7 @@ no process behind (serve, template and worker PIDs all checked).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -182,6 +183,18 @@ def test_every_scaling_option_reaches_the_serve_command() -> None:
             args.max_queue, args.cache_size, args.max_body_bytes, args.max_batch, args.max_async_tasks) == (
         1, 3, 0.7, "fixed", 9.0, 11, 12, 4096, 13, 14)
     assert "--api-key" not in argv  # the token travels in the environment, not on a visible command line
+
+
+def test_fault_injection_reaches_the_serve_command() -> None:
+    """``runtime.faults`` of a runtime the executor starts (chaos runs) arrives as ``--faults`` JSON."""
+    from rollart_reward.runtime import FaultConfig
+
+    scaling = ScalingConfig(faults={"seed": 7, "error_before": 0.1, "delay": 0.1, "delay_s": 3.0})
+    argv = serve_command("synthetic", {}, "127.0.0.1", 0, scaling)
+    args = _parser().parse_args(argv[argv.index("serve"):])
+    assert FaultConfig.model_validate(json.loads(args.faults)) == scaling.faults
+    assert json.loads(_parser().parse_args(serve_command("synthetic", {}, "127.0.0.1", 0, ScalingConfig())[
+        argv.index("serve"):]).faults) == FaultConfig().model_dump()  # none by default
 
 
 # ---------------------------------------------------------------- the Ray actor path

@@ -114,6 +114,9 @@ class ScalingConfig(BaseModel):
     max_async_tasks: int = Field(10_000, ge=1)
     """Async (Event / FC Async) calls held at once, running or finished and not yet forgotten; a new
     one beyond this is refused with 429. Finished ones are forgotten oldest first."""
+    faults: FaultConfig = FaultConfig()
+    """Fault injection (tests, chaos runs): seeded 503s before/after running, held-back responses
+    (client timeouts), malformed bodies. All rates 0 by default: no faults."""
 
 
 class RuntimeConfig(ScalingConfig):
@@ -129,7 +132,6 @@ class RuntimeConfig(ScalingConfig):
     None = no token (a warning when bound beyond loopback)."""
     admin: bool = False
     """Enable ``/admin/*`` (fault knobs, stats reset): for tests only."""
-    faults: FaultConfig = FaultConfig()
 
 
 def learned_keep_alive(gaps: list[float], cold_s: float, ceiling: float) -> float:

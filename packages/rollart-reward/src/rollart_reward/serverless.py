@@ -64,7 +64,7 @@ _FLAGS = {  # ScalingConfig field -> ``rollart-reward serve`` flag
     "min_workers": "--min-workers", "max_workers": "--max-workers", "idle_timeout_s": "--idle-timeout",
     "idle_policy": "--idle-policy", "call_timeout_s": "--call-timeout", "max_queue": "--max-queue",
     "cache_size": "--cache-size", "max_body_bytes": "--max-body-bytes", "max_batch": "--max-batch",
-    "max_async_tasks": "--max-async-tasks",
+    "max_async_tasks": "--max-async-tasks", "faults": "--faults",
 }
 
 
@@ -128,7 +128,7 @@ def serve_command(function: str, options: dict[str, Any], host: str, port: int,
     argv += ["serve", "--function", function, "--options", json.dumps(options), "--host", host,
              "--port", str(port)]
     for name, value in scaling.model_dump().items():
-        argv += [_FLAGS[name], str(value)]
+        argv += [_FLAGS[name], json.dumps(value) if isinstance(value, dict) else str(value)]
     return argv
 
 
