@@ -1,0 +1,382 @@
+"""Chaos run: an async multi-task run on the real stack while faults are injected on a seeded schedule.
+
+    uv run --no-sync python integration/bench/chaos.py --quick [--seed 0] [--out runs/bench/chaos.json]
+
+The run: two built-in environments (FrozenLake and Sokoban), ``train.mode: async``, alpha 1; two vLLM
+CPU engines as Ray actors (``engines[].max_restarts``); the trainer as a worker group
+(``trainer.ranks``, ``train.save_every: 1``, ``max_trainer_restarts``); environments in the EnvManager
+(one Ray actor per two environments); rewards through ``reward_executor: serverless`` (a
+``rollart-reward serve`` runtime the pipeline starts).
+
+Faults, on a schedule drawn from ``--seed`` (each fires when the trainer reaches a drawn version):
+
+- ``env``: 10% of the env actors (at least one) are SIGKILLed, one at a time;
+- ``engine``: one engine actor is SIGKILLed (the other serves meanwhile; Ray restarts it and the
+  proxy's health loop brings it to the served weights);
+- ``reward``: the reward runtime's own fault injection (``runtime.faults``) answers 503 to 10% of
+  calls and holds back 10% past the client's timeout, for the whole run (20% of calls fail);
+- ``trainer``: one trainer rank is SIGKILLed once (the group comes back from the newest checkpoint).
+
+Checked afterwards (the table, and ``--out`` as JSON): steps done / asked; launched vs the sum of
+fates; trajectories trained twice (from the step rows' ``batch_traj_ids``); trajectories trained with
+lag > alpha (``batch_start_versions`` against the step's version); seconds lost per fault (the steps
+around it against the median step); and processes left behind: every process seen descending from
+this one during the run (sampled every 0.2 s), not alive before, still alive 15 s after the
+pipeline closed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from rollart_core.cluster import LOOPBACK_ENV
+
+# -------------------------------------------------------------------------------------------- processes
+
+
+def _stat(pid: int) -> tuple[int, str, int] | None:
+    """(parent pid, state, start time in clock ticks) of ``pid``; None when it is gone."""
+    try:
+        rest = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(rest[1]), rest[0], int(rest[19])
+
+
+def own_processes() -> dict[int, int]:
+    """This user's processes: pid -> start time (a pid reused later has another start time)."""
+    uid, out = os.getuid(), {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if d.stat().st_uid != uid:
+                    continue
+            except OSError:
+                continue
+            st = _stat(int(d.name))
+            if st is not None and st[1] != "Z":
+                out[int(d.name)] = st[2]
+    return out
+
+
+class DescendantWatch:
+    """Samples the process tree below this process in a thread: every (pid, start time) ever seen."""
+
+    def __init__(self, interval: float = 0.2) -> None:
+        self.seen: dict[int, tuple[int, str]] = {}  # pid -> (start time, command)
+        self.interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="chaos-descendants", daemon=True)
+
+    def _sample(self) -> None:
+        parents: dict[int, list[int]] = {}
+        starts: dict[int, int] = {}
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit():
+                st = _stat(int(d.name))
+                if st is not None and st[1] != "Z":
+                    parents.setdefault(st[0], []).append(int(d.name))
+                    starts[int(d.name)] = st[2]
+        todo, me = [os.getpid()], os.getpid()
+        while todo:
+            pid = todo.pop()
+            for child in parents.get(pid, []):
+                todo.append(child)
+                if child != me and child not in self.seen:
+                    try:
+                        cmd = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")[:160].decode(
+                            errors="replace")
+                    except OSError:
+                        cmd = "?"
+                    self.seen[child] = (starts[child], cmd)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._sample()
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> DescendantWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def alive(self, before: dict[int, int]) -> dict[int, str]:
+        """Seen descendants still running (same start time) that were not running before the run."""
+        out = {}
+        for pid, (start, cmd) in self.seen.items():
+            st = _stat(pid)
+            if st is not None and st[1] != "Z" and st[2] == start and before.get(pid) != start:
+                out[pid] = cmd
+        return out
+
+
+# --------------------------------------------------------------------------------------------- config
+
+
+def chaos_config(root: Path, *, quick: bool, seed: int) -> Any:
+    from rollart_core.config import RunConfig
+
+    steps = 6 if quick else 12
+    num_envs = 10 if quick else 16  # per task; two environments per actor: 10 (16) env actors
+    reward_executor = {"impl": "serverless", "options": {
+        "num_cpus": 0.1,
+        "runtime": {"max_workers": 1, "idle_timeout_s": 30.0,
+                    # fault injection of the runtime itself: 10% 503 before running, 10% answers held
+                    # back past the client's timeout (20% of calls fail; the executor retries them)
+                    "faults": {"seed": seed, "error_before": 0.1, "delay": 0.1, "delay_s": 3.0}},
+        "http": {"fallback": "none", "timeout_s": 1.5, "retries": 5, "backoff_base_s": 0.02,
+                 "backoff_max_s": 0.2, "breaker_failures": 16, "seed": seed},
+    }}
+    task = {"reward": {"impl": "success"}, "reward_executor": reward_executor,
+            "sampling": {"max_tokens": 1, "temperature": 1.0}, "group_size": 4, "groups_per_step": 1}
+    return RunConfig.model_validate({
+        "name": "chaos", "output_dir": str(root / "run"), "seed": seed,
+        "model": {"path": str(root / "model"), "create_tiny": True, "dtype": "float32"},
+        "engines": [{"name": "gen", "impl": "vllm", "count": 2, "num_cpus": 0.25, "max_restarts": 2,
+                     "options": {"max_model_len": 512, "dtype": "float32", "max_num_seqs": 32}}],
+        "tasks": [
+            {**task, "name": "frozenlake", "max_turns": 6,
+             "env": {"impl": "frozenlake", "options": {"size": 4, "hole_prob": 0.2, "max_steps": 6}}},
+            {**task, "name": "sokoban", "max_turns": 6,
+             "env": {"impl": "sokoban", "options": {"size": 5, "num_boxes": 1, "reverse_steps": 4,
+                                                    "max_steps": 6}}},
+        ],
+        "trainer": {"impl": "torch", "ranks": 1 if quick else 2, "pool": "H800", "num_cpus": 0.25,
+                    "options": {"lr": 0.01, "num_threads": 1}},
+        "weight_store": {"impl": "filesystem", "options": {"root": str(root / "weights")}},
+        "train": {"mode": "async", "alpha": 1, "steps": steps, "save_every": 1, "max_trainer_restarts": 2,
+                  "stall_timeout_s": 180},
+        "env_manager": {"num_envs": num_envs, "options": {"envs_per_actor": 2, "num_cpus_per_actor": 0.01,
+                                                          "reset_timeout_s": 30, "step_timeout_s": 30}},
+        "ray": {"num_cpus": 4, "resources": {"H800": 2, "env": 64}},
+    })
+
+
+def schedule(seed: int, steps: int, env_actors: int) -> list[dict[str, Any]]:
+    """The faults and the trainer version at which each fires (a pure function of the seed)."""
+    rng = random.Random(seed)
+    last = max(2, steps - 2)  # leave steps after every fault to see the recovery
+    free = list(range(1, last + 1))  # distinct versions while there are enough, so each fault's cost shows
+    rng.shuffle(free)
+    trainer_at = rng.choice([v for v in free if v >= 2])  # checkpoint-1 exists by then
+    free.remove(trainer_at)
+    kinds = ["env"] * max(1, math.ceil(0.1 * env_actors)) + ["engine"]
+    faults = [{"kind": k, "at_version": free[i % len(free)] if free else trainer_at, "pick": rng.random()}
+              for i, k in enumerate(kinds)]
+    faults.append({"kind": "trainer", "at_version": trainer_at, "pick": rng.random()})
+    return sorted(faults, key=lambda f: (f["at_version"], f["kind"]))
+
+
+# ------------------------------------------------------------------------------------------------ faults
+
+
+async def _actor_pid(handle: Any) -> int:
+    return await handle.__ray_call__.remote(lambda self: os.getpid())
+
+
+async def runtime_counters(executor: Any) -> dict[str, Any]:
+    """The reward runtime's own ``/stats`` (its injected-fault counters), over its loopback URL."""
+    import httpx
+
+    try:
+        async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
+            r = await client.get(executor.url.rstrip("/") + "/stats",
+                                 headers={"Authorization": f"Bearer {executor.api_key}"})
+            return dict(r.json())
+    except Exception as exc:  # a report without the counters, not a failed run
+        return {"error": repr(exc)}
+
+
+async def inject(p: Any, fault: dict[str, Any]) -> dict[str, Any]:
+    """Fire one fault now: SIGKILL the picked process. Returns what was killed."""
+    kind = fault["kind"]
+    if kind == "env":
+        live = sorted((a for a in p.env_manager.actors if a.alive), key=lambda a: a.name)
+        actor = live[int(fault["pick"] * len(live))]
+        pid = await _actor_pid(actor.handle)
+        target = f"env actor {actor.name} ({len(actor.envs)} envs)"
+    elif kind == "engine":
+        actor = p.actors[int(fault["pick"] * len(p.actors))]
+        pid = await actor.pid.remote()
+        target = f"engine actor {p.actors.index(actor)}"
+    else:
+        pids = list(p.trainer.pids)
+        pid = pids[int(fault["pick"] * len(pids))]
+        target = f"trainer rank {pids.index(pid)} of {len(pids)}"
+    os.kill(pid, signal.SIGKILL)  # a process of the Ray cluster this run started
+    return {"target": target, "pid": pid}
+
+
+# --------------------------------------------------------------------------------------------- the run
+
+
+async def chaos(quick: bool, seed: int, root: Path) -> dict[str, Any]:
+    from rollart_core.control.train import train
+    from rollart_core.metrics import MemorySink
+    from rollart_core.pipeline import Pipeline
+
+    cfg = chaos_config(root, quick=quick, seed=seed)
+    before = own_processes()
+    fired: list[dict[str, Any]] = []
+    t_wall = time.perf_counter()
+    with DescendantWatch() as watch:
+        async with Pipeline(cfg) as p:
+            t_built = time.perf_counter()
+            n_env_actors = sum(a.alive for a in p.env_manager.actors)
+            plan = schedule(seed, cfg.train.steps, n_env_actors)
+            t0 = time.perf_counter()
+            run = asyncio.create_task(train(cfg, sink=MemorySink(), pipeline=p))
+            pending = list(plan)
+            while pending and not run.done():
+                due = [f for f in pending if p.trainer.version >= f["at_version"]]
+                for f in due:
+                    pending.remove(f)
+                    try:
+                        what = await inject(p, f)
+                    except Exception as exc:  # e.g. the picked actor died already: say so, go on
+                        what = {"target": f"{f['kind']}: not injected ({exc!r})", "pid": None}
+                    fired.append({**f, **what, "t": time.perf_counter() - t0, "version": p.trainer.version})
+                    print(f"[chaos] t={fired[-1]['t']:.1f}s v{p.trainer.version}: SIGKILL {what['target']}",
+                          flush=True)
+                await asyncio.sleep(0.05)
+            error = None
+            try:
+                summary = await run
+            except Exception as exc:
+                summary, error = {}, f"{type(exc).__name__}: {exc}"
+            reward_stats = {name: ex.stats() for name, ex in p.rewards.items()}
+            runtime_stats = {name: await runtime_counters(ex) for name, ex in p.rewards.items()}
+            env_stats = p.env_manager.snapshot()
+            proxy_metrics = await p.proxy.metrics(engine_stats=False)
+        t_closed = time.perf_counter()
+        deadline = time.monotonic() + 15
+        while watch.alive(before) and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+    leftover = watch.alive(before)
+    return report(cfg, summary, error, fired, reward_stats, runtime_stats, env_stats, proxy_metrics, leftover, len(watch.seen),
+                  {"build_s": t_built - t_wall, "run_s": t_closed - t0, "total_s": time.perf_counter() - t_wall})
+
+
+def report(cfg: Any, summary: dict[str, Any], error: str | None, fired: list[dict[str, Any]],
+           reward_stats: dict[str, Any], runtime_stats: dict[str, Any], env_stats: dict[str, Any], proxy_metrics: dict[str, Any],
+           leftover: dict[int, str], processes_seen: int, times: dict[str, float]) -> dict[str, Any]:
+    hist = summary.get("history", [])
+    alpha = cfg.train.alpha
+    trained = Counter(tid for h in hist for tid in h["batch_traj_ids"])
+    lags = [h["version"] - 1 - v for h in hist for v in h["batch_start_versions"]]
+    fates = summary.get("fates", {})
+    steps_s = [h["step_s"] for h in hist]
+    median = statistics.median(steps_s) if steps_s else 0.0
+    for f in fired:  # the step that was running when the fault fired, and the next one
+        ends = [h["elapsed"] for h in hist]
+        hit = next((i for i, e in enumerate(ends) if e >= f["t"]), None)
+        around = [] if hit is None else steps_s[hit:hit + 2]
+        f["steps_after_s"] = around
+        f["lost_s"] = max(0.0, sum(around) - median * len(around))
+    faults_by_kind = Counter(f["kind"] for f in fired if f["pid"] is not None)
+    runtime_faults = {name: {k: v for k, v in s.items() if k.startswith("fault_")} for name, s in runtime_stats.items()}
+    return {
+        "error": error,
+        "steps": len(hist), "steps_asked": cfg.train.steps,
+        "launched": summary.get("launched"), "fates_total": sum(fates.values()), "fates": fates,
+        "trained": sum(trained.values()), "trained_twice": sum(1 for n in trained.values() if n > 1),
+        "lag_violations": sum(lag > alpha for lag in lags), "lag_max": max(lags, default=0), "alpha": alpha,
+        "lost": (summary.get("launched") or 0) - sum(fates.values()),
+        "median_step_s": median, "faults": fired, "faults_by_kind": dict(faults_by_kind),
+        "trainer_restarts": sum(h.get("trainer_restarts", 0) for h in hist),
+        "engine_recovered": {n: m.get("recovered") for n, m in proxy_metrics.items() if isinstance(m, dict)},
+        "env_manager": {k: v for k, v in env_stats.items() if k in (
+            "actor_deaths", "actors_started", "replacements", "retired_actor_died", "actors_alive")},
+        "reward_runtime_faults": runtime_faults,
+        "reward": {name: {k: v for k, v in s.items() if k.startswith("http_") or k in (
+            "calls", "failures", "fallbacks", "runtime_calls", "runtime_cold_starts", "runtime_restarts")}
+            for name, s in reward_stats.items()},
+        "leftover_processes": leftover, "processes_seen": processes_seen,
+        "final_version": summary.get("final_version"), "served_version": summary.get("served_version"),
+        **times,
+    }
+
+
+def invariants(r: dict[str, Any]) -> list[str]:
+    """The broken invariants (empty: the run kept every promise)."""
+    bad = []
+    if r["error"]:
+        bad.append(f"run failed: {r['error']}")
+    if r["steps"] != r["steps_asked"]:
+        bad.append(f"steps {r['steps']} != asked {r['steps_asked']}")
+    if r["launched"] != r["fates_total"]:
+        bad.append(f"launched {r['launched']} != sum of fates {r['fates_total']}")
+    if r["trained_twice"]:
+        bad.append(f"{r['trained_twice']} trajectories trained twice")
+    if r["lag_violations"]:
+        bad.append(f"{r['lag_violations']} trajectories trained with lag > alpha")
+    if r["leftover_processes"]:
+        bad.append(f"{len(r['leftover_processes'])} processes left behind: {r['leftover_processes']}")
+    return bad
+
+
+def table(r: dict[str, Any]) -> str:
+    rows = [
+        ("steps done / asked", f"{r['steps']} / {r['steps_asked']}"),
+        ("launched / sum of fates", f"{r['launched']} / {r['fates_total']}  {r['fates']}"),
+        ("trajectories trained", r["trained"]),
+        ("trained twice", r["trained_twice"]),
+        (f"trained with lag > alpha={r['alpha']}", f"{r['lag_violations']} (max lag {r['lag_max']})"),
+        ("faults fired", r["faults_by_kind"]),
+        ("reward runtime faults", r["reward_runtime_faults"]),
+        ("reward calls", r["reward"]),
+        ("trainer restarts", r["trainer_restarts"]),
+        ("engines recovered", r["engine_recovered"]),
+        ("env manager", r["env_manager"]),
+        ("median step", f"{r['median_step_s']:.2f} s"),
+        *((f"  lost to {f['kind']} @v{f['at_version']}",
+           f"{f['lost_s']:.2f} s  (steps {', '.join(f'{s:.2f}' for s in f['steps_after_s'])})")
+          for f in r["faults"]),
+        ("leftover processes", f"{len(r['leftover_processes'])} (of {r['processes_seen']} started)"),
+        ("build / run / total", f"{r['build_s']:.0f} / {r['run_s']:.0f} / {r['total_s']:.0f} s"),
+        ("error", r["error"] or "-"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="6 steps, 1 trainer rank, 10 env actors (< 5 min)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=Path("runs/bench/chaos.json"))
+    args = ap.parse_args(argv)
+    for k, v in {**LOOPBACK_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}.items():
+        os.environ.setdefault(k, v)  # engines start in seconds and live and die with their actor
+    with tempfile.TemporaryDirectory(prefix="rollart-chaos-") as tmp:
+        result = asyncio.run(chaos(args.quick, args.seed, Path(tmp)))
+    result["seed"], result["quick"] = args.seed, args.quick
+    result["violations"] = invariants(result)
+    print(table(result))
+    for v in result["violations"]:
+        print(f"VIOLATION: {v}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2, default=str))
+    print(f"wrote {args.out}")
+    return 1 if result["violations"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
