@@ -203,3 +203,29 @@ def test_cli_plan_bad_input_exits_2_without_traceback(tmp_path: Path) -> None:
 def test_catalogue_file_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="no such catalogue file"):
         load_catalogue(tmp_path / "x.yaml")
+
+
+def test_planned_config_routes_tasks_to_the_plans_pools(tmp_path: Path) -> None:
+    """``rollart plan --write-config``: the plan as engine groups and task routes ``rollart train`` accepts."""
+    from rollart_core.config import RunConfig, load_config
+    from rollart_core.planner_cli import plan_config
+
+    cfg = RunConfig.model_validate({
+        "model": {"path": str(tmp_path / "m")}, "engines": [{"name": "gen", "impl": "vllm", "options": {"x": 1}}],
+        "tasks": [{"name": n, "env": {"impl": "frozenlake"}, "reward": {"impl": "success"}}
+                  for n in ("rag", "reason", "agent")]})
+    both = TaskProfile(name="agent", prompt_tokens=32000, output_tokens_per_turn=8000)
+    plan = make_plan(WorkloadProfile(model=MODEL, tasks=[PREFILL_HEAVY, DECODE_HEAVY, both]),
+                     {"H800": H800, "H20": H20}, gpus=16)
+    data = plan_config(cfg, plan)
+    counts = {e["pool"]: e["count"] for e in data["engines"]}
+    assert counts == {hw: n for hw, n in plan.pools.items() if hw in ("H800", "H20")}
+    assert all(e["impl"] == "vllm" and e["options"] == {"x": 1} for e in data["engines"])
+    routes = {t["name"]: (t["pool"], t["prefill_pool"], t["pd"]) for t in data["tasks"]}
+    assert routes["rag"] == ("h800", None, "off") and routes["reason"] == ("h20", None, "off")
+    assert routes["agent"] == ("h20", "h800", "on")
+    import yaml
+
+    out = tmp_path / "planned.yaml"
+    out.write_text(yaml.safe_dump(data))
+    assert {e.name for e in load_config(out).engines} == {"h800", "h20"}
