@@ -89,7 +89,7 @@ def test_report_loads_in_headless_chromium(run_dir: tuple[Path, subprocess.Compl
     finally:
         probe.unlink()
     assert r.returncode == 0, r.stderr[-2000:]
-    found = re.search(r"PROBE(.*?)END", r.stdout)
+    found = re.search(r'<pre id="probe">PROBE(.*?)END</pre>', r.stdout)
     assert found, r.stdout[-2000:]
     images = json.loads(found.group(1))
     assert {src for src, *_ in images} >= {"curves.png", "throughput.png", "staleness.png", "timeline.png"}
