@@ -133,15 +133,8 @@ async def run_trajectory(
     except asyncio.CancelledError:
         traj.fate = traj.fate or Fate.CANCELLED_REDUNDANT
         raise
-    except EngineError as exc:
-        traj.fate, traj.error = Fate.GENERATION_FAILED, str(exc)
-    except RewardError as exc:
-        traj.fate, traj.error = Fate.REWARD_FAILED, str(exc)
-    except (TimeoutError, EnvTimeoutError) as exc:
-        traj.fate, traj.error = Fate.TIMED_OUT, repr(exc)
-    except Exception as exc:  # the environment (or its adapter) failed: the run goes on
-        log.warning("trajectory %s: environment failed: %r", traj.traj_id, exc)
-        traj.fate, traj.error = Fate.ENV_FAILED, repr(exc)
+    except Exception as exc:  # a stage failed: the trajectory gets the fate naming it, the run goes on
+        _fail(traj, exc, "environment")
     finally:
         traj.add_timing("total", time.perf_counter() - t_start)
         try:
@@ -202,15 +195,8 @@ async def run_agent_trajectory(
     except asyncio.CancelledError:
         traj.fate = traj.fate or Fate.CANCELLED_REDUNDANT
         raise
-    except EngineError as exc:
-        traj.fate, traj.error = Fate.GENERATION_FAILED, str(exc)
-    except RewardError as exc:
-        traj.fate, traj.error = Fate.REWARD_FAILED, str(exc)
-    except (TimeoutError, EnvTimeoutError) as exc:
-        traj.fate, traj.error = Fate.TIMED_OUT, str(exc)
-    except Exception as exc:  # the agent (or its environment) failed: the run goes on
-        log.warning("trajectory %s: agent failed: %s", traj.traj_id, exc)
-        traj.fate, traj.error = Fate.ENV_FAILED, str(exc) if isinstance(exc, EnvError) else repr(exc)
+    except Exception as exc:  # a stage failed: the trajectory gets the fate naming it, the run goes on
+        _fail(traj, exc, "agent")
     finally:
         traj.add_timing("total", time.perf_counter() - t_start)
         try:
@@ -245,6 +231,20 @@ def assemble_agent_turns(traj: Trajectory, calls: list[AgentCall], chat: ChatFor
                                new_sequence=k > 0 and not extends))
         sequence += context + list(call.output_ids)
     traj.info["segments"] = segments
+
+
+def _fail(traj: Trajectory, exc: Exception, who: str) -> None:
+    """The fate of a trajectory whose ``exc`` escaped: the engine's, the reward's, a timeout, or else
+    the environment's (or the agent's) failure."""
+    if isinstance(exc, EngineError):
+        traj.fate, traj.error = Fate.GENERATION_FAILED, str(exc)
+    elif isinstance(exc, RewardError):
+        traj.fate, traj.error = Fate.REWARD_FAILED, str(exc)
+    elif isinstance(exc, (TimeoutError, EnvTimeoutError)):
+        traj.fate, traj.error = Fate.TIMED_OUT, str(exc) or repr(exc)
+    else:
+        log.warning("trajectory %s: %s failed: %r", traj.traj_id, who, exc)
+        traj.fate, traj.error = Fate.ENV_FAILED, str(exc) if isinstance(exc, EnvError) else repr(exc)
 
 
 async def _within(call: Awaitable[T], timeout: float | None, what: str) -> T:
