@@ -229,3 +229,9 @@ def test_planned_config_routes_tasks_to_the_plans_pools(tmp_path: Path) -> None:
     out = tmp_path / "planned.yaml"
     out.write_text(yaml.safe_dump(data))
     assert {e.name for e in load_config(out).engines} == {"h800", "h20"}
+    # through the CLI: rollart plan CONFIG --write-config OUT
+    src, written = tmp_path / "run.yaml", tmp_path / "cli-planned.yaml"
+    src.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    assert main(["plan", str(src), "--gpus", "8", "--write-config", str(written)]) == 0
+    planned = load_config(written)
+    assert sum(e.count for e in planned.engines) == 8 and all(t.pool is not None for t in planned.tasks)

@@ -53,6 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--simulate", type=int, default=0, metavar="STEPS",
                     help="also simulate STEPS training steps, Sync+ and async, on the planned pools")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+    pl.add_argument("--write-config", metavar="OUT.yaml",
+                    help="also write the config with the plan applied (engine groups per pool, task routes)")
     b = sub.add_parser("bench", help="Sync+ vs One-off vs async (and baselines) side by side, with a timeline")
     b.add_argument("--quick", action="store_true", help="the quick size (a few minutes on 2 cores)")
     b.add_argument("--micro", action="store_true", help="the smallest size (tests)")
