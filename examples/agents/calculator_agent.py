@@ -14,9 +14,20 @@ from typing import Any
 from rollart_env.agent import AgentResult, AgentTask
 from rollart_env.calculator import CalculatorConfig, ToolError, evaluate, make_problem
 
-TOOLS = [{"type": "function", "function": {
-    "name": "calc", "description": "Evaluate one arithmetic expression, e.g. 482 * 17",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calc",
+            "description": "Evaluate one arithmetic expression, e.g. 482 * 17",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
+        },
+    }
+]
 
 
 def make_task(seed: int) -> dict[str, Any]:
@@ -26,17 +37,29 @@ def make_task(seed: int) -> dict[str, Any]:
 
 async def solve(client: Any, task: AgentTask) -> AgentResult:
     messages: list[Any] = [
-        {"role": "system", "content": "Compute the expression with the calc tool, then reply with the number."},
-        {"role": "user", "content": task.data["expression"]}]
+        {
+            "role": "system",
+            "content": "Compute the expression with the calc tool, then reply with the number.",
+        },
+        {"role": "user", "content": task.data["expression"]},
+    ]
     for _ in range(4):
-        reply = await client.chat.completions.create(model=task.model, messages=messages, tools=TOOLS,
-                                                     max_tokens=task.max_tokens, temperature=task.temperature)
+        reply = await client.chat.completions.create(
+            model=task.model,
+            messages=messages,
+            tools=TOOLS,
+            max_tokens=task.max_tokens,
+            temperature=task.temperature,
+        )
         message = reply.choices[0].message
         messages.append(message)  # sent back unchanged: rollart reuses the sampled token ids
         if not message.tool_calls:
             answer = (message.content or "").strip()
-            return AgentResult(answer=answer, reward=float(answer == task.data["value"]),
-                               info={"success": answer == task.data["value"]})
+            return AgentResult(
+                answer=answer,
+                reward=float(answer == task.data["value"]),
+                info={"success": answer == task.data["value"]},
+            )
         for call in message.tool_calls:
             try:
                 result = str(evaluate(json.loads(call.function.arguments)["expression"]))

@@ -23,18 +23,36 @@ from rollart_core.pipeline import Pipeline
 
 
 def config(steps: int, out: Path) -> RunConfig:
-    return RunConfig.model_validate({
-        "name": "async-frozenlake", "output_dir": str(out), "seed": 0,
-        "model": {"path": ".rollart/models/tiny-qwen2-cells", "create_tiny": True},
-        "engines": [{"name": "gen", "impl": "vllm", "num_cpus": 1,
-                     "options": {"max_model_len": 1024, "max_num_seqs": 64}}],
-        "tasks": [{"name": "frozenlake", "env": {"impl": "frozenlake", "options": {"size": 4, "max_steps": 12}},
-                   "reward": {"impl": "success"}, "sampling": {"max_tokens": 1, "temperature": 1.0},
-                   "group_size": 8, "groups_per_step": 4, "max_turns": 12}],
-        "trainer": {"impl": "torch", "options": {"lr": 3e-4, "spawn": True, "num_threads": 1}},
-        "train": {"mode": "async", "alpha": 1, "steps": steps},
-        "ray": {"num_cpus": 2},
-    }).resolve_paths(Path.cwd())
+    return RunConfig.model_validate(
+        {
+            "name": "async-frozenlake",
+            "output_dir": str(out),
+            "seed": 0,
+            "model": {"path": ".rollart/models/tiny-qwen2-cells", "create_tiny": True},
+            "engines": [
+                {
+                    "name": "gen",
+                    "impl": "vllm",
+                    "num_cpus": 1,
+                    "options": {"max_model_len": 1024, "max_num_seqs": 64},
+                }
+            ],
+            "tasks": [
+                {
+                    "name": "frozenlake",
+                    "env": {"impl": "frozenlake", "options": {"size": 4, "max_steps": 12}},
+                    "reward": {"impl": "success"},
+                    "sampling": {"max_tokens": 1, "temperature": 1.0},
+                    "group_size": 8,
+                    "groups_per_step": 4,
+                    "max_turns": 12,
+                }
+            ],
+            "trainer": {"impl": "torch", "options": {"lr": 3e-4, "spawn": True, "num_threads": 1}},
+            "train": {"mode": "async", "alpha": 1, "steps": steps},
+            "ray": {"num_cpus": 2},
+        }
+    ).resolve_paths(Path.cwd())
 
 
 async def main(steps: int, out: Path) -> None:
@@ -43,11 +61,15 @@ async def main(steps: int, out: Path) -> None:
         try:
             async for rec in run_async(run):
                 m = step_metrics(run, rec)
-                print(f"step {rec.step}: version {m['version']} reward {m['reward_mean']:.3f} "
-                      f"lag_max {m['lag_max']} wait {m['wait_s']:.2f}s train {m['train_s']:.2f}s fates {m['fates']}")
+                print(
+                    f"step {rec.step}: version {m['version']} reward {m['reward_mean']:.3f} "
+                    f"lag_max {m['lag_max']} wait {m['wait_s']:.2f}s train {m['train_s']:.2f}s fates {m['fates']}"
+                )
         finally:
             await run.stop()
-        print(f"served version {run.clock.served}, fates {dict(run.rollout.fates)}, launched {run.rollout.launched}")
+        print(
+            f"served version {run.clock.served}, fates {dict(run.rollout.fates)}, launched {run.rollout.launched}"
+        )
 
 
 if __name__ == "__main__":  # vLLM spawns processes: keep the entry point guarded

@@ -98,8 +98,12 @@ class DescendantWatch:
                 todo.append(child)
                 if child != me and child not in self.seen:
                     try:
-                        cmd = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")[:160].decode(
-                            errors="replace")
+                        cmd = (
+                            Path(f"/proc/{child}/cmdline")
+                            .read_bytes()
+                            .replace(b"\0", b" ")[:160]
+                            .decode(errors="replace")
+                        )
                     except OSError:
                         cmd = "?"
                     self.seen[child] = (starts[child], cmd)
@@ -135,38 +139,96 @@ def chaos_config(root: Path, *, quick: bool, seed: int) -> Any:
 
     steps = 6 if quick else 12
     num_envs = 10 if quick else 16  # per task; two environments per actor: 10 (16) env actors
-    reward_executor = {"impl": "serverless", "options": {
-        "num_cpus": 0.1,
-        "runtime": {"max_workers": 1, "idle_timeout_s": 30.0,
-                    # fault injection of the runtime itself: 10% 503 before running, 10% answers held
-                    # back past the client's timeout (20% of calls fail; the executor retries them)
-                    "faults": {"seed": seed, "error_before": 0.1, "delay": 0.1, "delay_s": 3.0}},
-        "http": {"fallback": "none", "timeout_s": 1.5, "retries": 5, "backoff_base_s": 0.02,
-                 "backoff_max_s": 0.2, "breaker_failures": 16, "seed": seed},
-    }}
-    task = {"reward": {"impl": "success"}, "reward_executor": reward_executor,
-            "sampling": {"max_tokens": 1, "temperature": 1.0}, "group_size": 4, "groups_per_step": 1}
-    return RunConfig.model_validate({
-        "name": "chaos", "output_dir": str(root / "run"), "seed": seed,
-        "model": {"path": str(root / "model"), "create_tiny": True, "dtype": "float32"},
-        "engines": [{"name": "gen", "impl": "vllm", "count": 2, "num_cpus": 0.25, "max_restarts": 2,
-                     "options": {"max_model_len": 512, "dtype": "float32", "max_num_seqs": 32}}],
-        "tasks": [
-            {**task, "name": "frozenlake", "max_turns": 6,
-             "env": {"impl": "frozenlake", "options": {"size": 4, "hole_prob": 0.2, "max_steps": 6}}},
-            {**task, "name": "sokoban", "max_turns": 6,
-             "env": {"impl": "sokoban", "options": {"size": 5, "num_boxes": 1, "reverse_steps": 4,
-                                                    "max_steps": 6}}},
-        ],
-        "trainer": {"impl": "torch", "ranks": 1 if quick else 2, "pool": "H800", "num_cpus": 0.25,
-                    "options": {"lr": 0.01, "num_threads": 1}},
-        "weight_store": {"impl": "filesystem", "options": {"root": str(root / "weights")}},
-        "train": {"mode": "async", "alpha": 1, "steps": steps, "save_every": 1, "max_trainer_restarts": 2,
-                  "stall_timeout_s": 180},
-        "env_manager": {"num_envs": num_envs, "options": {"envs_per_actor": 2, "num_cpus_per_actor": 0.01,
-                                                          "reset_timeout_s": 30, "step_timeout_s": 30}},
-        "ray": {"num_cpus": 4, "resources": {"H800": 2, "env": 64}},
-    })
+    reward_executor = {
+        "impl": "serverless",
+        "options": {
+            "num_cpus": 0.1,
+            "runtime": {
+                "max_workers": 1,
+                "idle_timeout_s": 30.0,
+                # fault injection of the runtime itself: 10% 503 before running, 10% answers held
+                # back past the client's timeout (20% of calls fail; the executor retries them)
+                "faults": {"seed": seed, "error_before": 0.1, "delay": 0.1, "delay_s": 3.0},
+            },
+            "http": {
+                "fallback": "none",
+                "timeout_s": 1.5,
+                "retries": 5,
+                "backoff_base_s": 0.02,
+                "backoff_max_s": 0.2,
+                "breaker_failures": 16,
+                "seed": seed,
+            },
+        },
+    }
+    task = {
+        "reward": {"impl": "success"},
+        "reward_executor": reward_executor,
+        "sampling": {"max_tokens": 1, "temperature": 1.0},
+        "group_size": 4,
+        "groups_per_step": 1,
+    }
+    return RunConfig.model_validate(
+        {
+            "name": "chaos",
+            "output_dir": str(root / "run"),
+            "seed": seed,
+            "model": {"path": str(root / "model"), "create_tiny": True, "dtype": "float32"},
+            "engines": [
+                {
+                    "name": "gen",
+                    "impl": "vllm",
+                    "count": 2,
+                    "num_cpus": 0.25,
+                    "max_restarts": 2,
+                    "options": {"max_model_len": 512, "dtype": "float32", "max_num_seqs": 32},
+                }
+            ],
+            "tasks": [
+                {
+                    **task,
+                    "name": "frozenlake",
+                    "max_turns": 6,
+                    "env": {"impl": "frozenlake", "options": {"size": 4, "hole_prob": 0.2, "max_steps": 6}},
+                },
+                {
+                    **task,
+                    "name": "sokoban",
+                    "max_turns": 6,
+                    "env": {
+                        "impl": "sokoban",
+                        "options": {"size": 5, "num_boxes": 1, "reverse_steps": 4, "max_steps": 6},
+                    },
+                },
+            ],
+            "trainer": {
+                "impl": "torch",
+                "ranks": 1 if quick else 2,
+                "pool": "H800",
+                "num_cpus": 0.25,
+                "options": {"lr": 0.01, "num_threads": 1},
+            },
+            "weight_store": {"impl": "filesystem", "options": {"root": str(root / "weights")}},
+            "train": {
+                "mode": "async",
+                "alpha": 1,
+                "steps": steps,
+                "save_every": 1,
+                "max_trainer_restarts": 2,
+                "stall_timeout_s": 180,
+            },
+            "env_manager": {
+                "num_envs": num_envs,
+                "options": {
+                    "envs_per_actor": 2,
+                    "num_cpus_per_actor": 0.01,
+                    "reset_timeout_s": 30,
+                    "step_timeout_s": 30,
+                },
+            },
+            "ray": {"num_cpus": 4, "resources": {"H800": 2, "env": 64}},
+        }
+    )
 
 
 def schedule(seed: int, steps: int, env_actors: int) -> list[dict[str, Any]]:
@@ -178,8 +240,10 @@ def schedule(seed: int, steps: int, env_actors: int) -> list[dict[str, Any]]:
     trainer_at = rng.choice([v for v in free if v >= 2])  # checkpoint-1 exists by then
     free.remove(trainer_at)
     kinds = ["env"] * max(1, math.ceil(0.1 * env_actors)) + ["engine"]
-    faults = [{"kind": k, "at_version": free[i % len(free)] if free else trainer_at, "pick": rng.random()}
-              for i, k in enumerate(kinds)]
+    faults = [
+        {"kind": k, "at_version": free[i % len(free)] if free else trainer_at, "pick": rng.random()}
+        for i, k in enumerate(kinds)
+    ]
     faults.append({"kind": "trainer", "at_version": trainer_at, "pick": rng.random()})
     return sorted(faults, key=lambda f: (f["at_version"], f["kind"]))
 
@@ -197,8 +261,9 @@ async def runtime_counters(executor: Any) -> dict[str, Any]:
 
     try:
         async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
-            r = await client.get(executor.url.rstrip("/") + "/stats",
-                                 headers={"Authorization": f"Bearer {executor.api_key}"})
+            r = await client.get(
+                executor.url.rstrip("/") + "/stats", headers={"Authorization": f"Bearer {executor.api_key}"}
+            )
             return dict(r.json())
     except Exception as exc:  # a report without the counters, not a failed run
         return {"error": repr(exc)}
@@ -253,8 +318,10 @@ async def chaos(quick: bool, seed: int, root: Path) -> dict[str, Any]:
                     except Exception as exc:  # e.g. the picked actor died already: say so, go on
                         what = {"target": f"{f['kind']}: not injected ({exc!r})", "pid": None}
                     fired.append({**f, **what, "t": time.perf_counter() - t0, "version": p.trainer.version})
-                    print(f"[chaos] t={fired[-1]['t']:.1f}s v{p.trainer.version}: SIGKILL {what['target']}",
-                          flush=True)
+                    print(
+                        f"[chaos] t={fired[-1]['t']:.1f}s v{p.trainer.version}: SIGKILL {what['target']}",
+                        flush=True,
+                    )
                 await asyncio.sleep(0.05)
             error = None
             try:
@@ -270,13 +337,34 @@ async def chaos(quick: bool, seed: int, root: Path) -> dict[str, Any]:
         while watch.alive(before) and time.monotonic() < deadline:
             await asyncio.sleep(0.5)
     leftover = watch.alive(before)
-    return report(cfg, summary, error, fired, reward_stats, runtime_stats, env_stats, proxy_metrics, leftover, len(watch.seen),
-                  {"build_s": t_built - t_wall, "run_s": t_closed - t0, "total_s": time.perf_counter() - t_wall})
+    return report(
+        cfg,
+        summary,
+        error,
+        fired,
+        reward_stats,
+        runtime_stats,
+        env_stats,
+        proxy_metrics,
+        leftover,
+        len(watch.seen),
+        {"build_s": t_built - t_wall, "run_s": t_closed - t0, "total_s": time.perf_counter() - t_wall},
+    )
 
 
-def report(cfg: Any, summary: dict[str, Any], error: str | None, fired: list[dict[str, Any]],
-           reward_stats: dict[str, Any], runtime_stats: dict[str, Any], env_stats: dict[str, Any], proxy_metrics: dict[str, Any],
-           leftover: dict[int, str], processes_seen: int, times: dict[str, float]) -> dict[str, Any]:
+def report(
+    cfg: Any,
+    summary: dict[str, Any],
+    error: str | None,
+    fired: list[dict[str, Any]],
+    reward_stats: dict[str, Any],
+    runtime_stats: dict[str, Any],
+    env_stats: dict[str, Any],
+    proxy_metrics: dict[str, Any],
+    leftover: dict[int, str],
+    processes_seen: int,
+    times: dict[str, float],
+) -> dict[str, Any]:
     hist = summary.get("history", [])
     alpha = cfg.train.alpha
     trained = Counter(tid for h in hist for tid in h["batch_traj_ids"])
@@ -287,29 +375,58 @@ def report(cfg: Any, summary: dict[str, Any], error: str | None, fired: list[dic
     for f in fired:  # the step that was running when the fault fired, and the next one
         ends = [h["elapsed"] for h in hist]
         hit = next((i for i, e in enumerate(ends) if e >= f["t"]), None)
-        around = [] if hit is None else steps_s[hit:hit + 2]
+        around = [] if hit is None else steps_s[hit : hit + 2]
         f["steps_after_s"] = around
         f["lost_s"] = max(0.0, sum(around) - median * len(around))
     faults_by_kind = Counter(f["kind"] for f in fired if f["pid"] is not None)
-    runtime_faults = {name: {k: v for k, v in s.items() if k.startswith("fault_")} for name, s in runtime_stats.items()}
+    runtime_faults = {
+        name: {k: v for k, v in s.items() if k.startswith("fault_")} for name, s in runtime_stats.items()
+    }
     return {
         "error": error,
-        "steps": len(hist), "steps_asked": cfg.train.steps,
-        "launched": summary.get("launched"), "fates_total": sum(fates.values()), "fates": fates,
-        "trained": sum(trained.values()), "trained_twice": sum(1 for n in trained.values() if n > 1),
-        "lag_violations": sum(lag > alpha for lag in lags), "lag_max": max(lags, default=0), "alpha": alpha,
+        "steps": len(hist),
+        "steps_asked": cfg.train.steps,
+        "launched": summary.get("launched"),
+        "fates_total": sum(fates.values()),
+        "fates": fates,
+        "trained": sum(trained.values()),
+        "trained_twice": sum(1 for n in trained.values() if n > 1),
+        "lag_violations": sum(lag > alpha for lag in lags),
+        "lag_max": max(lags, default=0),
+        "alpha": alpha,
         "lost": (summary.get("launched") or 0) - sum(fates.values()),
-        "median_step_s": median, "faults": fired, "faults_by_kind": dict(faults_by_kind),
+        "median_step_s": median,
+        "faults": fired,
+        "faults_by_kind": dict(faults_by_kind),
         "trainer_restarts": sum(h.get("trainer_restarts", 0) for h in hist),
         "engine_recovered": {n: m.get("recovered") for n, m in proxy_metrics.items() if isinstance(m, dict)},
-        "env_manager": {k: v for k, v in env_stats.items() if k in (
-            "actor_deaths", "actors_started", "replacements", "retired_actor_died", "actors_alive")},
+        "env_manager": {
+            k: v
+            for k, v in env_stats.items()
+            if k in ("actor_deaths", "actors_started", "replacements", "retired_actor_died", "actors_alive")
+        },
         "reward_runtime_faults": runtime_faults,
-        "reward": {name: {k: v for k, v in s.items() if k.startswith("http_") or k in (
-            "calls", "failures", "fallbacks", "runtime_calls", "runtime_cold_starts", "runtime_restarts")}
-            for name, s in reward_stats.items()},
-        "leftover_processes": leftover, "processes_seen": processes_seen,
-        "final_version": summary.get("final_version"), "served_version": summary.get("served_version"),
+        "reward": {
+            name: {
+                k: v
+                for k, v in s.items()
+                if k.startswith("http_")
+                or k
+                in (
+                    "calls",
+                    "failures",
+                    "fallbacks",
+                    "runtime_calls",
+                    "runtime_cold_starts",
+                    "runtime_restarts",
+                )
+            }
+            for name, s in reward_stats.items()
+        },
+        "leftover_processes": leftover,
+        "processes_seen": processes_seen,
+        "final_version": summary.get("final_version"),
+        "served_version": summary.get("served_version"),
         **times,
     }
 
@@ -346,9 +463,13 @@ def table(r: dict[str, Any]) -> str:
         ("engines recovered", r["engine_recovered"]),
         ("env manager", r["env_manager"]),
         ("median step", f"{r['median_step_s']:.2f} s"),
-        *((f"  lost to {f['kind']} @v{f['at_version']}",
-           f"{f['lost_s']:.2f} s  (steps {', '.join(f'{s:.2f}' for s in f['steps_after_s'])})")
-          for f in r["faults"]),
+        *(
+            (
+                f"  lost to {f['kind']} @v{f['at_version']}",
+                f"{f['lost_s']:.2f} s  (steps {', '.join(f'{s:.2f}' for s in f['steps_after_s'])})",
+            )
+            for f in r["faults"]
+        ),
         ("leftover processes", f"{len(r['leftover_processes'])} (of {r['processes_seen']} started)"),
         ("build / run / total", f"{r['build_s']:.0f} / {r['run_s']:.0f} / {r['total_s']:.0f} s"),
         ("error", r["error"] or "-"),

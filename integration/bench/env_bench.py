@@ -57,13 +57,22 @@ def critical(launched: list[Any], t0: float, tl: Any) -> dict[str, Any]:
     kept = [t for t in launched if t.fate is Fate.FINISHED]
     c = max(kept, key=lambda t: t.info["bench_t1"])
     lane = [(st, round(e - s, 3)) for st, s, e, ln in tl.intervals if ln == c.traj_id]
-    failed = Counter(t.fate.value for t in launched if t.fate not in (Fate.FINISHED, Fate.CANCELLED_REDUNDANT))
-    return {"end": round(c.info["bench_t1"] - t0, 3), "start": round(c.info["bench_t0"] - t0, 3),
-            "acquire": round(c.timings.get("env_acquire", 0.0), 3), "env": round(c.timings.get("env", 0.0), 3),
-            "gen": round(c.timings.get("generate", 0.0), 3), "turns": len(c.turns), "calls": lane,
-            "launched": len(launched), "failed": dict(failed),
-            "gen_calls": sum(st == "generate" for st, *_ in tl.intervals),
-            "kept_turns": dict(Counter(len(t.turns) for t in kept))}
+    failed = Counter(
+        t.fate.value for t in launched if t.fate not in (Fate.FINISHED, Fate.CANCELLED_REDUNDANT)
+    )
+    return {
+        "end": round(c.info["bench_t1"] - t0, 3),
+        "start": round(c.info["bench_t0"] - t0, 3),
+        "acquire": round(c.timings.get("env_acquire", 0.0), 3),
+        "env": round(c.timings.get("env", 0.0), 3),
+        "gen": round(c.timings.get("generate", 0.0), 3),
+        "turns": len(c.turns),
+        "calls": lane,
+        "launched": len(launched),
+        "failed": dict(failed),
+        "gen_calls": sum(st == "generate" for st, *_ in tl.intervals),
+        "kept_turns": dict(Counter(len(t.turns) for t in kept)),
+    }
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -90,8 +99,17 @@ def stamped(manager: Any, run_kwargs: dict[str, Any], launched: list[Any]) -> An
     return run
 
 
-async def collect_group(manager: Any, run_kwargs: dict[str, Any], group: str, seed: int, G: int, k: int,
-                        counter: list[int], fates: dict[str, int], launched: list[Any]) -> None:
+async def collect_group(
+    manager: Any,
+    run_kwargs: dict[str, Any],
+    group: str,
+    seed: int,
+    G: int,
+    k: int,
+    counter: list[int],
+    fates: dict[str, int],
+    launched: list[Any],
+) -> None:
     from rollart_core.types import Trajectory
     from rollart_env import run_group
 
@@ -100,24 +118,41 @@ async def collect_group(manager: Any, run_kwargs: dict[str, Any], group: str, se
         trajs = []
         for _ in range(needed + k):
             counter[0] += 1
-            trajs.append(Trajectory(f"b{counter[0]}", "lake", "frozenlake", group, seed=seed, start_version=0))
+            trajs.append(
+                Trajectory(f"b{counter[0]}", "lake", "frozenlake", group, seed=seed, start_version=0)
+            )
         out = await run_group(trajs, stamped(manager, run_kwargs, launched), needed)
         for f, n in out.fates().items():
             fates[f] = fates.get(f, 0) + n
         needed -= len(out.kept)
 
 
-async def collect_batch(manager: Any, run_kwargs: dict[str, Any], groups: int, G: int, k: int, batch: int,
-                        counter: list[int], fates: dict[str, int], extra_groups: int = 0,
-                        launched: list[Any] | None = None) -> float:
+async def collect_batch(
+    manager: Any,
+    run_kwargs: dict[str, Any],
+    groups: int,
+    G: int,
+    k: int,
+    batch: int,
+    counter: list[int],
+    fates: dict[str, int],
+    extra_groups: int = 0,
+    launched: list[Any] | None = None,
+) -> float:
     from rollart_core.types import Trajectory
     from rollart_env import run_batch
 
     launched = [] if launched is None else launched
     t0 = time.perf_counter()
     if not extra_groups:
-        await asyncio.gather(*(collect_group(manager, run_kwargs, f"b{batch}g{g}", batch * 1000 + g, G, k, counter,
-                                             fates, launched) for g in range(groups)))
+        await asyncio.gather(
+            *(
+                collect_group(
+                    manager, run_kwargs, f"b{batch}g{g}", batch * 1000 + g, G, k, counter, fates, launched
+                )
+                for g in range(groups)
+            )
+        )
         return time.perf_counter() - t0
     needed, g = groups, 0
     while needed > 0:  # groups that cannot complete (too many failures) are replaced by fresh ones
@@ -126,8 +161,16 @@ async def collect_batch(manager: Any, run_kwargs: dict[str, Any], groups: int, G
             launch.append([])
             for _ in range(G + k):
                 counter[0] += 1
-                launch[-1].append(Trajectory(f"b{counter[0]}", "lake", "frozenlake", f"b{batch}g{g}",
-                                             seed=batch * 1000 + g, start_version=0))
+                launch[-1].append(
+                    Trajectory(
+                        f"b{counter[0]}",
+                        "lake",
+                        "frozenlake",
+                        f"b{batch}g{g}",
+                        seed=batch * 1000 + g,
+                        start_version=0,
+                    )
+                )
             g += 1
         out = await run_batch(launch, stamped(manager, run_kwargs, launched), G, needed)
         for f, n in out.fates().items():
@@ -160,7 +203,13 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     G, k, groups = args.group_size, args.redundancy, args.groups
     lake = {"impl": "frozenlake", "options": {"size": 4, "hole_prob": 0.1, "max_steps": args.max_turns}}
     base = {"step_latency_s": args.latency, "per_instance": True, "fault_within_calls": args.max_turns}
-    faults = {**base, "seed": 1, "step_latency_sigma": args.sigma, "crash_prob": args.crash, "hang_prob": args.hang}
+    faults = {
+        **base,
+        "seed": 1,
+        "step_latency_sigma": args.sigma,
+        "crash_prob": args.crash,
+        "hang_prob": args.hang,
+    }
     r = args.replicas
     variants = {  # name: (faults, k extra trajectories per group, m extra groups per batch, env replicas)
         "fault_free": ({**base, "seed": 1}, 0, 0, 1),
@@ -172,26 +221,47 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         "replicas_actor": (faults, args.replica_redundancy, 0, r),
         "replicas_actor_batch": (faults, args.replica_redundancy, args.extra_groups, r),
     }
-    in_actor = {"replicas_actor", "replicas_actor_batch"}  # replica_scope "actor": the r replicas hedged inside one env actor
+    in_actor = {
+        "replicas_actor",
+        "replicas_actor_batch",
+    }  # replica_scope "actor": the r replicas hedged inside one env actor
     variants = {n: v for n, v in variants.items() if n == "fault_free" or n in args.variants}
     results: dict[str, Any] = {}
     with RayCluster(RayConfig(num_cpus=4, resources={"env": 32})):
-        engine = VllmEngine(VllmEngineConfig(max_model_len=512, dtype="float32", max_num_seqs=128), model_path=str(model))
+        engine = VllmEngine(
+            VllmEngineConfig(max_model_len=512, dtype="float32", max_num_seqs=128), model_path=str(model)
+        )
         try:
             await engine.start()
             proxy = LLMProxy({"w0": engine})
-            run_kwargs = {"generator": proxy, "chat": ChatMLFormat(model), "scorer": InlineExecutor(EnvReturnReward()),
-                          "sampling": SamplingParams(max_tokens=1), "max_turns": args.max_turns}
+            run_kwargs = {
+                "generator": proxy,
+                "chat": ChatMLFormat(model),
+                "scorer": InlineExecutor(EnvReturnReward()),
+                "sampling": SamplingParams(max_tokens=1),
+                "max_turns": args.max_turns,
+            }
             managers, n_envs = {}, {}
             for name, (spec, kk, mm, rr) in variants.items():
                 scope = "actor" if name in in_actor else "actors"
                 n_envs[name] = (groups + mm) * (G + kk) * (1 if scope == "actor" else rr)
-                cfg = EnvManagerConfig.model_validate({
-                    "groups": {"lake": {**lake, "num_envs": n_envs[name], "faults": spec, "replicas": rr,
-                                        "replica_scope": scope}},
-                    "envs_per_actor": 32, "step_timeout_s": args.step_timeout, "reset_timeout_s": args.step_timeout,
-                    "num_cpus_per_actor": 0.1,
-                })
+                cfg = EnvManagerConfig.model_validate(
+                    {
+                        "groups": {
+                            "lake": {
+                                **lake,
+                                "num_envs": n_envs[name],
+                                "faults": spec,
+                                "replicas": rr,
+                                "replica_scope": scope,
+                            }
+                        },
+                        "envs_per_actor": 32,
+                        "step_timeout_s": args.step_timeout,
+                        "reset_timeout_s": args.step_timeout,
+                        "num_cpus_per_actor": 0.1,
+                    }
+                )
                 managers[name] = await EnvManager(cfg).start()
             for name, m in managers.items():
                 await m.wait_ready("lake", n_envs[name], timeout=120)
@@ -200,27 +270,41 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             counter = [0]
             traces: dict[str, list[dict[str, Any]]] = {n: [] for n in variants}
             for b in range(args.warmup + args.batches):
-                for name, (_, kk, mm, _r) in variants.items():  # interleaved: same conditions for each variant
+                for name, (
+                    _,
+                    kk,
+                    mm,
+                    _r,
+                ) in variants.items():  # interleaved: same conditions for each variant
                     launched: list[Any] = []
                     with Timeline() as tl:
                         t0 = time.perf_counter()
-                        t = await collect_batch(managers[name], run_kwargs, groups, G, kk, b, counter, fates[name], mm,
-                                                launched)
+                        t = await collect_batch(
+                            managers[name], run_kwargs, groups, G, kk, b, counter, fates[name], mm, launched
+                        )
                     if b >= args.warmup:
                         times[name].append(t)
                         traces[name].append({"batch_s": round(t, 3), **critical(launched, t0, tl)})
             for name, m in managers.items():
                 hedge = await m.hedge_stats()
                 results[name] = {
-                    "batches": len(times[name]), "p50_s": statistics.median(times[name]),
-                    "p99_s": pct(times[name], 0.99), "mean_s": statistics.fmean(times[name]),
-                    "max_s": max(times[name]), "fates": fates[name],
-                    "replacements": m.stats["replacements"], "redundancy": variants[name][1],
-                    "extra_groups": variants[name][2], "replicas": variants[name][3],
+                    "batches": len(times[name]),
+                    "p50_s": statistics.median(times[name]),
+                    "p99_s": pct(times[name], 0.99),
+                    "mean_s": statistics.fmean(times[name]),
+                    "max_s": max(times[name]),
+                    "fates": fates[name],
+                    "replacements": m.stats["replacements"],
+                    "redundancy": variants[name][1],
+                    "extra_groups": variants[name][2],
+                    "replicas": variants[name][3],
                     "gen_calls_per_batch": statistics.fmean(tr["gen_calls"] for tr in traces[name]),
-                    "hedge_wins": hedge["hedge_wins"], "hedged_calls": hedge["hedged_calls"],
-                    "replicas_failed": hedge["replicas_failed"], "replicas_respawned": hedge["replicas_respawned"],
-                    "replica_shortfall": m.stats["replica_shortfall"], "trace": traces[name],
+                    "hedge_wins": hedge["hedge_wins"],
+                    "hedged_calls": hedge["hedged_calls"],
+                    "replicas_failed": hedge["replicas_failed"],
+                    "replicas_respawned": hedge["replicas_respawned"],
+                    "replica_shortfall": m.stats["replica_shortfall"],
+                    "trace": traces[name],
                 }
                 await m.shutdown()
             results["engine"] = await engine.get_stats()
@@ -229,13 +313,23 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     base_p50 = results["fault_free"]["p50_s"]
     for name in variants:
         results[name]["p99_over_fault_free_p50"] = results[name]["p99_s"] / base_p50
-    results["goal_met"] = min(results[n]["p99_over_fault_free_p50"] for n in variants if n != "fault_free") <= 1.2
+    results["goal_met"] = (
+        min(results[n]["p99_over_fault_free_p50"] for n in variants if n != "fault_free") <= 1.2
+    )
     results["params"] = {k2: v for k2, v in vars(args).items()}
     return results
 
 
-ALL_VARIANTS = ("fault_free", "faults_off", "faults_on", "faults_on_batch", "replicas", "replicas_batch",
-                "replicas_actor", "replicas_actor_batch")
+ALL_VARIANTS = (
+    "fault_free",
+    "faults_off",
+    "faults_on",
+    "faults_on_batch",
+    "replicas",
+    "replicas_batch",
+    "replicas_actor",
+    "replicas_actor_batch",
+)
 # replicas in other actors (``replicas``, ``replicas_batch``) cost r Ray calls per env call from the
 # caller, which shares the cores with the engine: slower than in-actor replicas in every run, and
 # their load slows the other variants of the same run; run them with --variants
@@ -260,10 +354,17 @@ def parse() -> argparse.Namespace:
     p.add_argument("--hang", type=float, default=0.02, help="per-episode hang probability")
     p.add_argument("--step-timeout", type=float, default=2.0)
     p.add_argument("--model", default=None, help="tiny model dir (created if missing; default: a temp dir)")
-    p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=ALL_VARIANTS[1:],
-                   help="variants besides fault_free (always run: it is the reference); default: "
-                        f"{' '.join(DEFAULT_VARIANTS)}")
-    p.add_argument("--trace", type=int, default=0, help="print the critical trajectory of the N slowest batches")
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        default=DEFAULT_VARIANTS,
+        choices=ALL_VARIANTS[1:],
+        help="variants besides fault_free (always run: it is the reference); default: "
+        f"{' '.join(DEFAULT_VARIANTS)}",
+    )
+    p.add_argument(
+        "--trace", type=int, default=0, help="print the critical trajectory of the N slowest batches"
+    )
     p.add_argument("--out", default="runs/bench/env_bench.json")
     a = p.parse_args()
     if a.quick:
@@ -275,18 +376,24 @@ if __name__ == "__main__":
     args = parse()
     res = asyncio.run(main(args))
     base = res["fault_free"]["p50_s"]
-    print(f"\nbatch = {args.groups} groups x {args.group_size}; step latency median {args.latency}s sigma {args.sigma}; "
-          f"failures {args.crash:.0%} crash + {args.hang:.0%} hang; step timeout {args.step_timeout}s")
-    print(f"{'variant':<16} {'k':>2} {'m':>2} {'r':>2} {'p50 s':>7} {'p99 s':>7} {'max s':>7} {'p99/ff p50':>10} {'gen/b':>6}  fates")
+    print(
+        f"\nbatch = {args.groups} groups x {args.group_size}; step latency median {args.latency}s sigma {args.sigma}; "
+        f"failures {args.crash:.0%} crash + {args.hang:.0%} hang; step timeout {args.step_timeout}s"
+    )
+    print(
+        f"{'variant':<16} {'k':>2} {'m':>2} {'r':>2} {'p50 s':>7} {'p99 s':>7} {'max s':>7} {'p99/ff p50':>10} {'gen/b':>6}  fates"
+    )
     names = [n for n in ALL_VARIANTS if n in res]
     for name in names:
         r = res[name]
-        print(f"{name:<16} {r['redundancy']:>2} {r['extra_groups']:>2} {r['replicas']:>2} {r['p50_s']:>7.2f} {r['p99_s']:>7.2f} "
-              f"{r['max_s']:>7.2f} {r['p99_s'] / base:>10.2f} {r['gen_calls_per_batch']:>6.0f}  {r['fates']}")
+        print(
+            f"{name:<16} {r['redundancy']:>2} {r['extra_groups']:>2} {r['replicas']:>2} {r['p50_s']:>7.2f} {r['p99_s']:>7.2f} "
+            f"{r['max_s']:>7.2f} {r['p99_s'] / base:>10.2f} {r['gen_calls_per_batch']:>6.0f}  {r['fates']}"
+        )
     if args.trace:
         for name in names:
             print(f"-- {name}: slowest batches, critical trajectory")
-            for tr in sorted(res[name]["trace"], key=lambda x: -x["batch_s"])[:args.trace]:
+            for tr in sorted(res[name]["trace"], key=lambda x: -x["batch_s"])[: args.trace]:
                 print("  ", tr)
     print(f"goal p99 with redundancy <= 1.2 x p50(fault_free): {'met' if res['goal_met'] else 'NOT met'}")
     out = Path(args.out)

@@ -105,7 +105,9 @@ class Prompts:
         pos = rng.choice(cells)
         return self.prompt(fmt, rows, [], pos), best_actions(rows, pos)
 
-    def prompt(self, fmt: str, rows: list[str], history: list[tuple[tuple[int, int], str]], pos: tuple[int, int]) -> list[int]:
+    def prompt(
+        self, fmt: str, rows: list[str], history: list[tuple[tuple[int, int], str]], pos: tuple[int, int]
+    ) -> list[int]:
         """The prompt of a greedy rollout's current turn (history: earlier (pos, action) pairs)."""
         sys_prompt = None if fmt.endswith("_nosys") else FrozenLakeEnv.system_prompt
         fmt = fmt.removesuffix("_nosys")
@@ -131,9 +133,17 @@ def make_model(layers: int, hidden: int, vocab: int, seed: int) -> Any:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     heads = hidden // 64
-    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=max(heads // 2, 1), max_position_embeddings=4096,
-                      tie_word_embeddings=False, rope_theta=10000.0)
+    cfg = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(heads // 2, 1),
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+    )
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(cfg).float()
 
@@ -145,8 +155,8 @@ def batch_logits(model: Any, prompts: list[list[int]], action_ids: list[int]) ->
     ids = torch.zeros((len(prompts), width), dtype=torch.long)
     att = torch.zeros((len(prompts), width), dtype=torch.long)
     for i, p in enumerate(prompts):
-        ids[i, :len(p)] = torch.tensor(p)
-        att[i, :len(p)] = 1
+        ids[i, : len(p)] = torch.tensor(p)
+        att[i, : len(p)] = 1
     hidden = model.model(input_ids=ids, attention_mask=att).last_hidden_state
     last = hidden[torch.arange(len(prompts)), torch.tensor([len(p) - 1 for p in prompts])]
     return model.lm_head(last)[:, action_ids]  # [B, 4], the restricted logits
@@ -174,8 +184,18 @@ def rollout_success(model: Any, pr: Prompts, fmt: str, seeds: list[int], greedy:
     return wins / len(seeds)
 
 
-def run_variant(pr: Prompts, fmt: str, layers: int, hidden: int, seconds: float, batch: int, lr: float,
-                n_test: int, n_rollouts: int, max_steps: int | None = None) -> dict[str, Any]:
+def run_variant(
+    pr: Prompts,
+    fmt: str,
+    layers: int,
+    hidden: int,
+    seconds: float,
+    batch: int,
+    lr: float,
+    n_test: int,
+    n_rollouts: int,
+    max_steps: int | None = None,
+) -> dict[str, Any]:
     import torch
 
     model = make_model(layers, hidden, pr.vocab_size, seed=0)
@@ -204,13 +224,18 @@ def run_variant(pr: Prompts, fmt: str, layers: int, hidden: int, seconds: float,
     with torch.no_grad():
         correct = 0
         for i in range(0, len(test), 64):
-            chunk = test[i:i + 64]
+            chunk = test[i : i + 64]
             pred = batch_logits(model, [p for p, _ in chunk], pr.action_ids).argmax(-1).tolist()
             correct += sum(p in best for p, (_, best) in zip(pred, chunk, strict=True))
     seeds = list(range(900_000, 900_000 + n_rollouts))
     return {
-        "format": fmt, "layers": layers, "hidden": hidden, "train_s": train_s, "steps": steps,
-        "examples": steps * batch, "final_loss": sum(losses[-20:]) / max(len(losses[-20:]), 1),
+        "format": fmt,
+        "layers": layers,
+        "hidden": hidden,
+        "train_s": train_s,
+        "steps": steps,
+        "examples": steps * batch,
+        "final_loss": sum(losses[-20:]) / max(len(losses[-20:]), 1),
         "heldout_accuracy": correct / len(test),
         "greedy_success": rollout_success(model, pr, fmt, seeds, greedy=True),
         "sampled_success": rollout_success(model, pr, fmt, seeds, greedy=False),
@@ -223,8 +248,12 @@ def main() -> None:
     ap.add_argument("--model", default=".rollart/models/tiny-qwen2-cells", help="only its tokenizer is used")
     ap.add_argument("--variants", default="last:2x256,last_coords:2x256,history:2x256,last:4x256,last:2x512")
     ap.add_argument("--minutes", type=float, default=2.0, help="training budget per variant")
-    ap.add_argument("--steps", type=int, default=None,
-                    help="train exactly this many steps per variant instead (robust on a busy machine)")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="train exactly this many steps per variant instead (robust on a busy machine)",
+    )
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--threads", type=int, default=1)
@@ -246,20 +275,36 @@ def main() -> None:
     for v in args.variants.split(","):
         fmt, size = v.split(":")
         layers, hidden = (int(x) for x in size.split("x"))
-        r = run_variant(pr, fmt, layers, hidden, args.minutes * 60, args.batch, args.lr,
-                        n_test=256 if args.quick else 1024, n_rollouts=50 if args.quick else 200,
-                        max_steps=args.steps)
+        r = run_variant(
+            pr,
+            fmt,
+            layers,
+            hidden,
+            args.minutes * 60,
+            args.batch,
+            args.lr,
+            n_test=256 if args.quick else 1024,
+            n_rollouts=50 if args.quick else 200,
+            max_steps=args.steps,
+        )
         rows.append(r)
-        print(f"{fmt:<12} {layers}x{hidden:<4} steps={r['steps']:>5} loss={r['final_loss']:.3f} "
-              f"acc={r['heldout_accuracy']:.3f} greedy={r['greedy_success']:.3f} "
-              f"sampled={r['sampled_success']:.3f} tokens={r['prompt_tokens']:.0f}", flush=True)
+        print(
+            f"{fmt:<12} {layers}x{hidden:<4} steps={r['steps']:>5} loss={r['final_loss']:.3f} "
+            f"acc={r['heldout_accuracy']:.3f} greedy={r['greedy_success']:.3f} "
+            f"sampled={r['sampled_success']:.3f} tokens={r['prompt_tokens']:.0f}",
+            flush=True,
+        )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "probe.json").write_text(json.dumps({"minutes_per_variant": args.minutes, "variants": rows}, indent=2))
+    (out / "probe.json").write_text(
+        json.dumps({"minutes_per_variant": args.minutes, "variants": rows}, indent=2)
+    )
     print(f"\n{'format':<12} {'size':<6} {'steps':>6} {'accuracy':>9} {'greedy':>7} {'sampled':>8}")
     for r in rows:
-        print(f"{r['format']:<12} {r['layers']}x{r['hidden']:<4} {r['steps']:>6} {r['heldout_accuracy']:>9.3f} "
-              f"{r['greedy_success']:>7.3f} {r['sampled_success']:>8.3f}")
+        print(
+            f"{r['format']:<12} {r['layers']}x{r['hidden']:<4} {r['steps']:>6} {r['heldout_accuracy']:>9.3f} "
+            f"{r['greedy_success']:>7.3f} {r['sampled_success']:>8.3f}"
+        )
     print(f"wrote {out / 'probe.json'}")
 
 

@@ -46,24 +46,41 @@ class _Curve:
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         self.episodes += int(metrics.get("batch_size", 0))
-        row = {"step": step, "wall_s": time.perf_counter() - self.t0, "episodes": self.episodes,
-               **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
+        row = {
+            "step": step,
+            "wall_s": time.perf_counter() - self.t0,
+            "episodes": self.episodes,
+            **{k: v for k, v in metrics.items() if isinstance(v, (int, float))},
+        }
         self.points.append(row)
-        print(f"  step {step:>4}  t={row['wall_s']:7.1f}s  episodes={self.episodes:>6}  "
-              f"eval={metrics.get('eval_success', float('nan')):.3f}  "
-              f"train_success={metrics.get('success_rate', float('nan')):.3f}", flush=True)
+        print(
+            f"  step {step:>4}  t={row['wall_s']:7.1f}s  episodes={self.episodes:>6}  "
+            f"eval={metrics.get('eval_success', float('nan')):.3f}  "
+            f"train_success={metrics.get('success_rate', float('nan')):.3f}",
+            flush=True,
+        )
 
     def close(self) -> None:
         pass
 
 
-def _run(cfg_path: Path, mode: str, alpha: int, minutes: float, eval_every: int, out: Path,
-         in_process_trainer: bool, eval_temperature: float | None,
-         async_train_cores: Literal["all", "half"]) -> tuple[list[dict[str, Any]], float | None]:
+def _run(
+    cfg_path: Path,
+    mode: str,
+    alpha: int,
+    minutes: float,
+    eval_every: int,
+    out: Path,
+    in_process_trainer: bool,
+    eval_temperature: float | None,
+    async_train_cores: Literal["all", "half"],
+) -> tuple[list[dict[str, Any]], float | None]:
     cfg = load_config(cfg_path)
     cfg.train.mode, cfg.train.alpha = mode, alpha  # type: ignore[assignment]
     if not in_process_trainer:
-        cfg.trainer.options.update(spawn=True, num_threads=train_threads("all" if mode == "sync" else async_train_cores))
+        cfg.trainer.options.update(
+            spawn=True, num_threads=train_threads("all" if mode == "sync" else async_train_cores)
+        )
     cfg.train.steps = 100_000
     cfg.train.eval_every = eval_every
     cfg.train.eval_temperature = eval_temperature
@@ -81,7 +98,9 @@ def _run(cfg_path: Path, mode: str, alpha: int, minutes: float, eval_every: int,
             task.cancel()
             (outcome,) = await asyncio.gather(task, return_exceptions=True)
         if isinstance(outcome, Exception):  # a failed run must not pass for a short one
-            raise RuntimeError(f"{mode} alpha={alpha}: training failed after {len(curve.points)} logged steps") from outcome
+            raise RuntimeError(
+                f"{mode} alpha={alpha}: training failed after {len(curve.points)} logged steps"
+            ) from outcome
         # from the first step (after the pipeline's start-up and the initial evaluation) to the end
         steps = [p["wall_s"] for p in curve.points if p["step"] >= 1]
         return cpu.busy((curve.t0 + steps[0], t_end)) if steps else None
@@ -116,12 +135,22 @@ def main() -> None:
     ap.add_argument("--target", type=float, default=0.8, help="held-out success to time (the issue's bar)")
     ap.add_argument("--modes", default="sync,async_a1", help="which of sync, async_a1 to run (in this order)")
     ap.add_argument("--quick", action="store_true", help="a 2-minute smoke run per mode")
-    ap.add_argument("--in-process-trainer", action="store_true",
-                    help="train in the control process (the config's trainer options unchanged)")
-    ap.add_argument("--async-train-cores", choices=["half", "all"], default="half",
-                    help="the spawned trainer's share of the cores in async mode (sync: always all)")
-    ap.add_argument("--eval-temperature", type=float,
-                    help="held-out evaluation temperature (0: greedy); default: the config's train.eval_temperature")
+    ap.add_argument(
+        "--in-process-trainer",
+        action="store_true",
+        help="train in the control process (the config's trainer options unchanged)",
+    )
+    ap.add_argument(
+        "--async-train-cores",
+        choices=["half", "all"],
+        default="half",
+        help="the spawned trainer's share of the cores in async mode (sync: always all)",
+    )
+    ap.add_argument(
+        "--eval-temperature",
+        type=float,
+        help="held-out evaluation temperature (0: greedy); default: the config's train.eval_temperature",
+    )
     args = ap.parse_args()
     if args.quick:
         args.minutes, args.eval_every = 2.0, 2
@@ -133,9 +162,19 @@ def main() -> None:
     chosen = args.modes.split(",")
     if not chosen or any(m not in modes for m in chosen):
         ap.error(f"--modes: a comma-separated subset of {list(modes)}")
-    runs = {m: _run(Path(args.config), *modes[m], args.minutes, args.eval_every, out, args.in_process_trainer,
-                    args.eval_temperature, args.async_train_cores)
-            for m in chosen}
+    runs = {
+        m: _run(
+            Path(args.config),
+            *modes[m],
+            args.minutes,
+            args.eval_every,
+            out,
+            args.in_process_trainer,
+            args.eval_temperature,
+            args.async_train_cores,
+        )
+        for m in chosen
+    }
     curves = {m: r[0] for m, r in runs.items()}
     cpu_busy = {m: r[1] for m, r in runs.items()}
     evals = {k: [p for p in v if "eval_success" in p] for k, v in curves.items()}
@@ -143,7 +182,9 @@ def main() -> None:
     sync_final = first[-1]["eval_success"] if first else 0.0
     summary = {
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-        "trainer": "in process" if args.in_process_trainer else f"spawned: all cores in sync, {args.async_train_cores} in async",
+        "trainer": "in process"
+        if args.in_process_trainer
+        else f"spawned: all cores in sync, {args.async_train_cores} in async",
         "minutes_per_mode": args.minutes,
         "eval_temperature": args.eval_temperature,
         "sync_final_eval_success": sync_final,
@@ -158,22 +199,33 @@ def main() -> None:
         "overlap_ceiling": 1 / cpu_busy["sync"] if cpu_busy.get("sync") else None,
         "curves": curves,
     }
-    t_sync, t_async = summary["seconds_to_sync_final"].get("sync"), summary["seconds_to_sync_final"].get("async_a1")
+    t_sync, t_async = (
+        summary["seconds_to_sync_final"].get("sync"),
+        summary["seconds_to_sync_final"].get("async_a1"),
+    )
     summary["async_speedup_to_sync_final"] = (t_sync / t_async) if t_sync and t_async else None
     (out / "learning.json").write_text(json.dumps(summary, indent=2))
     nan = float("nan")
-    print(f"\n{'mode':<10} {'best eval':>10} {'s to sync-final':>16} {f's to {args.target}':>9} {f'episodes to {args.target}':>16}")
+    print(
+        f"\n{'mode':<10} {'best eval':>10} {'s to sync-final':>16} {f's to {args.target}':>9} {f'episodes to {args.target}':>16}"
+    )
     for k in curves:
-        print(f"{k:<10} {summary['best_eval_success'][k] or 0:>10.3f} {summary['seconds_to_sync_final'][k] or nan:>16.1f} "
-              f"{summary['seconds_to_target'][k] or nan:>9.1f} {summary['episodes_to_target'][k] or nan:>16.0f}")
+        print(
+            f"{k:<10} {summary['best_eval_success'][k] or 0:>10.3f} {summary['seconds_to_sync_final'][k] or nan:>16.1f} "
+            f"{summary['seconds_to_target'][k] or nan:>9.1f} {summary['episodes_to_target'][k] or nan:>16.0f}"
+        )
     print(f"async speed-up to the sync run's final success: {summary['async_speedup_to_sync_final']}")
     for k in curves:
         busy = cpu_busy[k]
-        print(f"{k:<10} cpu busy {busy if busy is None else f'{busy:.2f}'}, {summary['steps_per_min'][k] or nan:.1f} steps/min, "
-              f"{summary['episodes_per_s'][k] or nan:.1f} episodes/s")
+        print(
+            f"{k:<10} cpu busy {busy if busy is None else f'{busy:.2f}'}, {summary['steps_per_min'][k] or nan:.1f} steps/min, "
+            f"{summary['episodes_per_s'][k] or nan:.1f} episodes/s"
+        )
     if summary["overlap_ceiling"]:
-        print(f"overlap ceiling (1 / sync's cpu busy): async can be at most {summary['overlap_ceiling']:.2f}x faster "
-              "per episode from overlapping rollout and training on these cores")
+        print(
+            f"overlap ceiling (1 / sync's cpu busy): async can be at most {summary['overlap_ceiling']:.2f}x faster "
+            "per episode from overlapping rollout and training on these cores"
+        )
     try:
         import matplotlib
 

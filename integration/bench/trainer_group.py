@@ -43,10 +43,25 @@ def make_batch(n: int, seed: int):
         length = int(min(rng.paretovariate(1.2) * 24, 320))
         ctx = [rng.randrange(3, 400) for _ in range(max(length // 2, 2))]
         gen = [rng.randrange(3, 400) for _ in range(max(length - len(ctx), 1))]
-        out.append(Trajectory(traj_id=f"t{i}", task="t", env_id="e", group_id=f"g{i // 4}", seed=i, start_version=0,
-                              reward=float(rng.random() < 0.3),
-                              turns=[Turn(context_ids=ctx, output_ids=gen, output_logprobs=[-6.0] * len(gen),
-                                          output_versions=[0] * len(gen))]))
+        out.append(
+            Trajectory(
+                traj_id=f"t{i}",
+                task="t",
+                env_id="e",
+                group_id=f"g{i // 4}",
+                seed=i,
+                start_version=0,
+                reward=float(rng.random() < 0.3),
+                turns=[
+                    Turn(
+                        context_ids=ctx,
+                        output_ids=gen,
+                        output_logprobs=[-6.0] * len(gen),
+                        output_versions=[0] * len(gen),
+                    )
+                ],
+            )
+        )
     return out
 
 
@@ -59,7 +74,9 @@ def _timed(fn) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (and of the in-process trainer)")
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch threads per rank (and of the in-process trainer)"
+    )
     ap.add_argument("--out", default="runs/bench/trainer_group.json")
     args = ap.parse_args()
     for k, v in LOOPBACK_ENV.items():
@@ -76,14 +93,23 @@ def main() -> None:
     model = create_tiny_model(Path(tmp) / "tiny")
     batches = [make_batch(n, s) for s in range(steps + 1)]
     opts = {"lr": 1e-5, "micro_batch_tokens": 1024, "num_threads": args.threads}
-    ray.init(num_cpus=4, resources={"trainer": 3}, include_dashboard=False, _node_ip_address="127.0.0.1",
-             log_to_driver=False)
-    stores = {k: FilesystemWeightStore(root=Path(tmp) / f"weights-{k}") for k in ("driver", "rank0", "via-driver")}
+    ray.init(
+        num_cpus=4,
+        resources={"trainer": 3},
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+    )
+    stores = {
+        k: FilesystemWeightStore(root=Path(tmp) / f"weights-{k}") for k in ("driver", "rank0", "via-driver")
+    }
     trainers = {"in-process": TorchTrainer(TorchTrainerConfig(**opts), model_path=model)}
     try:
         t0 = time.perf_counter()
         for ranks in (1, 2):
-            cfg = RayTrainerGroupConfig(ranks=ranks, pool="trainer", num_cpus_per_rank=args.threads, options=opts)
+            cfg = RayTrainerGroupConfig(
+                ranks=ranks, pool="trainer", num_cpus_per_rank=args.threads, options=opts
+            )
             trainers[f"group-{ranks}"] = RayTrainerGroup(cfg, model_path=model, weight_store=stores["rank0"])
         build_s = time.perf_counter() - t0
         for t in trainers.values():  # warm-up
@@ -96,39 +122,65 @@ def main() -> None:
                 metrics = t.train_step(batch)
                 times[k].append(time.perf_counter() - t0)
                 outside[k].append(times[k][-1] - metrics["train_s"])
-        push: dict[str, list[float]] = {"driver (in-process)": [], "group-1 rank 0": [], "group-2 rank 0": [],
-                                        "group-2 via driver": []}
+        push: dict[str, list[float]] = {
+            "driver (in-process)": [],
+            "group-1 rank 0": [],
+            "group-2 rank 0": [],
+            "group-2 via driver": [],
+        }
         gather: dict[str, list[float]] = {"group-1 rank 0": [], "group-2 rank 0": []}
         local, group = trainers["in-process"], trainers["group-2"]
         for v in range(1, pushes + 1):
-            push["driver (in-process)"].append(_timed(
-                lambda v=v: stores["driver"].push(v, dict(local.named_weights())).result()))
+            push["driver (in-process)"].append(
+                _timed(lambda v=v: stores["driver"].push(v, dict(local.named_weights())).result())
+            )
             for ranks in (1, 2):
                 name = f"group-{ranks}"
                 t0 = time.perf_counter()
                 metrics = trainers[name].push_weights(2 * v + ranks)  # one store: distinct versions
                 push[f"{name} rank 0"].append(time.perf_counter() - t0)
                 gather[f"{name} rank 0"].append(metrics["push_gather_s"])
-            push["group-2 via driver"].append(_timed(
-                lambda v=v: stores["via-driver"].push(v, dict(group.named_weights())).result()))
+            push["group-2 via driver"].append(
+                _timed(lambda v=v: stores["via-driver"].push(v, dict(group.named_weights())).result())
+            )
         push_bytes = group.push_weights(4 * pushes)["push_bytes"]
     finally:
         for t in trainers.values():
             t.close()
         ray.shutdown()
     base = statistics.median(times["in-process"])
-    rows = [{"variant": k, "median_s": statistics.median(v), "min_s": min(v), "max_s": max(v),
-             "vs_in_process": statistics.median(v) / base, "outside_step_ms": 1e3 * statistics.median(outside[k])}
-            for k, v in times.items()]
-    push_rows = [{"path": k, "median_s": statistics.median(v), "min_s": min(v), "max_s": max(v),
-                  "gather_median_s": statistics.median(gather[k]) if k in gather else None} for k, v in push.items()]
+    rows = [
+        {
+            "variant": k,
+            "median_s": statistics.median(v),
+            "min_s": min(v),
+            "max_s": max(v),
+            "vs_in_process": statistics.median(v) / base,
+            "outside_step_ms": 1e3 * statistics.median(outside[k]),
+        }
+        for k, v in times.items()
+    ]
+    push_rows = [
+        {
+            "path": k,
+            "median_s": statistics.median(v),
+            "min_s": min(v),
+            "max_s": max(v),
+            "gather_median_s": statistics.median(gather[k]) if k in gather else None,
+        }
+        for k, v in push.items()
+    ]
     tokens = sum(len(t.token_ids()) for t in batches[1])
-    print(f"tiny model, {n} trajectories/step (~{tokens} tokens), {steps} steps, {args.threads} thread(s) per rank; "
-          f"groups built in {build_s:.1f}s")
+    print(
+        f"tiny model, {n} trajectories/step (~{tokens} tokens), {steps} steps, {args.threads} thread(s) per rank; "
+        f"groups built in {build_s:.1f}s"
+    )
     print(f"{'trainer':12} {'s/step':>8} {'min':>7} {'max':>7} {'vs in-process':>13} {'outside step':>12}")
     for r in rows:
-        print(f"{r['variant']:12} {r['median_s']:8.3f} {r['min_s']:7.3f} {r['max_s']:7.3f} {r['vs_in_process']:12.2f}x "
-              f"{r['outside_step_ms']:9.1f} ms")
+        print(
+            f"{r['variant']:12} {r['median_s']:8.3f} {r['min_s']:7.3f} {r['max_s']:7.3f} {r['vs_in_process']:12.2f}x "
+            f"{r['outside_step_ms']:9.1f} ms"
+        )
     print(f"push of {push_bytes / 2**20:.1f} MiB into a FilesystemWeightStore, {pushes} pushes")
     print(f"{'path':20} {'s/push':>8} {'min':>7} {'max':>7} {'of it gather':>12}")
     for r in push_rows:
@@ -136,8 +188,20 @@ def main() -> None:
         print(f"{r['path']:20} {r['median_s']:8.3f} {r['min_s']:7.3f} {r['max_s']:7.3f} {g}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"n": n, "steps": steps, "threads": args.threads, "build_s": build_s, "rows": rows,
-                               "push_bytes": push_bytes, "push": push_rows}, indent=1))
+    out.write_text(
+        json.dumps(
+            {
+                "n": n,
+                "steps": steps,
+                "threads": args.threads,
+                "build_s": build_s,
+                "rows": rows,
+                "push_bytes": push_bytes,
+                "push": push_rows,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

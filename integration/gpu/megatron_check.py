@@ -30,8 +30,17 @@ for pkg in ("rollart-core", "rollart-train"):
     sys.path.insert(0, str(ROOT / "packages" / pkg / "src"))
 
 
-def write_tiny_qwen2(path: Path, *, vocab: int = 512, hidden: int = 256, layers: int = 2, heads: int = 4,
-                     kv_heads: int = 2, ffn: int = 512, seed: int = 0) -> dict[str, torch.Tensor]:  # noqa: F821
+def write_tiny_qwen2(
+    path: Path,
+    *,
+    vocab: int = 512,
+    hidden: int = 256,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    ffn: int = 512,
+    seed: int = 0,
+) -> dict[str, torch.Tensor]:  # noqa: F821
     import torch
     from safetensors.torch import save_file
 
@@ -41,22 +50,45 @@ def write_tiny_qwen2(path: Path, *, vocab: int = 512, hidden: int = 256, layers:
     def w(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g) * 0.02
 
-    t = {"model.embed_tokens.weight": w(vocab, hidden), "model.norm.weight": torch.ones(hidden),
-         "lm_head.weight": w(vocab, hidden)}
+    t = {
+        "model.embed_tokens.weight": w(vocab, hidden),
+        "model.norm.weight": torch.ones(hidden),
+        "lm_head.weight": w(vocab, hidden),
+    }
     for i in range(layers):
         p = f"model.layers.{i}."
-        t |= {p + "input_layernorm.weight": 1 + w(hidden), p + "post_attention_layernorm.weight": 1 + w(hidden),
-              p + "self_attn.q_proj.weight": w(heads * hd, hidden), p + "self_attn.q_proj.bias": w(heads * hd),
-              p + "self_attn.k_proj.weight": w(kv_heads * hd, hidden), p + "self_attn.k_proj.bias": w(kv_heads * hd),
-              p + "self_attn.v_proj.weight": w(kv_heads * hd, hidden), p + "self_attn.v_proj.bias": w(kv_heads * hd),
-              p + "self_attn.o_proj.weight": w(hidden, heads * hd), p + "mlp.gate_proj.weight": w(ffn, hidden),
-              p + "mlp.up_proj.weight": w(ffn, hidden), p + "mlp.down_proj.weight": w(hidden, ffn)}
+        t |= {
+            p + "input_layernorm.weight": 1 + w(hidden),
+            p + "post_attention_layernorm.weight": 1 + w(hidden),
+            p + "self_attn.q_proj.weight": w(heads * hd, hidden),
+            p + "self_attn.q_proj.bias": w(heads * hd),
+            p + "self_attn.k_proj.weight": w(kv_heads * hd, hidden),
+            p + "self_attn.k_proj.bias": w(kv_heads * hd),
+            p + "self_attn.v_proj.weight": w(kv_heads * hd, hidden),
+            p + "self_attn.v_proj.bias": w(kv_heads * hd),
+            p + "self_attn.o_proj.weight": w(hidden, heads * hd),
+            p + "mlp.gate_proj.weight": w(ffn, hidden),
+            p + "mlp.up_proj.weight": w(ffn, hidden),
+            p + "mlp.down_proj.weight": w(hidden, ffn),
+        }
     path.mkdir(parents=True, exist_ok=True)
     save_file(t, str(path / "model.safetensors"), metadata={"format": "pt"})
-    cfg = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": vocab, "hidden_size": hidden,
-           "intermediate_size": ffn, "num_hidden_layers": layers, "num_attention_heads": heads,
-           "num_key_value_heads": kv_heads, "max_position_embeddings": 1024, "rms_norm_eps": 1e-6,
-           "rope_theta": 10000.0, "tie_word_embeddings": False, "pad_token_id": 0, "torch_dtype": "float32"}
+    cfg = {
+        "model_type": "qwen2",
+        "architectures": ["Qwen2ForCausalLM"],
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": ffn,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "max_position_embeddings": 1024,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "pad_token_id": 0,
+        "torch_dtype": "float32",
+    }
     (path / "config.json").write_text(json.dumps(cfg))
     return t
 
@@ -68,7 +100,10 @@ def main() -> int:
     args = ap.parse_args()
     missing = [m for m in ("torch", "megatron.core", "pydantic", "safetensors") if not _importable(m)]
     if missing:
-        print(f"missing modules {missing}: pip install megatron-core==0.16.1 pydantic safetensors", file=sys.stderr)
+        print(
+            f"missing modules {missing}: pip install megatron-core==0.16.1 pydantic safetensors",
+            file=sys.stderr,
+        )
         return 2
     import torch
     import torch.distributed as dist
@@ -79,13 +114,21 @@ def main() -> int:
     from rollart_core.types import Trajectory, Turn
     from rollart_train.megatron_trainer import MegatronTrainer, MegatronTrainerConfig
 
-    result: dict[str, object] = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0), "tp": args.tp,
-                                 "pp": args.pp}
+    result: dict[str, object] = {
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(0),
+        "tp": args.tp,
+        "pp": args.pp,
+    }
     t0 = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix="rollart-mcore-"))
     hf = write_tiny_qwen2(tmp / "tiny")
-    trainer = MegatronTrainer(MegatronTrainerConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp, lr=1e-4,
-                                                    micro_batch_size=2, bf16=True), model_path=tmp / "tiny")
+    trainer = MegatronTrainer(
+        MegatronTrainerConfig(
+            tensor_parallel=args.tp, pipeline_parallel=args.pp, lr=1e-4, micro_batch_size=2, bf16=True
+        ),
+        model_path=tmp / "tiny",
+    )
     result["build_s"] = time.perf_counter() - t0
     rank0 = dist.get_rank() == 0
     before = dict(trainer.named_weights())
@@ -93,20 +136,37 @@ def main() -> int:
     if rank0:
         checks["names"] = set(before) == set(hf)
         checks["shapes"] = all(before[k].shape == hf[k].shape for k in hf)
-        checks["values_bf16"] = all(torch.allclose(before[k].float(), hf[k], atol=1e-2, rtol=1e-2) for k in hf)
+        checks["values_bf16"] = all(
+            torch.allclose(before[k].float(), hf[k], atol=1e-2, rtol=1e-2) for k in hf
+        )
 
     g = torch.Generator().manual_seed(1)
+
     def batch(version: int, shift: float) -> list[Trajectory]:
         out = []
         for i in range(8):
             ctx = torch.randint(1, 500, (6 + i,), generator=g).tolist()
             gen = torch.randint(1, 500, (4 + i % 3,), generator=g).tolist()
-            lps = trainer.logprobs(ctx + gen)[-len(gen):] if args.pp == 1 else [-6.0] * len(gen)
-            out.append(Trajectory(traj_id=f"t{i}", task="t", env_id="e", group_id=f"g{i % 2}", seed=i,
-                                  start_version=version, reward=float(i % 3),
-                                  turns=[Turn(context_ids=ctx, output_ids=gen,
-                                              output_logprobs=[x - shift for x in lps],
-                                              output_versions=[version] * len(gen))]))
+            lps = trainer.logprobs(ctx + gen)[-len(gen) :] if args.pp == 1 else [-6.0] * len(gen)
+            out.append(
+                Trajectory(
+                    traj_id=f"t{i}",
+                    task="t",
+                    env_id="e",
+                    group_id=f"g{i % 2}",
+                    seed=i,
+                    start_version=version,
+                    reward=float(i % 3),
+                    turns=[
+                        Turn(
+                            context_ids=ctx,
+                            output_ids=gen,
+                            output_logprobs=[x - shift for x in lps],
+                            output_versions=[version] * len(gen),
+                        )
+                    ],
+                )
+            )
         return out
 
     if "transformers" in sys.modules or _importable("transformers"):
@@ -115,8 +175,11 @@ def main() -> int:
         ref = AutoModelForCausalLM.from_pretrained(tmp / "tiny", dtype=torch.float32).cuda().eval()
         ids = torch.randint(1, 500, (1, 24), generator=g)
         with torch.no_grad():
-            lp_hf = torch.log_softmax(ref(input_ids=ids.cuda()).logits[0, :-1].float(), -1).gather(
-                -1, ids[0, 1:].cuda()[:, None])[:, 0].cpu()
+            lp_hf = (
+                torch.log_softmax(ref(input_ids=ids.cuda()).logits[0, :-1].float(), -1)
+                .gather(-1, ids[0, 1:].cuda()[:, None])[:, 0]
+                .cpu()
+            )
         if args.pp == 1:
             lp_mc = torch.tensor(trainer.logprobs(ids[0].tolist()))
             result["hf_logprob_max_abs_diff"] = float((lp_hf - lp_mc).abs().max())

@@ -12,25 +12,38 @@ from rollart_core.config import RunConfig
 
 
 def slice_config(root: Path, *, model_path: Path | None = None, steps: int = 1) -> RunConfig:
-    return RunConfig.model_validate({
-        "name": "it-slice",
-        "output_dir": str(root / "run"),
-        "seed": 1,
-        "model": {"path": str(model_path or root / "model"), "create_tiny": True, "dtype": "float32"},
-        "engines": [{"name": "gen", "impl": "vllm", "count": 1, "num_cpus": 0.25,
-                     "options": {"max_model_len": 512, "dtype": "float32", "max_num_seqs": 32}}],
-        "tasks": [{
-            "name": "frozenlake",
-            "env": {"impl": "frozenlake", "options": {"size": 4, "hole_prob": 0.2, "max_steps": 6}},
-            "reward": {"impl": "success"},
-            "sampling": {"max_tokens": 1, "temperature": 1.0},
-            "group_size": 4, "groups_per_step": 2, "max_turns": 6,
-        }],
-        "trainer": {"impl": "torch", "options": {"lr": 0.01}},
-        "weight_store": {"impl": "filesystem", "options": {"root": str(root / "weights")}},
-        "train": {"mode": "sync", "alpha": 0, "steps": steps},
-        "ray": {"num_cpus": 2},
-    })
+    return RunConfig.model_validate(
+        {
+            "name": "it-slice",
+            "output_dir": str(root / "run"),
+            "seed": 1,
+            "model": {"path": str(model_path or root / "model"), "create_tiny": True, "dtype": "float32"},
+            "engines": [
+                {
+                    "name": "gen",
+                    "impl": "vllm",
+                    "count": 1,
+                    "num_cpus": 0.25,
+                    "options": {"max_model_len": 512, "dtype": "float32", "max_num_seqs": 32},
+                }
+            ],
+            "tasks": [
+                {
+                    "name": "frozenlake",
+                    "env": {"impl": "frozenlake", "options": {"size": 4, "hole_prob": 0.2, "max_steps": 6}},
+                    "reward": {"impl": "success"},
+                    "sampling": {"max_tokens": 1, "temperature": 1.0},
+                    "group_size": 4,
+                    "groups_per_step": 2,
+                    "max_turns": 6,
+                }
+            ],
+            "trainer": {"impl": "torch", "options": {"lr": 0.01}},
+            "weight_store": {"impl": "filesystem", "options": {"root": str(root / "weights")}},
+            "train": {"mode": "sync", "alpha": 0, "steps": steps},
+            "ray": {"num_cpus": 2},
+        }
+    )
 
 
 @pytest.fixture(scope="session")

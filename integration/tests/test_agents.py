@@ -23,12 +23,25 @@ import pytest
 from rollart_core.runner import run_trajectory
 from rollart_core.types import Fate, GenerateOutput, GenerateRequest, SamplingParams, Trajectory
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600),
-              pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.timeout(600),
+    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
+]
 
 HERE = Path(__file__).resolve()
-TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
-    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            },
+        },
+    }
+]
 CALL = '<tool_call>\n{"name":"add","arguments":{"a":2,"b":3}}\n</tool_call>'  # compact: unlike the template's
 
 
@@ -50,10 +63,18 @@ class Forcing:
             lps: list[float] = []
             vs: list[int] = []
             for k, tok in enumerate(target):
-                sp = request.sampling.model_copy(update={"max_tokens": 1, "allowed_token_ids": (tok,),
-                                                         "stop_token_ids": ()})
-                one = await self.proxy.generate(GenerateRequest(f"{request.request_id}-{k}", request.prompt_ids + ids,
-                                                                sp, request.session_id, request.task))
+                sp = request.sampling.model_copy(
+                    update={"max_tokens": 1, "allowed_token_ids": (tok,), "stop_token_ids": ()}
+                )
+                one = await self.proxy.generate(
+                    GenerateRequest(
+                        f"{request.request_id}-{k}",
+                        request.prompt_ids + ids,
+                        sp,
+                        request.session_id,
+                        request.task,
+                    )
+                )
                 ids += one.token_ids
                 lps += one.logprobs
                 vs += one.versions
@@ -89,8 +110,12 @@ async def forcing(model_dir: Path) -> AsyncIterator[Forcing]:
     from rollart_weightsync import MemoryWeightStore
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    engine = VllmEngine(VllmEngineConfig(max_model_len=1024, dtype="float32", max_num_seqs=16, kv_cache_gib=1),
-                        model_path=str(model_dir), weight_store=MemoryWeightStore(), name="a")
+    engine = VllmEngine(
+        VllmEngineConfig(max_model_len=1024, dtype="float32", max_num_seqs=16, kv_cache_gib=1),
+        model_path=str(model_dir),
+        weight_store=MemoryWeightStore(),
+        name="a",
+    )
     await engine.start()
     try:
         t = ChatTemplate(model_dir)
@@ -103,7 +128,9 @@ async def forcing(model_dir: Path) -> AsyncIterator[Forcing]:
 def env(model_dir: Path, fn: str, **options: Any) -> Any:
     from rollart_env.agent import AgentEnv
 
-    return AgentEnv(AgentEnv.Config(entry=f"{HERE}:{fn}", model=str(model_dir), max_model_len=1024, **options))
+    return AgentEnv(
+        AgentEnv.Config(entry=f"{HERE}:{fn}", model=str(model_dir), max_model_len=1024, **options)
+    )
 
 
 async def run(forcing: Forcing, model_dir: Path, fn: str, traj_id: str, **options: Any) -> Trajectory:
@@ -112,19 +139,34 @@ async def run(forcing: Forcing, model_dir: Path, fn: str, traj_id: str, **option
     from rollart_reward.executor import InlineExecutor
 
     traj = Trajectory(traj_id, "agent", "agent", "g0", 7, 0)
-    return await asyncio.wait_for(run_trajectory(
-        traj, env=env(model_dir, fn, **options), generator=forcing, chat=ChatMLFormat(model_dir),
-        scorer=InlineExecutor(SuccessReward()), sampling=SamplingParams(max_tokens=16), max_turns=1), 300)
+    return await asyncio.wait_for(
+        run_trajectory(
+            traj,
+            env=env(model_dir, fn, **options),
+            generator=forcing,
+            chat=ChatMLFormat(model_dir),
+            scorer=InlineExecutor(SuccessReward()),
+            sampling=SamplingParams(max_tokens=16),
+            max_turns=1,
+        ),
+        300,
+    )
 
 
 # agents (loaded by the AgentEnv from this file) --------------------------------------------------
 
+
 async def tool_agent(client: Any, task: Any) -> Any:
     from rollart_env.agent import AgentResult
 
-    messages: list[Any] = [{"role": "system", "content": "use the tool"}, {"role": "user", "content": "2 + 3?"}]
+    messages: list[Any] = [
+        {"role": "system", "content": "use the tool"},
+        {"role": "user", "content": "2 + 3?"},
+    ]
     for _ in range(3):
-        r = await client.chat.completions.create(model=task.model, messages=messages, tools=TOOLS, max_tokens=12)
+        r = await client.chat.completions.create(
+            model=task.model, messages=messages, tools=TOOLS, max_tokens=12
+        )
         msg = r.choices[0].message
         messages.append(msg)  # the SDK's message object, sent back unchanged
         if not msg.tool_calls:
@@ -135,16 +177,26 @@ async def tool_agent(client: Any, task: Any) -> Any:
 
 
 async def rewriting_agent(client: Any, task: Any) -> Any:
-    first = await client.chat.completions.create(model=task.model, max_tokens=6,
-                                                 messages=[{"role": "user", "content": "plan"}])
+    first = await client.chat.completions.create(
+        model=task.model, max_tokens=6, messages=[{"role": "user", "content": "plan"}]
+    )
     edited = (first.choices[0].message.content or "") + " (edited)"
-    await client.chat.completions.create(model=task.model, max_tokens=6, messages=[
-        {"role": "user", "content": "plan"}, {"role": "assistant", "content": edited}, {"role": "user", "content": "go"}])
+    await client.chat.completions.create(
+        model=task.model,
+        max_tokens=6,
+        messages=[
+            {"role": "user", "content": "plan"},
+            {"role": "assistant", "content": edited},
+            {"role": "user", "content": "go"},
+        ],
+    )
     return "done"
 
 
 async def raising_agent(client: Any, task: Any) -> Any:
-    await client.chat.completions.create(model=task.model, max_tokens=2, messages=[{"role": "user", "content": "x"}])
+    await client.chat.completions.create(
+        model=task.model, max_tokens=2, messages=[{"role": "user", "content": "x"}]
+    )
     raise RuntimeError("agent bug")
 
 
@@ -160,8 +212,12 @@ async def foreign_agent(client: Any, task: Any) -> Any:
     import openai
 
     try:
-        await client.chat.completions.create(model=task.model, max_tokens=2, messages=[{"role": "user", "content": "x"}],
-                                             extra_headers={"X-Session-Id": "someone-else"})
+        await client.chat.completions.create(
+            model=task.model,
+            max_tokens=2,
+            messages=[{"role": "user", "content": "x"}],
+            extra_headers={"X-Session-Id": "someone-else"},
+        )
     except openai.PermissionDeniedError:
         pass  # even an agent that swallows the refusal does not get its trajectory trained
     return "sneaky"
@@ -169,7 +225,10 @@ async def foreign_agent(client: Any, task: Any) -> Any:
 
 # tests ------------------------------------------------------------------------------------------
 
-async def test_tool_agent_is_one_trajectory_of_the_engines_exact_tokens(forcing: Forcing, model_dir: Path) -> None:
+
+async def test_tool_agent_is_one_trajectory_of_the_engines_exact_tokens(
+    forcing: Forcing, model_dir: Path
+) -> None:
     forcing.script = [CALL, "the answer is 5"]
     forcing.seen.clear()
     traj = await run(forcing, model_dir, "tool_agent", "tool-1")
@@ -202,11 +261,17 @@ async def test_tool_calls_plain_and_streaming(forcing: Forcing, model_dir: Path)
 
     from rollart_proxy.server import OpenAIServer
 
-    server = OpenAIServer(forcing, str(model_dir), served_model_name="tiny", max_model_len=1024,
-                          api_key="", admin_key="")
+    server = OpenAIServer(
+        forcing, str(model_dir), served_model_name="tiny", max_model_len=1024, api_key="", admin_key=""
+    )
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=server.app), base_url="http://t")
-    client = openai.AsyncOpenAI(base_url="http://t/v1", api_key="x", http_client=http, max_retries=0,
-                                default_headers={"X-Session-Id": "tc-1"})
+    client = openai.AsyncOpenAI(
+        base_url="http://t/v1",
+        api_key="x",
+        http_client=http,
+        max_retries=0,
+        default_headers={"X-Session-Id": "tc-1"},
+    )
     msgs = [{"role": "user", "content": "add"}]
     try:
         forcing.script = [CALL + CALL.replace('"a":2', '"a":7')]  # two parallel calls
@@ -214,10 +279,17 @@ async def test_tool_calls_plain_and_streaming(forcing: Forcing, model_dir: Path)
         calls = r.choices[0].message.tool_calls
         assert r.choices[0].finish_reason == "tool_calls" and calls is not None
         assert [(c.function.name, c.function.arguments) for c in calls] == [
-            ("add", '{"a": 2, "b": 3}'), ("add", '{"a": 7, "b": 3}')]
+            ("add", '{"a": 2, "b": 3}'),
+            ("add", '{"a": 7, "b": 3}'),
+        ]
         forcing.script = [CALL]
-        stream = await client.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, stream=True,
-                                                      tool_choice={"type": "function", "function": {"name": "add"}})
+        stream = await client.chat.completions.create(
+            model="tiny",
+            messages=msgs,
+            tools=TOOLS,
+            stream=True,
+            tool_choice={"type": "function", "function": {"name": "add"}},
+        )
         chunks = [c async for c in stream]
         deltas = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or ()]
         assert [(d.function.name, d.function.arguments) for d in deltas] == [("add", '{"a": 2, "b": 3}')]
@@ -225,7 +297,9 @@ async def test_tool_calls_plain_and_streaming(forcing: Forcing, model_dir: Path)
         # malformed tool call from the model: a reply without calls and a clear error, not a crash
         forcing.script = ['<tool_call>{"name": "add", "arguments": {"a": </tool_call>']
         r = await client.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS)
-        assert not r.choices[0].message.tool_calls and "malformed" in r.model_extra["rollart"]["tool_call_error"]
+        assert (
+            not r.choices[0].message.tool_calls and "malformed" in r.model_extra["rollart"]["tool_call_error"]
+        )
         # bad requests: 400 naming the field; n > 1 says to use sessions
         bad_tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "objekt"}}}]
         with pytest.raises(openai.BadRequestError, match=r"tools\[0\]\.function\.parameters"):
@@ -233,8 +307,12 @@ async def test_tool_calls_plain_and_streaming(forcing: Forcing, model_dir: Path)
         with pytest.raises(openai.BadRequestError, match="session"):
             await client.chat.completions.create(model="tiny", messages=msgs, n=2)
         with pytest.raises(openai.BadRequestError, match="tool_choice"):
-            await client.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, tool_choice={
-                "type": "function", "function": {"name": "mul"}})
+            await client.chat.completions.create(
+                model="tiny",
+                messages=msgs,
+                tools=TOOLS,
+                tool_choice={"type": "function", "function": {"name": "mul"}},
+            )
     finally:
         await client.close()
         await http.aclose()
@@ -242,9 +320,15 @@ async def test_tool_calls_plain_and_streaming(forcing: Forcing, model_dir: Path)
 
 async def test_bad_agents_get_their_fate_and_the_run_goes_on(forcing: Forcing, model_dir: Path) -> None:
     forcing.script = []
-    cases = {"raising_agent": (Fate.ENV_FAILED, "agent bug"), "silent_agent": (Fate.ENV_FAILED, "no model call"),
-             "foreign_agent": (Fate.ENV_FAILED, "another session"), "hanging_agent": (Fate.TIMED_OUT, "episode_timeout")}
-    trajs = await asyncio.gather(*(run(forcing, model_dir, fn, f"bad-{fn}", episode_timeout_s=5) for fn in cases))
+    cases = {
+        "raising_agent": (Fate.ENV_FAILED, "agent bug"),
+        "silent_agent": (Fate.ENV_FAILED, "no model call"),
+        "foreign_agent": (Fate.ENV_FAILED, "another session"),
+        "hanging_agent": (Fate.TIMED_OUT, "episode_timeout"),
+    }
+    trajs = await asyncio.gather(
+        *(run(forcing, model_dir, fn, f"bad-{fn}", episode_timeout_s=5) for fn in cases)
+    )
     for traj, (fate, words) in zip(trajs, cases.values(), strict=True):
         assert traj.fate is fate and traj.error and words in traj.error, (traj.traj_id, traj.fate, traj.error)
     assert not any(s[0] == "someone-else" for s in forcing.seen)  # the foreign call never reached the engine

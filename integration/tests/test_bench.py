@@ -16,9 +16,25 @@ MODES = ["sync", "async_a1", "admission"]
 
 def test_rollart_bench_micro(tmp_path: Path, tiny_model: Path) -> None:
     out = tmp_path / "bench"
-    r = subprocess.run([sys.executable, "-m", "rollart_core.cli", "bench", "--micro", "--modes", *MODES,
-                        "--out", str(out), "--model", str(tiny_model)],
-                       capture_output=True, text=True, timeout=600, check=False)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rollart_core.cli",
+            "bench",
+            "--micro",
+            "--modes",
+            *MODES,
+            "--out",
+            str(out),
+            "--model",
+            str(tiny_model),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     assert "traj/s" in r.stdout and "achieved/bound" in r.stdout and "Sync+" in r.stdout
     for name in ("bench.json", "summary.md", "report.html"):
@@ -39,22 +55,32 @@ def test_rollart_bench_micro(tmp_path: Path, tiny_model: Path) -> None:
         assert sum(m["fates"].values()) == m["launched"] > 0, mode
         assert 0 < m["trained"] <= m["fates"].get("finished", 0)
         # every batch holds one group of each task (their groups_per_step), however fast each task is
-        assert set(m["trained_by_task"]) == {"calc", "lake"} and sum(m["trained_by_task"].values()) == m["trained"]
+        assert (
+            set(m["trained_by_task"]) == {"calc", "lake"}
+            and sum(m["trained_by_task"].values()) == m["trained"]
+        )
         assert m["traj_per_s"] == pytest.approx(m["trained"] / m["wall_s"])
         # generated tokens: some went into the trained batch, never more than were generated
         assert 0.0 <= m["gen_waste"] < 1.0, mode
-        assert set(m["episode_s"]) == {"calc", "lake"} and all(0 < v < m["wall_s"] + 60 for v in m["episode_s"].values())
+        assert set(m["episode_s"]) == {"calc", "lake"} and all(
+            0 < v < m["wall_s"] + 60 for v in m["episode_s"].values()
+        )
         assert m["achieved_over_bound"] == pytest.approx(m["traj_per_s"] / m["bound_traj_per_s"])
         assert m["bound_traj_per_s"] <= min(cap["generate"]["traj_per_s"], cap["train"]["traj_per_s"])
         assert all(0.0 <= u <= 1.0 for u in m["utilisation"].values()), m["utilisation"]
-        assert m["utilisation"]["generate"] > 0 and m["utilisation"]["train"] > 0 and m["utilisation"]["env"] > 0
+        assert (
+            m["utilisation"]["generate"] > 0 and m["utilisation"]["train"] > 0 and m["utilisation"]["env"] > 0
+        )
         seg = segs[0]
         assert all(0 <= s <= e <= seg["wall_s"] + 1e-3 for _, s, e in seg["intervals"])
         assert {name for name, _, _ in seg["intervals"]} >= {"generate", "env", "reward", "train"}
     assert res["results"]["sync"]["vs_sync"] == 1.0
     assert res["results"]["sync"]["utilisation"]["weight_sync"] > 0  # Sync+ updates right after training
     # the admission-only baseline: no redundancy, colocated reward, stale work never aborted early
-    assert res["results"]["admission"]["fates"].get("cancelled_redundant", 0) <= res["results"]["admission"]["launched"]
+    assert (
+        res["results"]["admission"]["fates"].get("cancelled_redundant", 0)
+        <= res["results"]["admission"]["launched"]
+    )
     assert res["segments"]["admission"][0]["aborted_stale_early"] == 0
     assert res["mode_configs"]["admission"]["abort_stale"] is False
     assert res["results"]["admission"]["bottleneck"] and "async_a1" in res["goals"]

@@ -36,8 +36,12 @@ def test_quick_chaos_run_keeps_the_invariants(tmp_path: Path) -> None:
     out = tmp_path / "chaos.json"
     # a process of its own: the run starts and must stop its own Ray cluster, and its leftover check
     # looks at the processes that descend from it
-    proc = subprocess.run([sys.executable, str(BENCH), "--quick", "--seed", "1", "--out", str(out)],
-                          capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--quick", "--seed", "1", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["error"] is None, r["error"]

@@ -23,14 +23,21 @@ import pytest
 
 from rollart_core.types import GenerateRequest, SamplingParams
 
-pytestmark = [pytest.mark.ray, pytest.mark.vllm,
-              pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
+pytestmark = [
+    pytest.mark.ray,
+    pytest.mark.vllm,
+    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
+]
 
 NO_EOS = tuple(range(10, 300))
 PROMPT = [1, 20, 31, 45, 52, 67, 80, 99, 120, 140]
 # In-process engine core (no V1 multiprocessing): the engine lives and dies with its actor's process,
 # and starts in seconds.
-ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+ENGINE_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+}
 
 
 async def until(cond: Callable[[], Awaitable[bool]], timeout: float, what: str) -> None:
@@ -42,7 +49,9 @@ async def until(cond: Callable[[], Awaitable[bool]], timeout: float, what: str) 
 
 
 @pytest.fixture(scope="module")
-async def engines(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tuple[dict[str, Any], Any, Path]]:
+async def engines(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> AsyncIterator[tuple[dict[str, Any], Any, Path]]:
     import ray
 
     from rollart_core.cluster import LOOPBACK_ENV
@@ -62,10 +71,17 @@ async def engines(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tup
     handles: dict[str, Any] = {}
     try:
         for name in ("a", "b"):
-            handles[name] = (ray.remote(VllmEngine)
-                             .options(num_cpus=0.5, max_concurrency=1024, runtime_env={"env_vars": ENGINE_ENV},
-                                      max_restarts=1, max_task_retries=0)
-                             .remote(cfg, model_path=str(model), weight_store=store, name=name))
+            handles[name] = (
+                ray.remote(VllmEngine)
+                .options(
+                    num_cpus=0.5,
+                    max_concurrency=1024,
+                    runtime_env={"env_vars": ENGINE_ENV},
+                    max_restarts=1,
+                    max_task_retries=0,
+                )
+                .remote(cfg, model_path=str(model), weight_store=store, name=name)
+            )
         await asyncio.wait_for(asyncio.gather(*(h.start.remote() for h in handles.values())), 600)
         yield handles, store, model
     finally:
@@ -80,8 +96,13 @@ async def engines(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tup
 
 
 def req(rid: str, n: int, *, session: str | None = None, prompt_logprobs: bool = False) -> GenerateRequest:
-    return GenerateRequest(rid, list(PROMPT), SamplingParams(max_tokens=n, seed=0, allowed_token_ids=NO_EOS),
-                           session_id=session, prompt_logprobs=prompt_logprobs)
+    return GenerateRequest(
+        rid,
+        list(PROMPT),
+        SamplingParams(max_tokens=n, seed=0, allowed_token_ids=NO_EOS),
+        session_id=session,
+        prompt_logprobs=prompt_logprobs,
+    )
 
 
 def modified(model: Path) -> dict[str, Any]:
@@ -89,16 +110,22 @@ def modified(model: Path) -> dict[str, Any]:
     from safetensors.torch import load_file
 
     g = torch.Generator().manual_seed(1)
-    return {k: v + 0.05 * torch.randn(v.shape, generator=g) * v.abs().mean()
-            for k, v in load_file(str(model / "model.safetensors")).items()}
+    return {
+        k: v + 0.05 * torch.randn(v.shape, generator=g) * v.abs().mean()
+        for k, v in load_file(str(model / "model.safetensors")).items()
+    }
 
 
 def close(a: list[float | None], b: list[float | None], atol: float = 2e-3) -> bool:
-    return len(a) == len(b) and all((x is None and y is None) or (x is not None and y is not None and abs(x - y) <= atol)
-                                    for x, y in zip(a, b, strict=True))
+    return len(a) == len(b) and all(
+        (x is None and y is None) or (x is not None and y is not None and abs(x - y) <= atol)
+        for x, y in zip(a, b, strict=True)
+    )
 
 
-async def test_killed_engine_comes_back_on_the_served_weights(engines: tuple[dict[str, Any], Any, Path]) -> None:
+async def test_killed_engine_comes_back_on_the_served_weights(
+    engines: tuple[dict[str, Any], Any, Path],
+) -> None:
     from rollart_proxy import LLMProxy
 
     handles, store, model = engines
@@ -114,11 +141,14 @@ async def test_killed_engine_comes_back_on_the_served_weights(engines: tuple[dic
     proxy.start_health_loop(0.5)
     try:
         n = 300
-        tasks = [asyncio.create_task(proxy.generate(req(f"long-{i}", n, session=f"traj-{i}"))) for i in range(4)]
+        tasks = [
+            asyncio.create_task(proxy.generate(req(f"long-{i}", n, session=f"traj-{i}"))) for i in range(4)
+        ]
 
         async def b_generating() -> bool:
             prog = await handles["b"].progress.remote()
             return bool(prog) and max(prog.values()) >= 3
+
         await until(b_generating, 120, "requests generating on b")
         on_b = set(await handles["b"].progress.remote())
         old_pid = await handles["b"].pid.remote()
@@ -135,6 +165,7 @@ async def test_killed_engine_comes_back_on_the_served_weights(engines: tuple[dic
 
         async def b_recovered() -> bool:
             return proxy.workers["b"].metrics.recovered >= 1 and proxy.workers["b"].healthy
+
         await until(b_recovered, 300, "the proxy to recover b")
     finally:
         await proxy.stop_health_loop()
@@ -144,7 +175,9 @@ async def test_killed_engine_comes_back_on_the_served_weights(engines: tuple[dic
     assert await proxy.weight_versions() == {"a": 1, "b": 1}
     out = await only_b.generate(req("after", 16, prompt_logprobs=True))
     assert out.worker == "b" and out.versions == [1] * 16
-    assert out.prompt_logprobs is not None and close(out.prompt_logprobs, v1), "b serves other weights than v1"
+    assert out.prompt_logprobs is not None and close(out.prompt_logprobs, v1), (
+        "b serves other weights than v1"
+    )
     for i in range(4):
         proxy.end_session(f"traj-{i}")
     assert proxy.session_counts() == {"sessions": 0, "sessions_in_flight": 0, "requests_in_flight": 0}

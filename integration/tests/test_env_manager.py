@@ -59,7 +59,9 @@ async def engine_idle(engine: Any, timeout: float = 30.0) -> None:
         unfinished = engine._engine.output_processor.get_num_unfinished_requests()
         if stats["inflight"] == 0 and unfinished == 0:
             return
-        assert time.monotonic() < deadline, f"engine still busy: {stats['inflight']} in flight, {unfinished} in vLLM"
+        assert time.monotonic() < deadline, (
+            f"engine still busy: {stats['inflight']} in flight, {unfinished} in vLLM"
+        )
         await asyncio.sleep(0.05)
 
 
@@ -67,19 +69,36 @@ async def test_64_trajectories_with_crashing_and_hanging_envs(ray_env_pool, llm)
     from rollart_env import EnvManager, EnvManagerConfig, FaultSpec, plan_episode
 
     spec = FaultSpec(seed=7, crash_prob=0.10, hang_prob=0.05, fault_within_calls=2)  # at reset or step 1
-    cfg = EnvManagerConfig.model_validate({
-        "groups": {"lake": {"impl": "frozenlake", "options": {"size": 4, "max_steps": 6}, "num_envs": 16,
-                            "faults": spec.model_dump()}},
-        "envs_per_actor": 8, "step_timeout_s": 2.0, "reset_timeout_s": 2.0,
-    })
+    cfg = EnvManagerConfig.model_validate(
+        {
+            "groups": {
+                "lake": {
+                    "impl": "frozenlake",
+                    "options": {"size": 4, "max_steps": 6},
+                    "num_envs": 16,
+                    "faults": spec.model_dump(),
+                }
+            },
+            "envs_per_actor": 8,
+            "step_timeout_s": 2.0,
+            "reset_timeout_s": 2.0,
+        }
+    )
     n = 64
     plans = {s: plan_episode(spec, s).fault for s in range(n)}
-    expected = {"crash": sum(p == "crash" for p in plans.values()), "hang": sum(p == "hang" for p in plans.values())}
+    expected = {
+        "crash": sum(p == "crash" for p in plans.values()),
+        "hang": sum(p == "hang" for p in plans.values()),
+    }
     assert expected["crash"] >= 3 and expected["hang"] >= 1  # this seed really exercises both
 
     async with EnvManager(cfg) as m:
-        trajs = [Trajectory(f"f{s}", "lake", "frozenlake", f"g{s // 4}", seed=s, start_version=0) for s in range(n)]
-        run = partial(m.run_trajectory, **runner_kwargs(llm, sampling=SamplingParams(max_tokens=1), max_turns=6))
+        trajs = [
+            Trajectory(f"f{s}", "lake", "frozenlake", f"g{s // 4}", seed=s, start_version=0) for s in range(n)
+        ]
+        run = partial(
+            m.run_trajectory, **runner_kwargs(llm, sampling=SamplingParams(max_tokens=1), max_turns=6)
+        )
         t0 = time.perf_counter()
         await asyncio.wait_for(asyncio.gather(*(run(t) for t in trajs)), timeout=300)  # no stall
         elapsed = time.perf_counter() - t0
@@ -103,11 +122,19 @@ async def test_redundancy_cancels_exactly_the_surplus(ray_env_pool, llm) -> None
     from rollart_env import EnvManager, EnvManagerConfig, run_group
 
     G, k, groups = 4, 3, 3
-    cfg = EnvManagerConfig.model_validate({
-        "groups": {"calc": {"impl": "calculator", "options": {"max_turns": 2}, "num_envs": G + k,
-                            "faults": {"seed": 1, "step_latency_s": 0.002, "step_latency_sigma": 1.0}}},
-        "envs_per_actor": 8,
-    })
+    cfg = EnvManagerConfig.model_validate(
+        {
+            "groups": {
+                "calc": {
+                    "impl": "calculator",
+                    "options": {"max_turns": 2},
+                    "num_envs": G + k,
+                    "faults": {"seed": 1, "step_latency_s": 0.002, "step_latency_sigma": 1.0},
+                }
+            },
+            "envs_per_actor": 8,
+        }
+    )
     async with EnvManager(cfg) as m:
         await m.wait_ready("calc", G + k)
 
@@ -119,8 +146,10 @@ async def test_redundancy_cancels_exactly_the_surplus(ray_env_pool, llm) -> None
 
         mid_generation = 0
         for g in range(groups):
-            trajs = [Trajectory(f"r{g}-{i}", "calc", "calculator", f"g{g}", seed=g, start_version=0)
-                     for i in range(G + k)]
+            trajs = [
+                Trajectory(f"r{g}-{i}", "calc", "calculator", f"g{g}", seed=g, start_version=0)
+                for i in range(G + k)
+            ]
             out = await run_group(trajs, run, group_size=G)
             assert len(out.kept) == G and all(t.fate is Fate.FINISHED for t in out.kept)
             counts = out.fates()
@@ -150,19 +179,39 @@ async def test_replicated_envs_mask_single_replica_failures(ray_env_pool, llm) -
     )
 
     n = 16
-    spec = FaultSpec(seed=3, crash_prob=0.2, hang_prob=0.1, fault_within_calls=1, per_instance=True,
-                     step_latency_s=0.01, step_latency_sigma=1.0)  # faults at reset: every one is hit
+    spec = FaultSpec(
+        seed=3,
+        crash_prob=0.2,
+        hang_prob=0.1,
+        fault_within_calls=1,
+        per_instance=True,
+        step_latency_s=0.01,
+        step_latency_sigma=1.0,
+    )  # faults at reset: every one is hit
     faulty = sum(plan_episode(spec, 0, (i, 1)).fault != "none" for i in range(2 * n))
     assert faulty >= 4
     options = {"size": 4, "max_steps": 4}
-    cfg = EnvManagerConfig.model_validate({
-        "groups": {"lake": {"impl": "frozenlake", "options": options, "num_envs": 2 * n, "replicas": 2,
-                            "faults": spec.model_dump()}},
-        "envs_per_actor": 16, "step_timeout_s": 1.0, "reset_timeout_s": 1.0,
-    })
+    cfg = EnvManagerConfig.model_validate(
+        {
+            "groups": {
+                "lake": {
+                    "impl": "frozenlake",
+                    "options": options,
+                    "num_envs": 2 * n,
+                    "replicas": 2,
+                    "faults": spec.model_dump(),
+                }
+            },
+            "envs_per_actor": 16,
+            "step_timeout_s": 1.0,
+            "reset_timeout_s": 1.0,
+        }
+    )
     async with EnvManager(cfg) as m:
         await m.wait_ready("lake", 2 * n)
-        trajs = [Trajectory(f"rep-{i}", "lake", "frozenlake", f"g{i}", seed=i, start_version=0) for i in range(n)]
+        trajs = [
+            Trajectory(f"rep-{i}", "lake", "frozenlake", f"g{i}", seed=i, start_version=0) for i in range(n)
+        ]
         kw = runner_kwargs(llm, sampling=SamplingParams(max_tokens=1), max_turns=4)
         await asyncio.gather(*(m.run_trajectory(t, **kw) for t in trajs))
         counts = fate_counts(trajs)

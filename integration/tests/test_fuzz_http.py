@@ -54,8 +54,9 @@ class LoopThread:
         self.loop.close()
 
 
-def request(port: int, method: str, path: str, body: bytes | None = None,
-            headers: dict[str, str] | None = None) -> tuple[int, Any]:
+def request(
+    port: int, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None
+) -> tuple[int, Any]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     try:
         conn.request(method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
@@ -119,9 +120,16 @@ def proxy_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any
     lt = LoopThread()
 
     async def make() -> tuple[Any, int]:
-        server = OpenAIServer(LLMProxy({"e": SchemaFuzzEngine()}), str(model), served_model_name="tiny",
-                              max_model_len=512, api_key="", admin_key="", enable_admin=True,
-                              max_body_bytes=64 << 10)
+        server = OpenAIServer(
+            LLMProxy({"e": SchemaFuzzEngine()}),
+            str(model),
+            served_model_name="tiny",
+            max_model_len=512,
+            api_key="",
+            admin_key="",
+            enable_admin=True,
+            max_body_bytes=64 << 10,
+        )
         return server, await server.start("127.0.0.1", 0)
 
     server, port = lt.run(make())
@@ -151,13 +159,20 @@ def test_proxy_openapi_schema_fuzz_gets_no_5xx(proxy_server: tuple[Any, int]) ->
     t0 = time.monotonic()
 
     for op in operations:
-        @settings(max_examples=12, deadline=5000, database=None, derandomize=True,
-                  suppress_health_check=list(HealthCheck))
+
+        @settings(
+            max_examples=12,
+            deadline=5000,
+            database=None,
+            derandomize=True,
+            suppress_health_check=list(HealthCheck),
+        )
         @given(case=op.as_strategy())
         def fuzz(case: Any) -> None:
             response = case.call(base_url=base, session=session, timeout=30)
             seen.setdefault(case.operation.label, []).append(response.status_code)
             case.validate_response(response, checks=[not_a_server_error])
+
         fuzz()
         assert time.monotonic() - t0 < 120, "schema fuzzing ran past its time budget"
 
@@ -169,13 +184,39 @@ def test_proxy_openapi_schema_fuzz_gets_no_5xx(proxy_server: tuple[Any, int]) ->
 
 
 @settings(max_examples=120, deadline=5000, database=None, suppress_health_check=list(HealthCheck))
-@given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/admin/update_weights"]),
-       body=st.binary(max_size=200) | st.integers(1, 400).map(lambda n: ("[" * n + "]" * n).encode())
-       | st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=20),
-                      lambda s: st.lists(s, max_size=4) | st.dictionaries(
-                          st.sampled_from(["model", "messages", "prompt", "max_tokens", "n", "stop", "tools",
-                                           "role", "content", "logprobs", "temperature", "version", "x"]),
-                          s, max_size=5), max_leaves=15).map(lambda v: json.dumps(v).encode()))
+@given(
+    path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/admin/update_weights"]),
+    body=st.binary(max_size=200)
+    | st.integers(1, 400).map(lambda n: ("[" * n + "]" * n).encode())
+    | st.recursive(
+        st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=20),
+        lambda s: (
+            st.lists(s, max_size=4)
+            | st.dictionaries(
+                st.sampled_from(
+                    [
+                        "model",
+                        "messages",
+                        "prompt",
+                        "max_tokens",
+                        "n",
+                        "stop",
+                        "tools",
+                        "role",
+                        "content",
+                        "logprobs",
+                        "temperature",
+                        "version",
+                        "x",
+                    ]
+                ),
+                s,
+                max_size=5,
+            )
+        ),
+        max_leaves=15,
+    ).map(lambda v: json.dumps(v).encode()),
+)
 def test_proxy_raw_bodies_get_4xx_not_5xx(proxy_server: tuple[Any, int], path: str, body: bytes) -> None:
     _, port = proxy_server
     status, data = request(port, "POST", path, body)
@@ -190,8 +231,17 @@ def reward_runtime() -> Iterator[tuple[Any, int]]:
     from rollart_reward.runtime import FunctionRuntime, RuntimeConfig
 
     lt = LoopThread()
-    rt = FunctionRuntime(RuntimeConfig(function="success", min_workers=1, max_workers=1, idle_timeout_s=30,
-                                       max_body_bytes=64 << 10, max_batch=16, max_async_tasks=64))
+    rt = FunctionRuntime(
+        RuntimeConfig(
+            function="success",
+            min_workers=1,
+            max_workers=1,
+            idle_timeout_s=30,
+            max_body_bytes=64 << 10,
+            max_batch=16,
+            max_async_tasks=64,
+        )
+    )
     lt.run(rt.start())
     try:
         yield rt, int(rt.url.rsplit(":", 1)[1])
@@ -200,23 +250,43 @@ def reward_runtime() -> Iterator[tuple[Any, int]]:
         lt.close()
 
 
-scalars = st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=20)
-json_any = st.recursive(scalars, lambda s: st.lists(s, max_size=4) | st.dictionaries(st.text(max_size=8), s,
-                                                                                     max_size=4), max_leaves=12)
-turn = st.fixed_dictionaries({}, optional={
-    "context_ids": st.lists(st.integers(0, 600), max_size=5) | json_any,
-    "output_ids": st.lists(st.integers(0, 600), max_size=5) | json_any,
-    "output_logprobs": st.lists(st.floats(-5, 0), max_size=5), "output_versions": st.lists(st.integers(0, 3),
-                                                                                            max_size=5),
-    "finish_reason": st.sampled_from(["length", "stop"]) | json_any, "action_text": st.text(max_size=20),
-    "env_reward": st.floats() | json_any, "new_sequence": st.booleans()})
-trajectory = st.fixed_dictionaries({}, optional={
-    "traj_id": st.text(max_size=20) | json_any, "task": st.text(max_size=10), "env_id": st.text(max_size=10),
-    "group_id": st.text(max_size=10), "seed": st.integers(-2**70, 2**70) | json_any,
-    "start_version": st.integers(-3, 3), "reward": st.floats(), "terminated": st.booleans() | json_any,
-    "truncated": st.booleans(), "fate": st.sampled_from(["finished", "env_failed", "nope", None]),
-    "info": st.dictionaries(st.sampled_from(["success", "x"]), scalars, max_size=2) | json_any,
-    "turns": st.lists(turn, max_size=3) | json_any, "extra": json_any})
+scalars = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=20)
+json_any = st.recursive(
+    scalars,
+    lambda s: st.lists(s, max_size=4) | st.dictionaries(st.text(max_size=8), s, max_size=4),
+    max_leaves=12,
+)
+turn = st.fixed_dictionaries(
+    {},
+    optional={
+        "context_ids": st.lists(st.integers(0, 600), max_size=5) | json_any,
+        "output_ids": st.lists(st.integers(0, 600), max_size=5) | json_any,
+        "output_logprobs": st.lists(st.floats(-5, 0), max_size=5),
+        "output_versions": st.lists(st.integers(0, 3), max_size=5),
+        "finish_reason": st.sampled_from(["length", "stop"]) | json_any,
+        "action_text": st.text(max_size=20),
+        "env_reward": st.floats() | json_any,
+        "new_sequence": st.booleans(),
+    },
+)
+trajectory = st.fixed_dictionaries(
+    {},
+    optional={
+        "traj_id": st.text(max_size=20) | json_any,
+        "task": st.text(max_size=10),
+        "env_id": st.text(max_size=10),
+        "group_id": st.text(max_size=10),
+        "seed": st.integers(-(2**70), 2**70) | json_any,
+        "start_version": st.integers(-3, 3),
+        "reward": st.floats(),
+        "terminated": st.booleans() | json_any,
+        "truncated": st.booleans(),
+        "fate": st.sampled_from(["finished", "env_failed", "nope", None]),
+        "info": st.dictionaries(st.sampled_from(["success", "x"]), scalars, max_size=2) | json_any,
+        "turns": st.lists(turn, max_size=3) | json_any,
+        "extra": json_any,
+    },
+)
 call = st.fixed_dictionaries({"trajectory": trajectory}, optional={"key": st.text(max_size=30) | json_any})
 reward_bodies = st.one_of(
     call.map(lambda v: json.dumps(v).encode()),
@@ -225,23 +295,29 @@ reward_bodies = st.one_of(
     st.binary(max_size=200),
     st.integers(1, 400).map(lambda n: ("[" * n + "]" * n).encode()),
 )
-reward_paths = st.sampled_from([
-    ("POST", "/invoke", {}),
-    ("POST", "/2015-03-31/functions/success/invocations", {}),
-    ("POST", "/2015-03-31/functions/success/invocations", {"X-Amz-Invocation-Type": "Event"}),
-    ("POST", "/2023-03-30/functions/success/invocations", {"x-fc-invocation-type": "Sync"}),
-    ("POST", "/2023-03-30/functions/success/invocations", {"x-fc-invocation-type": "Async",
-                                                           "x-fc-async-task-id": "fuzz-task"}),
-    ("GET", "/2023-03-30/functions/success/async-tasks/fuzz-task", {}),
-    ("GET", "/executions/some-key", {}),
-    ("GET", "/stats", {}),
-])
+reward_paths = st.sampled_from(
+    [
+        ("POST", "/invoke", {}),
+        ("POST", "/2015-03-31/functions/success/invocations", {}),
+        ("POST", "/2015-03-31/functions/success/invocations", {"X-Amz-Invocation-Type": "Event"}),
+        ("POST", "/2023-03-30/functions/success/invocations", {"x-fc-invocation-type": "Sync"}),
+        (
+            "POST",
+            "/2023-03-30/functions/success/invocations",
+            {"x-fc-invocation-type": "Async", "x-fc-async-task-id": "fuzz-task"},
+        ),
+        ("GET", "/2023-03-30/functions/success/async-tasks/fuzz-task", {}),
+        ("GET", "/executions/some-key", {}),
+        ("GET", "/stats", {}),
+    ]
+)
 
 
 @settings(max_examples=200, deadline=10_000, database=None, suppress_health_check=list(HealthCheck))
 @given(route=reward_paths, body=reward_bodies, key_header=st.none() | st.text(max_size=300))
-def test_reward_runtime_generated_bodies_get_no_5xx(reward_runtime: tuple[Any, int], route: tuple[Any, ...],
-                                                    body: bytes, key_header: str | None) -> None:
+def test_reward_runtime_generated_bodies_get_no_5xx(
+    reward_runtime: tuple[Any, int], route: tuple[Any, ...], body: bytes, key_header: str | None
+) -> None:
     _, port = reward_runtime
     method, path, headers = route
     headers = dict(headers)
@@ -254,13 +330,25 @@ def test_reward_runtime_generated_bodies_get_no_5xx(reward_runtime: tuple[Any, i
 
 def test_reward_runtime_still_scores_after_fuzzing(reward_runtime: tuple[Any, int]) -> None:
     rt, port = reward_runtime
-    traj = {"traj_id": "ok", "task": "t", "env_id": "e", "group_id": "g", "seed": 0, "start_version": 0,
-            "terminated": True, "info": {"success": True}}
-    status, data = request(port, "POST", "/invoke", json.dumps({"key": "after-fuzz", "trajectory": traj}).encode())
+    traj = {
+        "traj_id": "ok",
+        "task": "t",
+        "env_id": "e",
+        "group_id": "g",
+        "seed": 0,
+        "start_version": 0,
+        "terminated": True,
+        "info": {"success": True},
+    }
+    status, data = request(
+        port, "POST", "/invoke", json.dumps({"key": "after-fuzz", "trajectory": traj}).encode()
+    )
     assert status == 200 and data["result"]["score"] == 1.0, data
     assert rt.stats()["workers"] <= 1
 
 
-def test_fuzz_fixtures_stay_on_loopback(proxy_server: tuple[Any, int], reward_runtime: tuple[Any, int]) -> None:
+def test_fuzz_fixtures_stay_on_loopback(
+    proxy_server: tuple[Any, int], reward_runtime: tuple[Any, int]
+) -> None:
     assert reward_runtime[0].url.startswith("http://127.0.0.1:")
     assert Path("/proc/self").exists()  # the servers live in this process: nothing to end by PID

@@ -22,7 +22,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.ray]
 
 
 @pytest.fixture(scope="module")
-async def last_turn_pipeline(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> AsyncIterator[object]:
+async def last_turn_pipeline(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model: Path
+) -> AsyncIterator[object]:
     from rollart_core.pipeline import Pipeline
 
     cfg = slice_config(tmp_path_factory.mktemp("last-turn"), model_path=tiny_model)
@@ -52,7 +54,9 @@ async def _check_rollout(p, trajs: list[Trajectory], version: int) -> None:
     assert any(len(t.turns) > 1 for t in trajs)
     for t in trajs:
         # each turn's prompt is exactly the current observation's first turn: no history
-        assert [turn.context_ids for turn in t.turns] == await _replayed_prompts(p, t, p.config.tasks[0].env.options)
+        assert [turn.context_ids for turn in t.turns] == await _replayed_prompts(
+            p, t, p.config.tasks[0].env.options
+        )
         assert [turn.new_sequence for turn in t.turns] == [k > 0 for k in range(len(t.turns))]
         seqs = t.sequences()
         assert len(seqs) == len(t.turns)

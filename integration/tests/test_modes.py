@@ -35,9 +35,13 @@ class _Collect:
 
 
 # one_off is the batch-level middle of the same code path that sync and async cover (slow set: CI time)
-@pytest.mark.parametrize(("mode", "alpha", "on_arrival"), [pytest.param("one_off", 1, True, marks=pytest.mark.slow),
-                                                          ("async", 1, True), ("async", 1, False)])
-async def test_mode_invariants(mode: str, alpha: int, on_arrival: bool, tmp_path: Path, tiny_model: Path) -> None:
+@pytest.mark.parametrize(
+    ("mode", "alpha", "on_arrival"),
+    [pytest.param("one_off", 1, True, marks=pytest.mark.slow), ("async", 1, True), ("async", 1, False)],
+)
+async def test_mode_invariants(
+    mode: str, alpha: int, on_arrival: bool, tmp_path: Path, tiny_model: Path
+) -> None:
     cfg = slice_config(tmp_path, model_path=tiny_model, steps=3)
     cfg.train.mode, cfg.train.alpha = mode, alpha  # type: ignore[assignment]
     cfg.train.update_on_arrival = on_arrival
@@ -102,7 +106,6 @@ async def test_resume_continues_steps_and_buffer_without_duplicates(tmp_path: Pa
     assert set(trained_1).isdisjoint(saved_groups)
 
 
-
 async def test_async_loop_with_a_spawned_trainer_cancels_cleanly(tmp_path: Path, tiny_model: Path) -> None:
     """Async mode with the trainer in its own process on one thread (the CPU split), cancelled right
     after a step (its weight push just started), as a time-boxed job is: the cancellation propagates,
@@ -127,7 +130,11 @@ async def test_async_loop_with_a_spawned_trainer_cancels_cleanly(tmp_path: Path,
         def log(self, step: int, metrics: dict) -> None:
             super().log(step, metrics)
             if step == 2 and task is not None:
-                rank_pids.extend(c.pid for c in multiprocessing.active_children() if c.name.startswith("rollart-train-rank"))
+                rank_pids.extend(
+                    c.pid
+                    for c in multiprocessing.active_children()
+                    if c.name.startswith("rollart-train-rank")
+                )
                 task.cancel()
 
     sink = _CancelAtStep2()

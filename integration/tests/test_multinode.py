@@ -39,8 +39,12 @@ pytestmark = [pytest.mark.ray]
 # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (our loopback setting) ``ray start --address`` refuses to join a
 # cluster, and under =1 it rewrites 127.0.0.1 (head address and --node-ip-address) to the machine's
 # public address. Keeping 127.0.0.1 as given keeps every node on loopback.
-RAY_CLI = [sys.executable, "-c", "import sys, ray._private.services as s; s.resolve_ip_for_localhost = lambda h: h; "
-           "from ray.scripts.scripts import main; sys.exit(main())"]
+RAY_CLI = [
+    sys.executable,
+    "-c",
+    "import sys, ray._private.services as s; s.resolve_ip_for_localhost = lambda h: h; "
+    "from ray.scripts.scripts import main; sys.exit(main())",
+]
 
 
 def _free_ports(n: int) -> list[int]:
@@ -94,14 +98,28 @@ class LocalCluster:
 
     def _start(self, *args: str, head: bool = False) -> None:
         agent, grpc, metrics, rt_env = _free_ports(4)
-        cmd = [*RAY_CLI, "start", "--block", "--node-ip-address=127.0.0.1", f"--temp-dir={self.temp_dir}",
-               "--disable-usage-stats", "--object-store-memory=80000000",
-               f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={grpc}",
-               f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={rt_env}", *args]
+        cmd = [
+            *RAY_CLI,
+            "start",
+            "--block",
+            "--node-ip-address=127.0.0.1",
+            f"--temp-dir={self.temp_dir}",
+            "--disable-usage-stats",
+            "--object-store-memory=80000000",
+            f"--dashboard-agent-listen-port={agent}",
+            f"--dashboard-agent-grpc-port={grpc}",
+            f"--metrics-export-port={metrics}",
+            f"--runtime-env-agent-port={rt_env}",
+            *args,
+        ]
         env = dict(self.env)
         if head:
-            cmd += ["--head", f"--port={self.port}", "--include-dashboard=false",
-                    f"--ray-client-server-port={_free_ports(1)[0]}"]  # head: loopback setting as is
+            cmd += [
+                "--head",
+                f"--port={self.port}",
+                "--include-dashboard=false",
+                f"--ray-client-server-port={_free_ports(1)[0]}",
+            ]  # head: loopback setting as is
         else:
             env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "1"
             cmd += [f"--address={self.address}"]
@@ -111,7 +129,9 @@ class LocalCluster:
         deadline = time.monotonic() + 120
         while "Ray runtime started" not in Path(log.name).read_text():
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"ray start failed ({proc.returncode}): {Path(log.name).read_text()[-2000:]}")
+                raise RuntimeError(
+                    f"ray start failed ({proc.returncode}): {Path(log.name).read_text()[-2000:]}"
+                )
             time.sleep(0.2)
 
     def start(self) -> None:
@@ -166,7 +186,9 @@ def cluster() -> Iterator[ClusterView]:
             import ray._private.services as services
 
             if ray.is_initialized():
-                pytest.fail("a Ray session is already open in this process; this module needs its own cluster")
+                pytest.fail(
+                    "a Ray session is already open in this process; this module needs its own cluster"
+                )
             # read at Ray's import, which may predate this fixture: workers must not be run by `uv run`
             mp.setattr(ray_constants, "RAY_ENABLE_UV_RUN_RUNTIME_ENV", False)
             # the driver, too, must keep 127.0.0.1 as given (see RAY_CLI)
@@ -222,8 +244,9 @@ class NodeEchoEngine:
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
         import ray
 
-        return GenerateOutput(request.request_id, [7], [-0.1], [0], "length",
-                              worker=ray.get_runtime_context().get_node_id())
+        return GenerateOutput(
+            request.request_id, [7], [-0.1], [0], "length", worker=ray.get_runtime_context().get_node_id()
+        )
 
     async def abort(self, request_id: str) -> None:
         return None
@@ -246,7 +269,9 @@ def _get(refs: list[Any], timeout: float = 120) -> list[Any]:
     except GetTimeoutError:
         from ray.util.state import list_actors
 
-        pytest.fail(f"actors not ready after {timeout}s: {[(a.class_name, a.state, a.node_id) for a in list_actors()]}")
+        pytest.fail(
+            f"actors not ready after {timeout}s: {[(a.class_name, a.state, a.node_id) for a in list_actors()]}"
+        )
 
 
 def _node_of_pool(cluster: ClusterView, pool: str) -> str:
@@ -273,8 +298,11 @@ def test_workers_land_on_their_pool_nodes(cluster: ClusterView) -> None:
     ]
     classes = {"prefill": PrefillWorker, "decode": DecodeWorker, "env": EnvWorker, "reward": RewardSidecar}
     with place(plan, cluster, timeout_s=60) as placement:
-        actors = {(w.name, i): ray.remote(classes[w.name]).options(**placement.actor_options(w.name, i)).remote()
-                  for w in plan for i in range(w.spec.count)}
+        actors = {
+            (w.name, i): ray.remote(classes[w.name]).options(**placement.actor_options(w.name, i)).remote()
+            for w in plan
+            for i in range(w.spec.count)
+        }
         nodes = dict(zip(actors, _get([a.node.remote() for a in actors.values()]), strict=True))
         for a in actors.values():
             ray.kill(a)
@@ -286,8 +314,11 @@ def test_workers_land_on_their_pool_nodes(cluster: ClusterView) -> None:
 
 def test_plan_validation_names_worker_and_resource(cluster: ClusterView) -> None:
     gen = WorkerDecl("gen", AffinitySpec(pool="H800", num_cpus=1, count=2), "engine group")
-    with pytest.raises(ConfigError, match=r"engine group 'gen' \(2 × \{CPU: 1, H800: 1\}\) needs 2 H800 but "
-                                          r"the cluster has 1"):
+    with pytest.raises(
+        ConfigError,
+        match=r"engine group 'gen' \(2 × \{CPU: 1, H800: 1\}\) needs 2 H800 but "
+        r"the cluster has 1",
+    ):
         validate_plan([gen], cluster)
     with pytest.raises(ConfigError, match=r"engine group 'big' .* needs 3 CPU but pool 'env' has 2"):
         validate_plan([WorkerDecl("big", AffinitySpec(pool="env", num_cpus=3), "engine group")], cluster)
@@ -295,13 +326,24 @@ def test_plan_validation_names_worker_and_resource(cluster: ClusterView) -> None
         validate_plan([("x", AffinitySpec(pool="A100"))], cluster)
     with pytest.raises(ConfigError, match=r"needs 1 GPU but the cluster has 0"):
         validate_plan([("g", AffinitySpec(num_gpus=1))], cluster)
-    with pytest.raises(ConfigError, match=r"worker 'e' \(2 × \{CPU: 1\}\) and worker 'r' \(1 × \{CPU: 0.5\}\) "
-                                          r"together need 2.5 CPU but pool 'env' has 2"):
-        validate_plan([("e", AffinitySpec(pool="env", num_cpus=1, count=2)),
-                       ("r", AffinitySpec(pool="env", num_cpus=0.5, colocate_with="e"))], cluster)
+    with pytest.raises(
+        ConfigError,
+        match=r"worker 'e' \(2 × \{CPU: 1\}\) and worker 'r' \(1 × \{CPU: 0.5\}\) "
+        r"together need 2.5 CPU but pool 'env' has 2",
+    ):
+        validate_plan(
+            [
+                ("e", AffinitySpec(pool="env", num_cpus=1, count=2)),
+                ("r", AffinitySpec(pool="env", num_cpus=0.5, colocate_with="e")),
+            ],
+            cluster,
+        )
     # the totals fit (3 of 4 CPUs) but no node has 1.5 CPUs left for the second replica
-    with pytest.raises(ConfigError, match=r"env workers 'w': replica 1 needs \{CPU: 1.5\} on one node, but no node "
-                                          r"of pool 'cpu' has that free"):
+    with pytest.raises(
+        ConfigError,
+        match=r"env workers 'w': replica 1 needs \{CPU: 1.5\} on one node, but no node "
+        r"of pool 'cpu' has that free",
+    ):
         validate_plan([WorkerDecl("w", AffinitySpec(num_cpus=1.5, count=2), "env workers")], cluster)
 
 
@@ -310,17 +352,33 @@ async def test_task_routed_to_h20_is_served_only_by_h20(cluster: ClusterView) ->
 
     from rollart_proxy import LLMProxy
 
-    plan = [WorkerDecl("h800-0", get_affinity(PrefillWorker)), WorkerDecl("h20-0", get_affinity(DecodeWorker))]
+    plan = [
+        WorkerDecl("h800-0", get_affinity(PrefillWorker)),
+        WorkerDecl("h20-0", get_affinity(DecodeWorker)),
+    ]
     with place(plan, cluster, timeout_s=60) as placement:
-        engines = {w.name: ray.remote(NodeEchoEngine).options(**placement.actor_options(w.name), max_concurrency=64)
-                   .remote() for w in plan}
+        engines = {
+            w.name: ray.remote(NodeEchoEngine)
+            .options(**placement.actor_options(w.name), max_concurrency=64)
+            .remote()
+            for w in plan
+        }
         try:
-            proxy = LLMProxy.from_ray_actors([("h800-0", engines["h800-0"], "H800"), ("h20-0", engines["h20-0"], "H20")],
-                                             task_pools={"decode_heavy": "H20", "prefill_heavy": "H800"})
+            proxy = LLMProxy.from_ray_actors(
+                [("h800-0", engines["h800-0"], "H800"), ("h20-0", engines["h20-0"], "H20")],
+                task_pools={"decode_heavy": "H20", "prefill_heavy": "H800"},
+            )
             sp = SamplingParams(max_tokens=1)
-            outs = await asyncio.gather(*(
-                proxy.generate(GenerateRequest(f"r{i}", [1, 2, 3], sp, f"s{i}", "decode_heavy" if i % 2 else "prefill_heavy"))
-                for i in range(24)))
+            outs = await asyncio.gather(
+                *(
+                    proxy.generate(
+                        GenerateRequest(
+                            f"r{i}", [1, 2, 3], sp, f"s{i}", "decode_heavy" if i % 2 else "prefill_heavy"
+                        )
+                    )
+                    for i in range(24)
+                )
+            )
         finally:
             for e in engines.values():
                 ray.kill(e)
@@ -332,8 +390,9 @@ async def test_task_routed_to_h20_is_served_only_by_h20(cluster: ClusterView) ->
     assert prefill_nodes == {h800}
 
 
-async def test_async_training_run_places_every_stage_on_its_node(cluster: ClusterView, tiny_model: Path,
-                                                                 tmp_path: Path) -> None:
+async def test_async_training_run_places_every_stage_on_its_node(
+    cluster: ClusterView, tiny_model: Path, tmp_path: Path
+) -> None:
     """The whole pipeline across the three nodes: the trainer's rank on H800, the engine on H20,
     the environment workers and the reward runtime on the CPU node, weights through the Ray object
     store (every node reaches it). A local filesystem store is refused on this cluster."""
@@ -348,10 +407,22 @@ async def test_async_training_run_places_every_stage_on_its_node(cluster: Cluste
 
     data = slice_config(tmp_path, model_path=tiny_model, steps=3).model_dump(mode="json")
     data["engines"][0].update(pool="H20", num_cpus=0.25)
-    data["trainer"] = {"impl": "torch", "ranks": 1, "pool": "H800", "num_cpus": 0.5,
-                       "options": {"lr": 0.01, "num_threads": 1}}
-    data["tasks"][0]["reward_executor"] = {"impl": "serverless", "options": {
-        "pool": "env_cpu", "num_cpus": 0.25, "http": {"fallback": "none"}, "runtime": {"max_workers": 1}}}
+    data["trainer"] = {
+        "impl": "torch",
+        "ranks": 1,
+        "pool": "H800",
+        "num_cpus": 0.5,
+        "options": {"lr": 0.01, "num_threads": 1},
+    }
+    data["tasks"][0]["reward_executor"] = {
+        "impl": "serverless",
+        "options": {
+            "pool": "env_cpu",
+            "num_cpus": 0.25,
+            "http": {"fallback": "none"},
+            "runtime": {"max_workers": 1},
+        },
+    }
     data["env_manager"] = {"num_envs": 4, "options": {"pool": "env_cpu", "envs_per_actor": 2}}
     data["train"] = {"mode": "async", "alpha": 1, "steps": 3}
     data["ray"] = {"address": cluster_address()}

@@ -69,17 +69,31 @@ async def pd(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Async
     store = MemoryWeightStore()
 
     def engine(name: str, role: Any) -> VllmEngine:
-        cfg = VllmEngineConfig(max_model_len=1024, dtype="float32", max_num_seqs=16, kv_cache_gib=1,
-                               engine_args=shared_storage_kv_args(role, kv_dir))
+        cfg = VllmEngineConfig(
+            max_model_len=1024,
+            dtype="float32",
+            max_num_seqs=16,
+            kv_cache_gib=1,
+            engine_args=shared_storage_kv_args(role, kv_dir),
+        )
         return VllmEngine(cfg, model_path=str(model_dir), weight_store=store, name=name)
 
     pre, dec = engine("pre", "kv_producer"), engine("dec", "kv_consumer")
     try:
         await asyncio.gather(pre.start(), dec.start())
-        proxy = LLMProxy([WorkerHandle("pre", pre, pool="prefill"), WorkerHandle("dec", dec, pool="decode")],
-                         task_pools={"agent": "decode"})
-        router = PDRouter(proxy, PDConfig(pools={"decode": "prefill"}, task_policy={"agent": "on"},
-                                          min_pd_suffix_tokens=BLOCK, kv_store_dir=kv_dir))
+        proxy = LLMProxy(
+            [WorkerHandle("pre", pre, pool="prefill"), WorkerHandle("dec", dec, pool="decode")],
+            task_pools={"agent": "decode"},
+        )
+        router = PDRouter(
+            proxy,
+            PDConfig(
+                pools={"decode": "prefill"},
+                task_policy={"agent": "on"},
+                min_pd_suffix_tokens=BLOCK,
+                kv_store_dir=kv_dir,
+            ),
+        )
         yield {"pre": pre, "dec": dec, "router": router, "store": store, "kv_dir": kv_dir}
     finally:
         await pre.shutdown()
@@ -137,11 +151,17 @@ async def test_multi_turn_paths_and_prefix_reuse(pd: dict[str, Any]) -> None:
     assert paths == ["pd", "decode_only", "pd"]
     assert reuse[1] >= 2 * BLOCK  # the short turn reused the history cached on the decode worker
     assert router.session_worker("traj") == "dec"
-    assert {k: router.paths[k] - before[k] for k in before} == {"pd": 2, "decode_only": 1, "local_fallback": 0}
+    assert {k: router.paths[k] - before[k] for k in before} == {
+        "pd": 2,
+        "decode_only": 1,
+        "local_fallback": 0,
+    }
     router.end_session("traj")
 
 
-async def test_weight_update_across_pools_keeps_versions_consistent(pd: dict[str, Any], model_dir: Path) -> None:
+async def test_weight_update_across_pools_keeps_versions_consistent(
+    pd: dict[str, Any], model_dir: Path
+) -> None:
     import torch
     from safetensors.torch import load_file
 
@@ -150,8 +170,10 @@ async def test_weight_update_across_pools_keeps_versions_consistent(pd: dict[str
     gen = torch.Generator().manual_seed(0)
 
     def perturbed(scale: float) -> dict[str, torch.Tensor]:
-        return {k: v + scale * torch.randn(v.shape, generator=gen) if v.is_floating_point() else v
-                for k, v in base.items()}
+        return {
+            k: v + scale * torch.randn(v.shape, generator=gen) if v.is_floating_point() else v
+            for k, v in base.items()
+        }
 
     prompt = tokens(300, seed=1)  # prefilled under version 0 by the first test: its KV is in the store
     old = await router.generate(greedy("v0", prompt, 24))
@@ -174,6 +196,7 @@ async def test_weight_update_across_pools_keeps_versions_consistent(pd: dict[str
 
     async def prefilled() -> bool:
         return pre.stats["requests"] > n_pre
+
     await until(prefilled, what="the prefill to finish")
     await router.update_weights(2)
     out = await asyncio.wait_for(task, 60)

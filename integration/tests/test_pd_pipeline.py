@@ -19,23 +19,39 @@ pytestmark = [pytest.mark.vllm, pytest.mark.ray, pytest.mark.slow]
 
 
 def pd_config(root: Path) -> RunConfig:
-    engine = {"impl": "vllm", "count": 1, "num_cpus": 0.25,
-              "options": {"max_model_len": 512, "dtype": "float32", "max_num_seqs": 16}}
-    return RunConfig.model_validate({
-        "name": "it-pd", "output_dir": str(root / "run"), "seed": 3,
-        "model": {"path": str(root / "model"), "create_tiny": True, "dtype": "float32"},
-        "engines": [{"name": "pre", **engine}, {"name": "dec", **engine}],
-        "tasks": [{
-            "name": "lake", "pool": "dec", "prefill_pool": "pre", "pd": "on",
-            "env": {"impl": "frozenlake", "options": {"size": 4, "hole_prob": 0.2, "max_steps": 4}},
-            "reward": {"impl": "success"}, "sampling": {"max_tokens": 1, "temperature": 1.0},
-            "group_size": 2, "groups_per_step": 2, "max_turns": 4,
-        }],
-        "trainer": {"impl": "torch", "options": {"lr": 0.01}},
-        "weight_store": {"impl": "filesystem", "options": {"root": str(root / "weights")}},
-        "train": {"mode": "sync", "alpha": 0, "steps": 1},
-        "ray": {"num_cpus": 2},
-    })
+    engine = {
+        "impl": "vllm",
+        "count": 1,
+        "num_cpus": 0.25,
+        "options": {"max_model_len": 512, "dtype": "float32", "max_num_seqs": 16},
+    }
+    return RunConfig.model_validate(
+        {
+            "name": "it-pd",
+            "output_dir": str(root / "run"),
+            "seed": 3,
+            "model": {"path": str(root / "model"), "create_tiny": True, "dtype": "float32"},
+            "engines": [{"name": "pre", **engine}, {"name": "dec", **engine}],
+            "tasks": [
+                {
+                    "name": "lake",
+                    "pool": "dec",
+                    "prefill_pool": "pre",
+                    "pd": "on",
+                    "env": {"impl": "frozenlake", "options": {"size": 4, "hole_prob": 0.2, "max_steps": 4}},
+                    "reward": {"impl": "success"},
+                    "sampling": {"max_tokens": 1, "temperature": 1.0},
+                    "group_size": 2,
+                    "groups_per_step": 2,
+                    "max_turns": 4,
+                }
+            ],
+            "trainer": {"impl": "torch", "options": {"lr": 0.01}},
+            "weight_store": {"impl": "filesystem", "options": {"root": str(root / "weights")}},
+            "train": {"mode": "sync", "alpha": 0, "steps": 1},
+            "ray": {"num_cpus": 2},
+        }
+    )
 
 
 async def test_pipeline_runs_pd_tasks_through_both_pools(tmp_path: Path) -> None:
@@ -44,8 +60,9 @@ async def test_pipeline_runs_pd_tasks_through_both_pools(tmp_path: Path) -> None
     long_prompt = [10 + (i * 7) % 280 for i in range(300)]  # long enough for the PD path (>= 256 uncached)
 
     def req(rid: str) -> GenerateRequest:
-        return GenerateRequest(rid, long_prompt, SamplingParams(max_tokens=8, temperature=0.0), session_id=rid,
-                               task="lake")
+        return GenerateRequest(
+            rid, long_prompt, SamplingParams(max_tokens=8, temperature=0.0), session_id=rid, task="lake"
+        )
 
     async with Pipeline(pd_config(tmp_path)) as p:
         assert type(p.proxy).__name__ == "PDRouter"

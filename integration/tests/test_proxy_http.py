@@ -70,13 +70,36 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1",
-               "TOKENIZERS_PARALLELISM": "false"}
+        env = {
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_SERVER_DEV_MODE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-             "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--max-model-len", "512",
-             "--max-num-seqs", "16", "--enable-scale-out"],
-            stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                str(model),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--dtype",
+                "float32",
+                "--max-model-len",
+                "512",
+                "--max-num-seqs",
+                "16",
+                "--enable-scale-out",
+            ],
+            stdout=log.open("wb"),
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +136,9 @@ def req(rid: str, n: int, **sampling: Any) -> GenerateRequest:
     return GenerateRequest(rid, [1, 20, 30, 40, 50], SamplingParams(**sp))
 
 
-async def test_vllm_server_engine_suspend_update_resume_abort(servers: tuple[Server, Server], model_dir: Path,
-                                                              tmp_path: Path) -> None:
+async def test_vllm_server_engine_suspend_update_resume_abort(
+    servers: tuple[Server, Server], model_dir: Path, tmp_path: Path
+) -> None:
     import torch
     from safetensors.torch import load_file
 
@@ -123,10 +147,16 @@ async def test_vllm_server_engine_suspend_update_resume_abort(servers: tuple[Ser
 
     a, _ = servers
     store = FilesystemWeightStore(root=tmp_path / "weights")
-    new = {k: v + 0.05 * torch.randn_like(v) for k, v in load_file(str(model_dir / "model.safetensors")).items()}
+    new = {
+        k: v + 0.05 * torch.randn_like(v) for k, v in load_file(str(model_dir / "model.safetensors")).items()
+    }
     store.push(1, new).result(timeout=120)
-    eng = VllmServerEngine(VllmServerEngine.Config(url=a.url, weights_path_template=str(tmp_path / "weights" / "v{version:08d}")),
-                           name="a")
+    eng = VllmServerEngine(
+        VllmServerEngine.Config(
+            url=a.url, weights_path_template=str(tmp_path / "weights" / "v{version:08d}")
+        ),
+        name="a",
+    )
     await eng.start()
     try:
         assert eng.max_model_len == 512
@@ -151,9 +181,13 @@ async def test_vllm_server_engine_suspend_update_resume_abort(servers: tuple[Ser
             o = parts[-1]
             assert len(parts) > 2 and all(not p.finish_reason for p in parts[:-1])
             assert o.finish_reason == "length" and len(o.token_ids) == n == len(o.logprobs) == len(o.versions)
-            assert [t for p in parts[:-1] for t in p.token_ids] == o.token_ids[: sum(len(p.token_ids) for p in parts[:-1])]
+            assert [t for p in parts[:-1] for t in p.token_ids] == o.token_ids[
+                : sum(len(p.token_ids) for p in parts[:-1])
+            ]
             # kept across the update, not aborted: old tokens v0, the rest v1
-            assert o.versions == sorted(o.versions) and o.start_version == 0 and o.end_version == 1, o.versions
+            assert o.versions == sorted(o.versions) and o.start_version == 0 and o.end_version == 1, (
+                o.versions
+            )
         info = httpx.get(f"{a.url}/weight_info", trust_env=False, timeout=10).json()
         assert info["weight_version"] == "1"
         # abort one request mid-generation
@@ -190,24 +224,36 @@ ADMIN_KEY = "test-admin-key"
 def start_service(config: Path, log: Path) -> subprocess.Popen[bytes]:
     exe = Path(sys.executable).parent / "rollart-proxy"
     env = {**os.environ, "ROLLART_PROXY_ADMIN_KEY": ADMIN_KEY}  # admin endpoints are closed without one
-    return subprocess.Popen([str(exe), "serve", "--config", str(config)], stdout=log.open("wb"),
-                            stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    return subprocess.Popen(
+        [str(exe), "serve", "--config", str(config)],
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env=env,
+    )
 
 
-def test_standalone_service_exactly_as_the_readme_shows(servers: tuple[Server, Server], model_dir: Path,
-                                                        tmp_path: Path) -> None:
+def test_standalone_service_exactly_as_the_readme_shows(
+    servers: tuple[Server, Server], model_dir: Path, tmp_path: Path
+) -> None:
     a, _ = servers
     port = free_port()
     yaml_text, code = readme_blocks()
-    subst = {"/models/tiny": str(model_dir), "http://127.0.0.1:8100": a.url, "port: 8000": f"port: {port}",
-             "127.0.0.1:8000": f"127.0.0.1:{port}"}
+    subst = {
+        "/models/tiny": str(model_dir),
+        "http://127.0.0.1:8100": a.url,
+        "port: 8000": f"port: {port}",
+        "127.0.0.1:8000": f"127.0.0.1:{port}",
+    }
     for k, v in subst.items():
         yaml_text, code = yaml_text.replace(k, v), code.replace(k, v)
     (tmp_path / "proxy.yaml").write_text(yaml_text)
     proc = start_service(tmp_path / "proxy.yaml", tmp_path / "proxy.log")
     try:
         wait_http(f"http://127.0.0.1:{port}/health", proc, 120, tmp_path / "proxy.log")
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        r = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path
+        )
         assert r.returncode == 0, r.stderr[-3000:]
         last = r.stdout.rstrip("\n").split("\n")[-1]  # output ids, logprobs, and versions (all 0)
         assert last.startswith("[") and re.search(r"\[0(, 0)*\]$", last), r.stdout
@@ -217,32 +263,43 @@ def test_standalone_service_exactly_as_the_readme_shows(servers: tuple[Server, S
             assert h.post("/admin/suspend", headers=admin).json() == {"suspended": True}
             assert h.post("/admin/resume", headers=admin).json() == {"suspended": False}
             m = h.get("/metrics").json()
-            assert m["gen-0"]["pool"] == "H800" and m["gen-0"]["requests"] >= 1 and m["gen-0"]["suspended_s"] > 0
+            assert (
+                m["gen-0"]["pool"] == "H800" and m["gen-0"]["requests"] >= 1 and m["gen-0"]["suspended_s"] > 0
+            )
             r2 = h.post("/v1/chat/completions", json={"model": "tiny", "messages": "not a list"})
             assert r2.status_code == 400 and r2.json()["error"]["message"]
             r3 = h.post("/v1/completions", json={"model": "tiny", "prompt": [5] * 600})
             assert r3.status_code == 400 and "context" in r3.json()["error"]["message"]
-            r4 = h.post("/v1/chat/completions", headers={"X-Rollart-Task": "math"},
-                        json={"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
+            r4 = h.post(
+                "/v1/chat/completions",
+                headers={"X-Rollart-Task": "math"},
+                json={"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2},
+            )
             assert r4.status_code == 200
         bad = tmp_path / "bad.yaml"
         bad.write_text(yaml_text.replace("task_pools: {math: H800}", "task_pools: {math: H100}"))
-        chk = subprocess.run([str(Path(sys.executable).parent / "rollart-proxy"), "check-config", str(bad)],
-                             capture_output=True, text=True, timeout=60)
+        chk = subprocess.run(
+            [str(Path(sys.executable).parent / "rollart-proxy"), "check-config", str(bad)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert chk.returncode == 2 and "pools without workers" in chk.stderr
     finally:
         stop(proc)
     assert proc.returncode == 0, (tmp_path / "proxy.log").read_text()[-3000:]
 
 
-async def test_service_retries_requests_of_a_killed_server(servers: tuple[Server, Server], model_dir: Path,
-                                                           tmp_path: Path) -> None:
+async def test_service_retries_requests_of_a_killed_server(
+    servers: tuple[Server, Server], model_dir: Path, tmp_path: Path
+) -> None:
     """Runs last in this module: it kills server b."""
     a, b = servers
     port = free_port()
     (tmp_path / "proxy.yaml").write_text(
         f"model: {model_dir}\nserved_model_name: tiny\nport: {port}\nmax_retries: 1\nworkers:\n"
-        f"  - {{name: a, url: \"{a.url}\", max_inflight: 2}}\n  - {{name: b, url: \"{b.url}\", max_inflight: 2}}\n")
+        f'  - {{name: a, url: "{a.url}", max_inflight: 2}}\n  - {{name: b, url: "{b.url}", max_inflight: 2}}\n'
+    )
     proc = start_service(tmp_path / "proxy.yaml", tmp_path / "proxy.log")
     try:
         wait_http(f"http://127.0.0.1:{port}/health", proc, 120, tmp_path / "proxy.log")
@@ -251,7 +308,13 @@ async def test_service_retries_requests_of_a_killed_server(servers: tuple[Server
             tasks = [asyncio.create_task(h.post("/v1/completions", json=body)) for _ in range(4)]
 
             def b_busy() -> bool:  # the proxy has two requests in flight on b
-                return httpx.get(f"http://127.0.0.1:{port}/metrics", trust_env=False, timeout=10).json()["b"]["inflight"] == 2
+                return (
+                    httpx.get(f"http://127.0.0.1:{port}/metrics", trust_env=False, timeout=10).json()["b"][
+                        "inflight"
+                    ]
+                    == 2
+                )
+
             await until(b_busy, what="requests in flight on server b")
             os.killpg(b.proc.pid, signal.SIGKILL)  # the whole server process group dies at once
             b.proc.wait(30)

@@ -37,8 +37,9 @@ async def until(cond: Callable[[], Awaitable[bool]], timeout: float = 120.0, wha
         await asyncio.sleep(0.02)
 
 
-def req(rid: str, n: int = 8, *, session: str | None = None, prompt: list[int] | None = None,
-        **sampling: Any) -> GenerateRequest:
+def req(
+    rid: str, n: int = 8, *, session: str | None = None, prompt: list[int] | None = None, **sampling: Any
+) -> GenerateRequest:
     sp = {"max_tokens": n, "temperature": 1.0, "seed": 0, "allowed_token_ids": NO_EOS, **sampling}
     return GenerateRequest(rid, prompt or [1, 20, 30, 40, 50], SamplingParams(**sp), session_id=session)
 
@@ -59,8 +60,12 @@ async def engines(model_dir: Path) -> AsyncIterator[tuple[Any, Any, Any]]:
     store = MemoryWeightStore()
     cfg = VllmEngineConfig(max_model_len=512, dtype="float32", max_num_seqs=32, kv_cache_gib=1)
     a = VllmEngine(cfg, model_path=str(model_dir), weight_store=store, name="a")  # staged updates
-    b = VllmEngine(cfg.model_copy(update={"weight_update": "in_place"}), model_path=str(model_dir),
-                   weight_store=store, name="b")
+    b = VllmEngine(
+        cfg.model_copy(update={"weight_update": "in_place"}),
+        model_path=str(model_dir),
+        weight_store=store,
+        name="b",
+    )
     try:
         await asyncio.gather(a.start(), b.start())
         assert os.listdir(vllm_ipc_dir() or "/nonexistent")  # vLLM's sockets are in our directory
@@ -87,9 +92,16 @@ async def test_sticky_sessions_and_least_outstanding(engines: tuple[Any, Any, An
     assert set(owners.values()) == {"a", "b"}
     # later turns (prompt = history + new tokens) stay on the worker holding the prefix
     for turn in (1, 2):
-        outs = await asyncio.gather(*(
-            proxy.generate(req(f"s{i}-t{turn}", 4, session=f"s{i}", prompt=[1, 20, 30, 40, 50, *range(60, 60 + turn)]))
-            for i in range(6)))
+        outs = await asyncio.gather(
+            *(
+                proxy.generate(
+                    req(
+                        f"s{i}-t{turn}", 4, session=f"s{i}", prompt=[1, 20, 30, 40, 50, *range(60, 60 + turn)]
+                    )
+                )
+                for i in range(6)
+            )
+        )
         assert {f"s{i}": o.worker for i, o in enumerate(outs)} == owners
     # the sticky worker is gone → fallback to the other one, and the session follows it
     gone = owners["s0"]
@@ -130,15 +142,18 @@ async def test_back_pressure_bounds_inflight(engines: tuple[Any, Any, Any]) -> N
     assert peak_inflight == 2 and peak_engine <= 2 and peak_queued >= 3
 
 
-async def test_suspend_update_resume_keeps_requests_and_stamps_versions(engines: tuple[Any, Any, Any],
-                                                                          model_dir: Path) -> None:
+async def test_suspend_update_resume_keeps_requests_and_stamps_versions(
+    engines: tuple[Any, Any, Any], model_dir: Path
+) -> None:
     import torch
     from safetensors.torch import load_file
 
     a, b, store = engines
     proxy = two(engines)
-    new = {k: (v + 0.05 * torch.randn_like(v)) if v.is_floating_point() else v
-           for k, v in load_file(str(model_dir / "model.safetensors")).items()}
+    new = {
+        k: (v + 0.05 * torch.randn_like(v)) if v.is_floating_point() else v
+        for k, v in load_file(str(model_dir / "model.safetensors")).items()
+    }
     store.push(1, new).result(timeout=60)
     n = 240
     tasks = [asyncio.create_task(proxy.generate(req(f"u{i}", n, session=f"u{i}"))) for i in range(4)]
@@ -146,6 +161,7 @@ async def test_suspend_update_resume_keeps_requests_and_stamps_versions(engines:
     async def all_started() -> bool:
         prog = {**await a.progress(), **await b.progress()}
         return len(prog) == 4 and min(prog.values()) >= 10
+
     await until(all_started, what="every request generating")
     await proxy.suspend()
     before = {**await a.progress(), **await b.progress()}
@@ -160,13 +176,16 @@ async def test_suspend_update_resume_keeps_requests_and_stamps_versions(engines:
         assert o.versions == sorted(o.versions) and o.start_version == 0 and o.end_version == 1, o.versions
     # the engines really serve the new weights (exact bytes, fused names aside)
     shape, _, raw = await a.read_parameter("model.embed_tokens.weight")
-    assert torch.equal(torch.frombuffer(bytearray(raw), dtype=torch.float32).reshape(shape),
-                       new["model.embed_tokens.weight"])
+    assert torch.equal(
+        torch.frombuffer(bytearray(raw), dtype=torch.float32).reshape(shape), new["model.embed_tokens.weight"]
+    )
     m = await proxy.metrics()
     assert m["a"]["suspended_s"] > 0 and m["a"]["decode_tokens"] > 0 and "engine" in m["a"]
 
 
-async def test_staged_update_serves_exactly_what_an_in_place_reload_serves(engines: tuple[Any, Any, Any]) -> None:
+async def test_staged_update_serves_exactly_what_an_in_place_reload_serves(
+    engines: tuple[Any, Any, Any],
+) -> None:
     """Engine a builds the next weights in a shadow model while generating and swaps them in; engine b
     reloads in place. Same weights → the same tokens and logprobs, token for token, for two versions
     in a row (the second swap reuses the shadow, which then holds the first version's weights)."""
@@ -185,14 +204,18 @@ async def test_staged_update_serves_exactly_what_an_in_place_reload_serves(engin
     outs = []
     for v in (v0 + 1, v0 + 2):
         g = torch.Generator().manual_seed(v)
-        store.push(v, {k: t + 0.05 * torch.randn(t.shape, generator=g) for k, t in ref.items()}).result(timeout=60)
+        store.push(v, {k: t + 0.05 * torch.randn(t.shape, generator=g) for k, t in ref.items()}).result(
+            timeout=60
+        )
         await asyncio.gather(a.prefetch_weights(v), b.prefetch_weights(v))
         await asyncio.gather(a.update_weights(v), b.update_weights(v))
         oa, ob = await a.generate(probe), await b.generate(probe)
         assert oa.token_ids == ob.token_ids and oa.logprobs == ob.logprobs, f"version {v}: staged != in place"
         assert oa.versions == [v] * len(oa.versions)
         outs.append(oa)
-    assert outs[0].logprobs != before.logprobs and outs[1].logprobs != outs[0].logprobs  # weights really changed
+    assert (
+        outs[0].logprobs != before.logprobs and outs[1].logprobs != outs[0].logprobs
+    )  # weights really changed
     stats = await a.get_stats()
     assert stats["staged_updates"] == stats0 + 2 and stats["staging_fallbacks"] == 0
     assert (await b.get_stats())["staged_updates"] == 0
@@ -213,6 +236,7 @@ async def test_abort_one_trajectory(engines: tuple[Any, Any, Any]) -> None:
 
     async def generating() -> bool:
         return (await a.progress()).get("kill-0", 0) + (await b.progress()).get("kill-0", 0) >= 5
+
     await until(generating, what="the doomed request generating")
     assert await proxy.abort("kill") == 1  # by trajectory (session) id
     killed, kept = await asyncio.gather(kill, keep)
@@ -222,7 +246,8 @@ async def test_abort_one_trajectory(engines: tuple[Any, Any, Any]) -> None:
 
 
 async def test_streaming_yields_deltas_then_the_complete_output_and_closing_aborts(
-        engines: tuple[Any, Any, Any]) -> None:
+    engines: tuple[Any, Any, Any],
+) -> None:
     a, b, _ = engines
     proxy = two(engines)
     whole = await proxy.generate(req("whole", 40, seed=11))
@@ -230,7 +255,9 @@ async def test_streaming_yields_deltas_then_the_complete_output_and_closing_abor
     deltas, final = parts[:-1], parts[-1]
     assert len(deltas) >= 2 and all(p.finish_reason == "" for p in deltas)  # really incremental
     assert final.finish_reason == "length" and final.token_ids == whole.token_ids  # same seed, same tokens
-    assert [t for p in deltas for t in p.token_ids] == final.token_ids[: sum(len(p.token_ids) for p in deltas)]
+    assert [t for p in deltas for t in p.token_ids] == final.token_ids[
+        : sum(len(p.token_ids) for p in deltas)
+    ]
     # A client that goes away mid-stream frees the engine's slot (the request is aborted there).
     stream = proxy.generate_stream(req("gone", 480, seed=12))
     first = await anext(stream)
@@ -239,6 +266,7 @@ async def test_streaming_yields_deltas_then_the_complete_output_and_closing_abor
 
     async def freed() -> bool:
         return "gone" not in await a.progress() and "gone" not in await b.progress()
+
     await until(freed, timeout=30, what="the abandoned stream to be aborted on its engine")
     assert all(w.inflight == 0 for w in proxy.workers.values())
     assert (await a.get_stats())["output_tokens"] + (await b.get_stats())["output_tokens"] > 0
@@ -251,6 +279,7 @@ async def test_abort_while_suspended_is_delivered_on_resume(engines: tuple[Any, 
 
     async def generating() -> bool:
         return (await a.progress()).get("frozen-0", 0) >= 5
+
     await until(generating, what="the request generating")
     await proxy.suspend()
     assert await proxy.abort("frozen") == 1
@@ -269,12 +298,17 @@ async def test_bad_requests_are_engine_errors_not_retried(engines: tuple[Any, An
         await proxy.generate(req("bad-stop", 4, stop=("",)))
     assert all(w.healthy and w.metrics.failures == 0 for w in proxy.workers.values())
     # stop strings end the turn
-    out = await proxy.generate(GenerateRequest("stop-ok", [1, 20, 30], SamplingParams(
-        max_tokens=200, temperature=1.0, seed=3, stop=("e",))))
+    out = await proxy.generate(
+        GenerateRequest(
+            "stop-ok", [1, 20, 30], SamplingParams(max_tokens=200, temperature=1.0, seed=3, stop=("e",))
+        )
+    )
     assert out.finish_reason == "stop" and len(out.token_ids) < 200
 
 
-async def test_openai_client_against_the_proxy_endpoint(engines: tuple[Any, Any, Any], model_dir: Path) -> None:
+async def test_openai_client_against_the_proxy_endpoint(
+    engines: tuple[Any, Any, Any], model_dir: Path
+) -> None:
     import httpx
     import openai
 
@@ -285,36 +319,66 @@ async def test_openai_client_against_the_proxy_endpoint(engines: tuple[Any, Any,
     port = await server.start("127.0.0.1", 0)
     base = f"http://127.0.0.1:{port}"
     try:
-        client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0,
-                                    default_headers={"X-Session-Id": "agent-1"})
-        messages: list[dict[str, str]] = [{"role": "system", "content": "you are an agent"},
-                                          {"role": "user", "content": "move left"}]
+        client = openai.AsyncOpenAI(
+            base_url=f"{base}/v1",
+            api_key="unused",
+            max_retries=0,
+            default_headers={"X-Session-Id": "agent-1"},
+        )
+        messages: list[dict[str, str]] = [
+            {"role": "system", "content": "you are an agent"},
+            {"role": "user", "content": "move left"},
+        ]
         workers = set()
         for _ in range(2):  # a two-turn conversation, like a black-box agent
-            r = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=8,
-                                                     logprobs=True, extra_body={"allowed_token_ids": list(NO_EOS)})
+            r = await client.chat.completions.create(
+                model="tiny",
+                messages=messages,
+                max_tokens=8,
+                logprobs=True,
+                extra_body={"allowed_token_ids": list(NO_EOS)},
+            )
             assert r.choices[0].finish_reason == "length" and len(r.choices[0].logprobs.content) == 8
             workers.add(r.model_extra["rollart"]["worker"])
-            messages += [{"role": "assistant", "content": r.choices[0].message.content or ""},
-                         {"role": "user", "content": "again"}]
+            messages += [
+                {"role": "assistant", "content": r.choices[0].message.content or ""},
+                {"role": "user", "content": "again"},
+            ]
         assert len(workers) == 1  # sticky across turns
-        chunks = [c async for c in await client.chat.completions.create(
-            model="tiny", messages=messages, max_tokens=24, stream=True, logprobs=True,
-            extra_body={"allowed_token_ids": list(NO_EOS)})]
+        chunks = [
+            c
+            async for c in await client.chat.completions.create(
+                model="tiny",
+                messages=messages,
+                max_tokens=24,
+                stream=True,
+                logprobs=True,
+                extra_body={"allowed_token_ids": list(NO_EOS)},
+            )
+        ]
         assert chunks[-1].choices[0].finish_reason == "length"
         with_tokens = [c for c in chunks if c.choices[0].logprobs and c.choices[0].logprobs.content]
         assert len(with_tokens) >= 2  # token deltas as they are generated, not one chunk at the end
         assert sum(len(c.choices[0].logprobs.content) for c in with_tokens) == 24
         streamed_text = "".join(c.choices[0].delta.content or "" for c in chunks)
-        comp = await client.completions.create(model="tiny", prompt=[1, 20, 30], max_tokens=5, logprobs=0,
-                                               extra_body={"allowed_token_ids": list(NO_EOS)})
+        comp = await client.completions.create(
+            model="tiny",
+            prompt=[1, 20, 30],
+            max_tokens=5,
+            logprobs=0,
+            extra_body={"allowed_token_ids": list(NO_EOS)},
+        )
         assert len(comp.choices[0].logprobs.token_logprobs) == 5
         async with httpx.AsyncClient(base_url=base, trust_env=False, timeout=60) as h:
             rec = (await h.get("/v1/sessions/agent-1")).json()["calls"]
             assert [c["endpoint"] for c in rec] == ["chat", "chat", "chat", "completions"]
-            assert len(rec[2]["output_ids"]) == 24 and streamed_text == server.template.decode(rec[2]["output_ids"])
+            assert len(rec[2]["output_ids"]) == 24 and streamed_text == server.template.decode(
+                rec[2]["output_ids"]
+            )
             for c in rec:
-                assert len(c["output_ids"]) == len(c["logprobs"]) == len(c["versions"]) > 0 and c["prompt_ids"]
+                assert (
+                    len(c["output_ids"]) == len(c["logprobs"]) == len(c["versions"]) > 0 and c["prompt_ids"]
+                )
             assert rec[1]["prompt_ids"][: len(rec[0]["prompt_ids"])] == rec[0]["prompt_ids"]
             assert len((await h.post("/v1/sessions/agent-1/drain")).json()["calls"]) == 4
             assert (await h.get("/v1/sessions/agent-1")).json()["calls"] == []
@@ -322,10 +386,17 @@ async def test_openai_client_against_the_proxy_endpoint(engines: tuple[Any, Any,
             assert set(m) == {"a", "b"} and "queue_depth" in m["a"]
             # bad requests → 4xx with a message, never a hang
             bad = [
-                ("/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404),
+                (
+                    "/v1/chat/completions",
+                    {"model": "nope", "messages": [{"role": "user", "content": "x"}]},
+                    404,
+                ),
                 ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400),
-                ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
-                                          "temperature": -1}, 400),
+                (
+                    "/v1/chat/completions",
+                    {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": -1},
+                    400,
+                ),
                 ("/v1/completions", {"model": "tiny", "prompt": [5] * 600}, 400),
                 ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 0}, 400),
                 ("/v1/completions", {"model": "tiny", "prompt": [1, 2], "allowed_token_ids": [10**6]}, 400),
@@ -336,7 +407,9 @@ async def test_openai_client_against_the_proxy_endpoint(engines: tuple[Any, Any,
                 r = await h.post(path, json=body)
                 assert r.status_code == status, (body, r.text)
                 assert r.json()["error"]["message"]
-            r = await h.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+            r = await h.post(
+                "/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+            )
             assert r.status_code == 400 and r.json()["error"]["message"]
         with pytest.raises(openai.NotFoundError):
             await client.chat.completions.create(model="nope", messages=messages)
@@ -355,6 +428,7 @@ async def test_worker_crash_requests_retried_on_the_other_worker(engines: tuple[
 
     async def b_busy() -> bool:
         return len(await b.progress()) >= 1 and min((await b.progress()).values()) >= 3
+
     await until(b_busy, what="requests running on b")
     on_b = set(await b.progress())
     await b.shutdown()  # the worker dies mid-request

@@ -49,9 +49,11 @@ def actors(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[d
     handles = {}
     for name, pool in (("prefill-0", "H800"), ("decode-0", "H20")):
         opts = ray_actor_options(get_affinity(VllmEngine, pool=pool, num_cpus=1))
-        handles[name] = (ray.remote(VllmEngine).options(**opts, max_concurrency=64,
-                                                         runtime_env={"env_vars": ENGINE_ENV})
-                         .remote(cfg, model_path=str(model), name=name))
+        handles[name] = (
+            ray.remote(VllmEngine)
+            .options(**opts, max_concurrency=64, runtime_env={"env_vars": ENGINE_ENV})
+            .remote(cfg, model_path=str(model), name=name)
+        )
     try:
         ray.get([h.start.remote() for h in handles.values()], timeout=600)
         yield handles
@@ -65,17 +67,26 @@ def actors(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[d
 
 
 def req(rid: str, task: str, n: int = 6, session: str | None = None) -> GenerateRequest:
-    return GenerateRequest(rid, [1, 20, 30, 40], SamplingParams(max_tokens=n, allowed_token_ids=NO_EOS, seed=0),
-                           session_id=session, task=task)
+    return GenerateRequest(
+        rid,
+        [1, 20, 30, 40],
+        SamplingParams(max_tokens=n, allowed_token_ids=NO_EOS, seed=0),
+        session_id=session,
+        task=task,
+    )
 
 
 async def test_tasks_only_reach_workers_of_their_pool(actors: dict[str, Any]) -> None:
     from rollart_proxy import LLMProxy
 
-    proxy = LLMProxy.from_ray_actors([(n, h, "H800" if n.startswith("prefill") else "H20") for n, h in actors.items()],
-                                     task_pools={"math": "H800", "agent": "H20"}, max_retries=1)
-    outs = await asyncio.gather(*(proxy.generate(req(f"{t}-{i}", t, session=f"{t}-{i}"))
-                                  for i in range(4) for t in ("math", "agent")))
+    proxy = LLMProxy.from_ray_actors(
+        [(n, h, "H800" if n.startswith("prefill") else "H20") for n, h in actors.items()],
+        task_pools={"math": "H800", "agent": "H20"},
+        max_retries=1,
+    )
+    outs = await asyncio.gather(
+        *(proxy.generate(req(f"{t}-{i}", t, session=f"{t}-{i}")) for i in range(4) for t in ("math", "agent"))
+    )
     for o in outs:
         assert o.worker == ("prefill-0" if o.request_id.startswith("math") else "decode-0")
         assert len(o.token_ids) == 6 and o.versions == [0] * 6
@@ -87,7 +98,11 @@ async def test_tasks_only_reach_workers_of_their_pool(actors: dict[str, Any]) ->
     with pytest.raises(Exception, match="pools without workers"):
         LLMProxy.from_ray_actors([("x", actors["decode-0"], "H20")], task_pools={"math": "H800"})
     m = await proxy.metrics()
-    assert m["prefill-0"]["pool"] == "H800" and m["prefill-0"]["requests"] == 4 and m["decode-0"]["requests"] == 4
+    assert (
+        m["prefill-0"]["pool"] == "H800"
+        and m["prefill-0"]["requests"] == 4
+        and m["decode-0"]["requests"] == 4
+    )
 
 
 async def test_killed_worker_fails_its_pool_and_the_other_pool_keeps_serving(actors: dict[str, Any]) -> None:
@@ -96,12 +111,16 @@ async def test_killed_worker_fails_its_pool_and_the_other_pool_keeps_serving(act
     from rollart_proxy import LLMProxy
     from rollart_proxy.errors import WorkerUnavailableError
 
-    proxy = LLMProxy.from_ray_actors([(n, h, "H800" if n.startswith("prefill") else "H20") for n, h in actors.items()],
-                                     task_pools={"math": "H800", "agent": "H20"}, max_retries=2)
+    proxy = LLMProxy.from_ray_actors(
+        [(n, h, "H800" if n.startswith("prefill") else "H20") for n, h in actors.items()],
+        task_pools={"math": "H800", "agent": "H20"},
+        max_retries=2,
+    )
     doomed = asyncio.create_task(proxy.generate(req("agent-long", "agent", n=400)))
 
     async def running() -> bool:
         return (await actors["decode-0"].progress.remote()).get("agent-long", 0) >= 3
+
     deadline = asyncio.get_running_loop().time() + 120
     while not await running():
         assert asyncio.get_running_loop().time() < deadline, "request never started"

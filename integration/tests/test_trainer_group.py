@@ -23,12 +23,25 @@ pytestmark = [pytest.mark.vllm, pytest.mark.ray]
 
 def group_config(root: Path, model: Path, steps: int) -> RunConfig:
     data = slice_config(root, model_path=model, steps=steps).model_dump(mode="json")
-    data["trainer"] = {"impl": "torch", "ranks": 2, "pool": "H800", "num_cpus": 0.25,
-                       "options": {"lr": 0.01, "num_threads": 1}}
-    data["train"] = {"mode": "async", "alpha": 1, "steps": steps, "save_every": 1, "max_trainer_restarts": 1,
-                     "stall_timeout_s": 300}
-    data["tasks"][0]["reward_executor"] = {"impl": "serverless", "options": {
-        "http": {"fallback": "none"}, "runtime": {"max_workers": 1}}}
+    data["trainer"] = {
+        "impl": "torch",
+        "ranks": 2,
+        "pool": "H800",
+        "num_cpus": 0.25,
+        "options": {"lr": 0.01, "num_threads": 1},
+    }
+    data["train"] = {
+        "mode": "async",
+        "alpha": 1,
+        "steps": steps,
+        "save_every": 1,
+        "max_trainer_restarts": 1,
+        "stall_timeout_s": 300,
+    }
+    data["tasks"][0]["reward_executor"] = {
+        "impl": "serverless",
+        "options": {"http": {"fallback": "none"}, "runtime": {"max_workers": 1}},
+    }
     data["ray"] = {"num_cpus": 2, "resources": {"H800": 2}}
     return RunConfig.model_validate(data)
 
@@ -84,7 +97,9 @@ async def test_async_run_survives_a_killed_trainer_rank(tmp_path: Path, tiny_mod
     hist = summary["history"]
     assert summary["steps"] == 5 and summary["final_version"] == 5 == summary["served_version"]
     restarted = [h for h in hist if h.get("trainer_restarts")]
-    assert len(restarted) == 1 and restarted[0]["trainer_restarts"] == 1, [h.get("trainer_restarts") for h in hist]
+    assert len(restarted) == 1 and restarted[0]["trainer_restarts"] == 1, [
+        h.get("trainer_restarts") for h in hist
+    ]
     assert restarted[0]["lost_steps"] >= 0 and restarted[0]["restored_version"] >= 1
     assert victim not in rank_pids
     assert summary["launched"] == sum(summary["fates"].values())

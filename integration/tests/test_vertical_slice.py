@@ -17,6 +17,7 @@ from rollart_core.types import Fate, GenerateRequest, SamplingParams, StepResult
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ray]
 
+
 # vLLM's CPU build repacks linear weights into oneDNN layouts (the Parameter left behind is empty),
 # so compare exactly what it keeps as plain tensors, incl. the fused qkv bias; the logprob check
 # below covers the linear layers.
@@ -29,8 +30,13 @@ def _trainer_view(params: dict, name: str):
     return params[name].detach()
 
 
-COMPARED = ["model.embed_tokens.weight", "lm_head.weight", "model.layers.0.input_layernorm.weight",
-            "model.layers.1.self_attn.qkv_proj.bias", "model.norm.weight"]
+COMPARED = [
+    "model.embed_tokens.weight",
+    "lm_head.weight",
+    "model.layers.0.input_layernorm.weight",
+    "model.layers.1.self_attn.qkv_proj.bias",
+    "model.norm.weight",
+]
 
 
 async def _engine_tensor(p, name: str):
@@ -42,8 +48,14 @@ async def _engine_tensor(p, name: str):
 
 
 async def _vllm_logprobs(p, ids: list[int]) -> list[float]:
-    out = await p.proxy.generate(GenerateRequest("score-" + str(hash(tuple(ids)) & 0xFFFF) + str(len(ids)), ids,
-                                                 SamplingParams(max_tokens=1), prompt_logprobs=True))
+    out = await p.proxy.generate(
+        GenerateRequest(
+            "score-" + str(hash(tuple(ids)) & 0xFFFF) + str(len(ids)),
+            ids,
+            SamplingParams(max_tokens=1),
+            prompt_logprobs=True,
+        )
+    )
     assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
     return [float(x) for x in out.prompt_logprobs[1:]]
 
@@ -52,8 +64,15 @@ async def test_one_trajectory_multi_turn(pipeline) -> None:
     p = pipeline
     task = p.config.tasks[0]
     traj = Trajectory("single-0", task.name, "frozenlake", "single", seed=123, start_version=0)
-    await run_trajectory(traj, env=p.make_env(task, 0), generator=p.proxy, chat=p.chat,
-                         scorer=p.rewards[task.name], sampling=task.sampling, max_turns=task.max_turns)
+    await run_trajectory(
+        traj,
+        env=p.make_env(task, 0),
+        generator=p.proxy,
+        chat=p.chat,
+        scorer=p.rewards[task.name],
+        sampling=task.sampling,
+        max_turns=task.max_turns,
+    )
     assert traj.fate is Fate.FINISHED, traj.error
     assert traj.turns and (traj.terminated or traj.truncated)
     allowed = set(p.chat.action_token_ids(["L", "D", "R", "U"]))
@@ -83,8 +102,15 @@ async def test_env_failure_is_a_fate_not_a_crash(pipeline) -> None:
     env = BrokenOnSecondStep()
     env.config = env.config.model_copy(update={"hole_prob": 0.0, "max_steps": 20})
     traj = Trajectory("broken-0", task.name, "frozenlake", "broken", seed=5, start_version=0)
-    await run_trajectory(traj, env=env, generator=p.proxy, chat=p.chat, scorer=p.rewards[task.name],
-                         sampling=task.sampling, max_turns=10)
+    await run_trajectory(
+        traj,
+        env=env,
+        generator=p.proxy,
+        chat=p.chat,
+        scorer=p.rewards[task.name],
+        sampling=task.sampling,
+        max_turns=10,
+    )
     assert traj.fate is Fate.ENV_FAILED and "container went away" in (traj.error or "")
 
 
@@ -109,13 +135,32 @@ async def test_an_env_call_past_the_tasks_timeout_ends_the_trajectory_timed_out(
     env = HangsOnSecondStep()
     env.config = env.config.model_copy(update={"hole_prob": 0.0, "max_steps": 20})
     traj = Trajectory("hung-0", task.name, "frozenlake", "hung", seed=5, start_version=0)
-    await asyncio.wait_for(run_trajectory(traj, env=env, generator=p.proxy, chat=p.chat, scorer=p.rewards[task.name],
-                                          sampling=task.sampling, max_turns=10, env_timeout_s=0.5), 60)
+    await asyncio.wait_for(
+        run_trajectory(
+            traj,
+            env=env,
+            generator=p.proxy,
+            chat=p.chat,
+            scorer=p.rewards[task.name],
+            sampling=task.sampling,
+            max_turns=10,
+            env_timeout_s=0.5,
+        ),
+        60,
+    )
     assert traj.fate is Fate.TIMED_OUT and "step 1 took longer than 0.5 s" in (traj.error or "")
     assert len(traj.turns) == 2 and env.closed  # the first step went through; the env is closed
     with pytest.raises(ValueError, match="env_timeout_s"):
-        await run_trajectory(traj, env=env, generator=p.proxy, chat=p.chat, scorer=p.rewards[task.name],
-                             sampling=task.sampling, max_turns=10, env_timeout_s=0)
+        await run_trajectory(
+            traj,
+            env=env,
+            generator=p.proxy,
+            chat=p.chat,
+            scorer=p.rewards[task.name],
+            sampling=task.sampling,
+            max_turns=10,
+            env_timeout_s=0,
+        )
 
 
 async def test_engines_are_placed_through_the_resource_plane(pipeline) -> None:
@@ -144,7 +189,9 @@ async def test_bad_requests_get_clear_errors(pipeline) -> None:
     with pytest.raises(EngineError, match="empty prompt"):
         await p.proxy.generate(GenerateRequest("empty", [], SamplingParams(max_tokens=4)))
     with pytest.raises(EngineError):
-        await p.proxy.generate(GenerateRequest("oov", [5, 6], SamplingParams(max_tokens=2, allowed_token_ids=(10**6,))))
+        await p.proxy.generate(
+            GenerateRequest("oov", [5, 6], SamplingParams(max_tokens=2, allowed_token_ids=(10**6,)))
+        )
     # the engine still serves after rejecting bad requests
     out = await p.proxy.generate(GenerateRequest("ok", [5, 6, 7], SamplingParams(max_tokens=3)))
     assert len(out.token_ids) == 3
@@ -252,7 +299,9 @@ async def test_a_group_admitted_ahead_generates_only_on_the_coming_version(pipel
     # meanwhile a step is trained on a batch of version v and its weights are served
     trajs = await rollout_step(p, step=90)
     batch = await p.buffer.get_batch(task.groups_per_step, version=v)
-    assert {t.group_id for t in batch} == {t.group_id for t in trajs} and gid not in {t.group_id for t in batch}
+    assert {t.group_id for t in batch} == {t.group_id for t in trajs} and gid not in {
+        t.group_id for t in batch
+    }
     assert all(not t.turns for t in mine)  # still waiting: the engines serve v
     p.trainer.train_step(batch)
     await asyncio.wrap_future(p.store.push(v + 1, dict(p.trainer.named_weights())))

@@ -46,8 +46,12 @@ async def engine(model_dir: Path, store: Any) -> AsyncIterator[Any]:
     from rollart_proxy.vllm_engine import VllmEngine, VllmEngineConfig
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    e = VllmEngine(VllmEngineConfig(max_model_len=256, dtype="float32"), model_path=str(model_dir),
-                   weight_store=store, name="ws")
+    e = VllmEngine(
+        VllmEngineConfig(max_model_len=256, dtype="float32"),
+        model_path=str(model_dir),
+        weight_store=store,
+        name="ws",
+    )
     try:
         await e.start()
         yield e
@@ -68,8 +72,9 @@ def hf_prompt_logprobs(model_dir: Path, state: dict[str, torch.Tensor] | None) -
 
 
 async def engine_prompt_logprobs(engine: Any, rid: str) -> torch.Tensor:
-    out = await engine.generate(GenerateRequest(rid, PROMPT, SamplingParams(max_tokens=1, temperature=0.0),
-                                                prompt_logprobs=True))
+    out = await engine.generate(
+        GenerateRequest(rid, PROMPT, SamplingParams(max_tokens=1, temperature=0.0), prompt_logprobs=True)
+    )
     assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
     return torch.tensor(out.prompt_logprobs[1:], dtype=torch.float64)
 
@@ -83,7 +88,9 @@ def modified(model_dir: Path, seed: int) -> dict[str, torch.Tensor]:
     return {k: v + 0.05 * torch.randn(v.shape, generator=g) * v.abs().mean() for k, v in sd.items()}
 
 
-async def test_engine_loads_pushed_weights_and_logprobs_follow(engine: Any, store: Any, model_dir: Path) -> None:
+async def test_engine_loads_pushed_weights_and_logprobs_follow(
+    engine: Any, store: Any, model_dir: Path
+) -> None:
     before = await engine_prompt_logprobs(engine, "before")
     torch.testing.assert_close(before, hf_prompt_logprobs(model_dir, None), atol=2e-3, rtol=0)
 
@@ -108,5 +115,9 @@ async def test_receiver_behind_skips_to_newest(engine: Any, store: Any, model_di
     assert newest == 3
     await engine.update_weights(newest)  # version 2 is never loaded
     assert await engine.weight_version() == 3
-    torch.testing.assert_close(await engine_prompt_logprobs(engine, "v3"), hf_prompt_logprobs(model_dir, states[3]),
-                               atol=2e-3, rtol=0)
+    torch.testing.assert_close(
+        await engine_prompt_logprobs(engine, "v3"),
+        hf_prompt_logprobs(model_dir, states[3]),
+        atol=2e-3,
+        rtol=0,
+    )

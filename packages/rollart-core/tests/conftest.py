@@ -204,11 +204,25 @@ class FakePipeline:
 
 
 def fake_config(tmp: Path, **train: Any) -> RunConfig:
-    tasks = train.pop("tasks", None) or [{"name": "t", "env": {"impl": "fake"}, "reward": {"impl": "fake"},
-                                           "group_size": 2, "groups_per_step": 2, "max_turns": 4}]
-    return RunConfig.model_validate({
-        "output_dir": str(tmp / "run"), "model": {"path": str(tmp / "model")}, "engines": [{"name": "gen"}],
-        "tasks": tasks, "train": {"steps": 3, "stall_timeout_s": 30, **train}})
+    tasks = train.pop("tasks", None) or [
+        {
+            "name": "t",
+            "env": {"impl": "fake"},
+            "reward": {"impl": "fake"},
+            "group_size": 2,
+            "groups_per_step": 2,
+            "max_turns": 4,
+        }
+    ]
+    return RunConfig.model_validate(
+        {
+            "output_dir": str(tmp / "run"),
+            "model": {"path": str(tmp / "model")},
+            "engines": [{"name": "gen"}],
+            "tasks": tasks,
+            "train": {"steps": 3, "stall_timeout_s": 30, **train},
+        }
+    )
 
 
 @pytest.fixture

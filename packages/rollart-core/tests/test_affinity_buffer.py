@@ -167,8 +167,10 @@ def test_the_producer_launches_the_task_furthest_below_its_batch_share() -> None
     from rollart_core.loop import next_task
 
     env, reward = {"impl": "frozenlake"}, {"impl": "success"}
-    tasks = [TaskConfig(name="calc", env=env, reward=reward, groups_per_step=2),
-             TaskConfig(name="lake", env=env, reward=reward, groups_per_step=1)]
+    tasks = [
+        TaskConfig(name="calc", env=env, reward=reward, groups_per_step=2),
+        TaskConfig(name="lake", env=env, reward=reward, groups_per_step=1),
+    ]
     assert next_task(tasks, {}) == 0
     assert next_task(tasks, {"calc": 2}) == 1  # lake has none pending
     assert next_task(tasks, {"calc": 1, "lake": 1}) == 0  # calc: 0.5 of its share pending, lake: 1
@@ -195,7 +197,9 @@ def test_admission_launches_a_group_only_if_it_can_be_trained_within_alpha() -> 
 async def test_wait_for_is_woken_by_buffer_changes_and_by_notify() -> None:
     buf = SampleBuffer(alpha=1)
     outside = {"ok": False}
-    waiter = asyncio.create_task(buf.wait_for(lambda: "go" if outside["ok"] or buf.pending_groups() else None))
+    waiter = asyncio.create_task(
+        buf.wait_for(lambda: "go" if outside["ok"] or buf.pending_groups() else None)
+    )
     await asyncio.sleep(0)
     assert not waiter.done()
     outside["ok"] = True  # a change outside the buffer is seen only once notified

@@ -42,7 +42,9 @@ def test_bottleneck_bound_min_and_shared_cores() -> None:
     b = bottleneck_bound({"generate": 10.0, "train": 10.0, "env": 8.0, "reward": 100.0})
     assert b["bound"] == 8.0 and b["bottleneck"] == "env"
     # generation and training on the same cores: one trajectory costs 1/10 + 1/10 s
-    b = bottleneck_bound({"generate": 10.0, "train": 10.0, "env": 8.0, "reward": 100.0}, shared=("generate", "train"))
+    b = bottleneck_bound(
+        {"generate": 10.0, "train": 10.0, "env": 8.0, "reward": 100.0}, shared=("generate", "train")
+    )
     assert b["bound"] == pytest.approx(5.0) and b["bottleneck"] == "generate+train"
     with pytest.raises(ValueError):
         bottleneck_bound({"generate": 0.0})
@@ -63,19 +65,36 @@ def test_timeline_records_only_while_active() -> None:
 
 def _seg(wall: float, trained: int, util: float, fates: dict[str, int]) -> dict:
     stages = {st: {"utilisation": util, "mean_concurrency": util, "count": 1.0} for st in STAGES}
-    return {"wall_s": wall, "steps": 2, "trained": trained, "trained_by_task": {"t": trained},
-            "gen_tokens": 10.0 * trained, "trained_gen_tokens": 6.0 * trained, "wasted_gen_tokens": 4.0 * trained, "launched": sum(fates.values()),
-            "episodes": {"t": [3.0 * trained, trained]},
-            "fates": fates, "step_s": [wall / 2, wall / 2], "lag_max": 1, "stages": stages, "cpu_busy": util}
+    return {
+        "wall_s": wall,
+        "steps": 2,
+        "trained": trained,
+        "trained_by_task": {"t": trained},
+        "gen_tokens": 10.0 * trained,
+        "trained_gen_tokens": 6.0 * trained,
+        "wasted_gen_tokens": 4.0 * trained,
+        "launched": sum(fates.values()),
+        "episodes": {"t": [3.0 * trained, trained]},
+        "fates": fates,
+        "step_s": [wall / 2, wall / 2],
+        "lag_max": 1,
+        "stages": stages,
+        "cpu_busy": util,
+    }
 
 
 def test_aggregate_ratios_bound_and_wall_weighted_utilisation() -> None:
     segments = {
-        "sync": [_seg(10.0, 20, 0.5, {"finished": 20, "env_failed": 2}), _seg(30.0, 20, 0.1, {"finished": 20})],
+        "sync": [
+            _seg(10.0, 20, 0.5, {"finished": 20, "env_failed": 2}),
+            _seg(30.0, 20, 0.1, {"finished": 20}),
+        ],
         "async_a1": [_seg(10.0, 40, 0.9, {"finished": 40, "aborted_stale": 3})],
     }
-    bounds = {"sync": {"bound": 5.0, "bottleneck": "generate+train"},
-              "async_a1": {"bound": 5.0, "bottleneck": "generate+train"}}
+    bounds = {
+        "sync": {"bound": 5.0, "bottleneck": "generate+train"},
+        "async_a1": {"bound": 5.0, "bottleneck": "generate+train"},
+    }
     r = aggregate(segments, bounds)
     assert r["sync"]["traj_per_s"] == pytest.approx(1.0)  # 40 trajectories in 40 s
     assert r["async_a1"]["traj_per_s"] == pytest.approx(4.0)
@@ -109,7 +128,10 @@ def test_env_replicas_wrap_every_task_env_in_the_replicated_entry_point(tmp_path
         assert h.env.impl == "replicated" and h.env.options["replicas"] == 3
         assert h.env.options["env"] == t.env.model_dump()
         env = build("env", h.env.impl, h.env.options, f"tasks.{i}.env.options")
-        assert len(env._replicas) == 3 and env.system_prompt == build("env", t.env.impl, t.env.options, "x").system_prompt
+        assert (
+            len(env._replicas) == 3
+            and env.system_prompt == build("env", t.env.impl, t.env.options, "x").system_prompt
+        )
 
 
 async def test_cpu_meter_reads_the_machines_busy_fraction() -> None:
@@ -135,8 +157,11 @@ async def test_cpu_meter_reads_the_machines_busy_fraction() -> None:
 def test_episode_sums_weight_each_steps_mean_by_its_count() -> None:
     from rollart_core.bench import episode_sums
 
-    rows = [{"finished_by_task": {"a": 2, "b": 1}, "episode_s_by_task": {"a": 1.0, "b": 4.0}},
-            {"finished_by_task": {"a": 1}, "episode_s_by_task": {"a": 4.0}}, {"finished_by_task": {}, "episode_s_by_task": {}}]
+    rows = [
+        {"finished_by_task": {"a": 2, "b": 1}, "episode_s_by_task": {"a": 1.0, "b": 4.0}},
+        {"finished_by_task": {"a": 1}, "episode_s_by_task": {"a": 4.0}},
+        {"finished_by_task": {}, "episode_s_by_task": {}},
+    ]
     assert episode_sums(rows) == {"a": [6.0, 3], "b": [4.0, 1]}
 
 
@@ -145,7 +170,12 @@ def test_each_mode_warms_up_for_its_pipeline_depth_before_throughput_is_measured
     from rollart_core.bench_workload import MODES, SIZES, mode_config, workload_config
 
     assert MODES["sync"].warmup_steps() == 0 and MODES["one_off"].warmup_steps() == 1
-    assert [MODES[m].warmup_steps() for m in ("async_a1", "async_a2", "async_a4_r3", "admission")] == [2, 3, 5, 2]
+    assert [MODES[m].warmup_steps() for m in ("async_a1", "async_a2", "async_a4_r3", "admission")] == [
+        2,
+        3,
+        5,
+        2,
+    ]
     quick = SIZES["quick"]
     base = workload_config(quick, tmp_path, tmp_path / "model")
     for m in ("sync", "async_a2", "async_a4_r3"):
@@ -153,7 +183,9 @@ def test_each_mode_warms_up_for_its_pipeline_depth_before_throughput_is_measured
     micro = SIZES["micro"]
     assert not micro.warmup and mode_config(base, MODES["async_a2"], micro).train.steps == micro.steps
 
-    rows = [{"elapsed": e, "batch_size": b} for e, b in [(3.0, 16), (4.0, 16), (5.0, 16), (7.0, 12), (9.0, 16)]]
+    rows = [
+        {"elapsed": e, "batch_size": b} for e, b in [(3.0, 16), (4.0, 16), (5.0, 16), (7.0, 12), (9.0, 16)]
+    ]
     (w0, w1), measured = steady_window(rows, 3)
     assert (w0, w1) == (5.0, 9.0) and [r["batch_size"] for r in measured] == [12, 16]
     assert steady_window(rows, 5) is None
@@ -171,7 +203,12 @@ def test_bench_set_overrides_size_fields_and_rejects_unknown_ones(capsys: pytest
     over = parse_overrides(["env_latency_s=0.1", "groups_per_step=4", "env_timeout_s=null", "warmup=false"])
     assert over == {"env_latency_s": 0.1, "groups_per_step": 4, "env_timeout_s": None, "warmup": False}
     size = sized("quick", over)
-    assert (size.env_latency_s, size.groups_per_step, size.env_timeout_s, size.warmup) == (0.1, 4, None, False)
+    assert (size.env_latency_s, size.groups_per_step, size.env_timeout_s, size.warmup) == (
+        0.1,
+        4,
+        None,
+        False,
+    )
     assert size.rounds == SIZES["quick"].rounds  # the rest stays the size's
     with pytest.raises(ConfigError, match="FIELD=VALUE"):
         parse_overrides(["groups_per_step"])

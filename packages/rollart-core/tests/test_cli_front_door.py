@@ -98,7 +98,9 @@ def test_report_of_a_non_run_dir(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert "metrics.jsonl" in line
 
 
-def test_logs_go_to_the_file_and_warnings_are_summarised(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_logs_go_to_the_file_and_warnings_are_summarised(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     log_file = tmp_path / "logs" / "rollart.log"
     with route_logs(log_file):
         logging.getLogger("vllm.engine").info("an engine detail")
@@ -120,10 +122,22 @@ def test_report_from_metrics(tmp_path: Path) -> None:
     from rollart_core.report import write_report
 
     rows = [{"step": 0, "eval_success": 0.1, "version": 0}]
-    rows += [{"step": s, "reward_mean": 0.1 * s, "success_rate": 0.1 * s, "traj_per_s": 2.0, "gen_tok_per_s": 15.0,
-              "lag_max": 1, "lag_mean": 0.5, "version": s, "fates": {"finished": 8},
-              "episode_s_by_task": {"a": 1.0, "b": 2.0}, **({"eval_success": 0.3} if s == 2 else {})}
-             for s in (1, 2)]
+    rows += [
+        {
+            "step": s,
+            "reward_mean": 0.1 * s,
+            "success_rate": 0.1 * s,
+            "traj_per_s": 2.0,
+            "gen_tok_per_s": 15.0,
+            "lag_max": 1,
+            "lag_mean": 0.5,
+            "version": s,
+            "fates": {"finished": 8},
+            "episode_s_by_task": {"a": 1.0, "b": 2.0},
+            **({"eval_success": 0.3} if s == 2 else {}),
+        }
+        for s in (1, 2)
+    ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 3, "torn')
     page = write_report(tmp_path, {"import_s": 3.0, "first_step_s": 50.0})
     text = page.read_text()

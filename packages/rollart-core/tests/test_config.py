@@ -74,8 +74,13 @@ def test_missing_file(tmp_path: Path) -> None:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "rollart_core.cli", *args], capture_output=True, text=True,
-                          timeout=120, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "rollart_core.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
 
 
 def test_cli_without_arguments_prints_help() -> None:
@@ -115,8 +120,13 @@ def test_overlapping_mode_with_an_in_process_trainer_is_warned() -> None:
 
     data = _example()
     data["trainer"] = {"impl": "torch", "options": {}}
-    for mode, options, warned in [("sync", {}, False), ("async", {}, True), ("one_off", {}, True),
-                                  ("async", {"spawn": True, "num_threads": 1}, False), ("async", {"world_size": 2}, False)]:
+    for mode, options, warned in [
+        ("sync", {}, False),
+        ("async", {}, True),
+        ("one_off", {}, True),
+        ("async", {"spawn": True, "num_threads": 1}, False),
+        ("async", {"world_size": 2}, False),
+    ]:
         data["train"] = {**data.get("train", {}), "mode": mode, "alpha": 0 if mode == "sync" else 1}
         data["trainer"]["options"] = options
         msg = overlap_warning(RunConfig.model_validate(data))

@@ -19,14 +19,33 @@ from rollart_core.config import RunConfig, load_config
 from rollart_core.errors import ConfigError
 
 BASE: dict[str, Any] = {
-    "name": "fuzz", "output_dir": "runs/fuzz", "seed": 1,
+    "name": "fuzz",
+    "output_dir": "runs/fuzz",
+    "seed": 1,
     "model": {"path": "models/tiny", "create_tiny": True, "dtype": "float32"},
-    "engines": [{"name": "gen", "impl": "vllm", "count": 1, "num_cpus": 0.25, "max_restarts": 1,
-                 "options": {"max_model_len": 512}}],
-    "tasks": [{"name": "frozenlake", "env": {"impl": "frozenlake", "options": {"size": 4}},
-               "reward": {"impl": "success"}, "reward_executor": {"impl": "inline"},
-               "sampling": {"max_tokens": 1, "temperature": 1.0}, "group_size": 4, "groups_per_step": 2,
-               "max_turns": 6, "pool": "gen"}],
+    "engines": [
+        {
+            "name": "gen",
+            "impl": "vllm",
+            "count": 1,
+            "num_cpus": 0.25,
+            "max_restarts": 1,
+            "options": {"max_model_len": 512},
+        }
+    ],
+    "tasks": [
+        {
+            "name": "frozenlake",
+            "env": {"impl": "frozenlake", "options": {"size": 4}},
+            "reward": {"impl": "success"},
+            "reward_executor": {"impl": "inline"},
+            "sampling": {"max_tokens": 1, "temperature": 1.0},
+            "group_size": 4,
+            "groups_per_step": 2,
+            "max_turns": 6,
+            "pool": "gen",
+        }
+    ],
     "trainer": {"impl": "torch", "ranks": 1, "pool": "H800", "options": {"lr": 0.01}},
     "weight_store": {"impl": "filesystem"},
     "train": {"mode": "async", "alpha": 1, "steps": 3, "save_every": 1, "stall_timeout_s": 60},
@@ -34,10 +53,19 @@ BASE: dict[str, Any] = {
     "env_manager": {"num_envs": 4, "options": {}},
 }
 
-scalars = (st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=30)
-           | st.sampled_from(["", "\x00", "sync", "async", "one_off", "-1", "1e309", "nan", "~", "..", "/"]))
-values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
-                      | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats()
+    | st.text(max_size=30)
+    | st.sampled_from(["", "\x00", "sync", "async", "one_off", "-1", "1e309", "nan", "~", "..", "/"])
+)
+values = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
 
 
 def _paths(node: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
@@ -80,8 +108,11 @@ def mutated(draw: st.DrawFn) -> Any:
     return data
 
 
-SETTINGS = settings(max_examples=200, deadline=5000, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                            HealthCheck.too_slow])
+SETTINGS = settings(
+    max_examples=200,
+    deadline=5000,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 
 
 def test_the_base_config_is_valid() -> None:
@@ -101,7 +132,9 @@ def test_model_validate_refuses_only_with_validation_errors(data: Any) -> None:
 
 @SETTINGS
 @given(data=mutated() | values)
-def test_load_config_refuses_only_with_config_error(tmp_path_factory: pytest.TempPathFactory, data: Any) -> None:
+def test_load_config_refuses_only_with_config_error(
+    tmp_path_factory: pytest.TempPathFactory, data: Any
+) -> None:
     path = tmp_path_factory.mktemp("cfg") / "run.yaml"
     path.write_text(yaml.safe_dump(data, allow_unicode=True))
     try:
@@ -111,9 +144,12 @@ def test_load_config_refuses_only_with_config_error(tmp_path_factory: pytest.Tem
 
 
 @SETTINGS
-@given(raw=st.binary(max_size=400) | st.text(max_size=400).map(str.encode)
-       | st.integers(1, 300).map(lambda n: ("[" * n * 4).encode())
-       | mutated().map(lambda d: json.dumps(d)[: len(json.dumps(d)) // 2].encode()))
+@given(
+    raw=st.binary(max_size=400)
+    | st.text(max_size=400).map(str.encode)
+    | st.integers(1, 300).map(lambda n: ("[" * n * 4).encode())
+    | mutated().map(lambda d: json.dumps(d)[: len(json.dumps(d)) // 2].encode())
+)
 def test_load_config_on_arbitrary_bytes(tmp_path_factory: pytest.TempPathFactory, raw: bytes) -> None:
     path = tmp_path_factory.mktemp("cfg") / "run.yaml"
     path.write_bytes(raw)

@@ -17,7 +17,9 @@ from rollart_core.errors import RollartError
 from rollart_core.metrics import MemorySink
 
 
-async def _train(fakes: ModuleType, tmp: Path, script: object = None, **kw: object) -> tuple[dict, object, object]:
+async def _train(
+    fakes: ModuleType, tmp: Path, script: object = None, **kw: object
+) -> tuple[dict, object, object]:
     script = script or fakes.Script()
     cfg = fakes.fake_config(tmp, **kw)
     p = fakes.FakePipeline(cfg, script)
@@ -32,7 +34,9 @@ def _steps(log: list[tuple]) -> list[tuple]:
 async def test_sync_trains_pushes_and_updates_in_order_on_policy(fakes: ModuleType, tmp_path: Path) -> None:
     summary, s, _ = await _train(fakes, tmp_path, mode="sync")
     names = [e[:2] for e in _steps(s.log)]
-    assert names == [(n, v) for v in (1, 2, 3) for n in ("train_step", "push", "prefetch_weights", "update_weights")]
+    assert names == [
+        (n, v) for v in (1, 2, 3) for n in ("train_step", "push", "prefetch_weights", "update_weights")
+    ]
     # each batch was generated entirely by the version trained just before: on-policy
     assert [e[2] for e in s.log if e[0] == "train_step"] == [[0], [1], [2]]
     assert summary["final_version"] == summary["served_version"] == 3
@@ -46,8 +50,12 @@ async def test_one_off_trains_on_the_batch_launched_a_step_earlier(fakes: Module
 
 
 @pytest.mark.parametrize("on_arrival", [True, False])
-async def test_async_updates_before_the_next_train_and_stays_within_alpha(fakes: ModuleType, tmp_path: Path, on_arrival: bool) -> None:
-    summary, s, _p = await _train(fakes, tmp_path, mode="async", alpha=1, steps=4, update_on_arrival=on_arrival)
+async def test_async_updates_before_the_next_train_and_stays_within_alpha(
+    fakes: ModuleType, tmp_path: Path, on_arrival: bool
+) -> None:
+    summary, s, _p = await _train(
+        fakes, tmp_path, mode="async", alpha=1, steps=4, update_on_arrival=on_arrival
+    )
     log = _steps(s.log)
     for v in (1, 2, 3):  # version v is pushed, staged and swapped in before the step that trains v+1
         i_push, i_update = log.index(("push", v)), log.index(("update_weights", v))
@@ -58,12 +66,14 @@ async def test_async_updates_before_the_next_train_and_stays_within_alpha(fakes:
     assert summary["steps"] == 4 and summary["final_version"] == 4
 
 
-async def test_async_synchronous_ablation_updates_right_after_each_push(fakes: ModuleType, tmp_path: Path) -> None:
+async def test_async_synchronous_ablation_updates_right_after_each_push(
+    fakes: ModuleType, tmp_path: Path
+) -> None:
     _, s, _ = await _train(fakes, tmp_path, mode="async", alpha=1, async_weight_sync=False)
     log = _steps(s.log)
     for v in (1, 2, 3):
         i = log.index(("push", v))
-        assert log[i + 1:i + 3] == [("prefetch_weights", v), ("update_weights", v)]
+        assert log[i + 1 : i + 3] == [("prefetch_weights", v), ("update_weights", v)]
 
 
 async def test_stale_abort_fires_on_a_hung_trajectory(fakes: ModuleType, tmp_path: Path) -> None:
@@ -81,7 +91,9 @@ async def test_stale_abort_fires_on_a_hung_trajectory(fakes: ModuleType, tmp_pat
 
 
 @pytest.mark.parametrize("mode,alpha", [("sync", 0), ("one_off", 1), ("async", 1), ("async", 2)])
-async def test_every_launched_trajectory_has_one_fate(fakes: ModuleType, tmp_path: Path, mode: str, alpha: int) -> None:
+async def test_every_launched_trajectory_has_one_fate(
+    fakes: ModuleType, tmp_path: Path, mode: str, alpha: int
+) -> None:
     summary, _, p = await _train(fakes, tmp_path, mode=mode, alpha=alpha, steps=4, abort_stale=False)
     assert summary["launched"] == sum(summary["fates"].values())
     assert len(p.trainer.trained_ids) == len(set(p.trainer.trained_ids))  # nothing trained twice
@@ -109,9 +121,13 @@ async def test_sync_relaunches_a_group_whose_members_all_failed(fakes: ModuleTyp
     assert summary["fates"]["env_failed"] == 2
 
 
-async def test_sync_stops_naming_the_stage_when_the_relaunch_budget_is_spent(fakes: ModuleType, tmp_path: Path) -> None:
+async def test_sync_stops_naming_the_stage_when_the_relaunch_budget_is_spent(
+    fakes: ModuleType, tmp_path: Path
+) -> None:
     with pytest.raises(RunStalled, match=r"env: group .* relaunch budget"):
-        await _train(fakes, tmp_path, fakes.Script(fail_resets=10**6), mode="sync", steps=2, max_group_relaunches=3)
+        await _train(
+            fakes, tmp_path, fakes.Script(fail_resets=10**6), mode="sync", steps=2, max_group_relaunches=3
+        )
 
 
 async def test_async_stops_when_every_engine_is_down(fakes: ModuleType, tmp_path: Path) -> None:

@@ -6,13 +6,26 @@ import json
 import subprocess
 import sys
 
-HEAVY = ["torch", "vllm", "ray", "transformers", "mooncake", "sglang", "rollart_proxy", "rollart_env",
-         "rollart_reward", "rollart_train", "rollart_weightsync"]
+HEAVY = [
+    "torch",
+    "vllm",
+    "ray",
+    "transformers",
+    "mooncake",
+    "sglang",
+    "rollart_proxy",
+    "rollart_env",
+    "rollart_reward",
+    "rollart_train",
+    "rollart_weightsync",
+]
 
 
 def _loaded_after(code: str) -> set[str]:
     probe = f"{code}\nimport sys, json\nprint(json.dumps(sorted(sys.modules)))"
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120
+    )
     return set(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
@@ -32,6 +45,6 @@ def test_affinity_decorator_needs_no_ray() -> None:
 
 def test_member_packages_do_not_import_backends_at_import() -> None:
     mods = _loaded_after("import rollart_proxy, rollart_env, rollart_reward, rollart_weightsync")
-    assert not {m for m in mods if m.split(".")[0] in {"torch", "vllm", "ray", "mooncake", "sglang"}}, json.dumps(
-        sorted(m for m in mods if m.split(".")[0] in {"torch", "vllm", "ray"})[:5]
+    assert not {m for m in mods if m.split(".")[0] in {"torch", "vllm", "ray", "mooncake", "sglang"}}, (
+        json.dumps(sorted(m for m in mods if m.split(".")[0] in {"torch", "vllm", "ray"})[:5])
     )

@@ -64,7 +64,9 @@ def test_prefill_heavy_prefers_compute_class_decode_heavy_prefers_bandwidth_clas
     plan = make_plan(WorkloadProfile(model=MODEL, tasks=[PREFILL_HEAVY, DECODE_HEAVY]), cat, gpus=16)
     chosen = {tp.task: (tp.prefill.hw, tp.decode.hw) for tp in plan.tasks}
     assert chosen == {"rag": ("H800", "H800"), "reason": ("H20", "H20")}
-    assert sum(plan.pools.values()) == 16 and plan.pools["H20"] > plan.pools["H800"]  # decode needs more GPU-s
+    assert (
+        sum(plan.pools.values()) == 16 and plan.pools["H20"] > plan.pools["H800"]
+    )  # decode needs more GPU-s
     assert plan.bottleneck == "generation"
 
 
@@ -87,8 +89,14 @@ def test_bottleneck_moves_to_environments_or_training() -> None:
 
 
 def _sim_profile(env: LatencyDist, train_s: float) -> WorkloadProfile:
-    task = TaskProfile(name="t", trajectories_per_step=64, group_size=8, turns=4, env_latency_s=env,
-                       generate_s=LatencyDist(mean=0.5))
+    task = TaskProfile(
+        name="t",
+        trajectories_per_step=64,
+        group_size=8,
+        turns=4,
+        env_latency_s=env,
+        generate_s=LatencyDist(mean=0.5),
+    )
     return WorkloadProfile(tasks=[task], train=TrainProfile(train_s=train_s, sync_s=0.2), gen_slots=64)
 
 
@@ -114,7 +122,9 @@ def test_async_equals_sync_without_overlap_to_gain() -> None:
 def test_shared_hardware_slows_only_the_overlap() -> None:
     prof = _sim_profile(LatencyDist(mean=0.5), train_s=5.0)
     apart = {m: simulate(prof, mode=m, alpha=1, steps=8) for m in ("sync", "async")}
-    prof.train.colocated_slowdown = prof.train.train_colocated_slowdown = 1.0  # both at half speed when overlapped
+    prof.train.colocated_slowdown = prof.train.train_colocated_slowdown = (
+        1.0  # both at half speed when overlapped
+    )
     shared = {m: simulate(prof, mode=m, alpha=1, steps=8) for m in ("sync", "async")}
     # Sync+ never overlaps training with rollout: unchanged. Async loses part of its gain: while
     # generation runs beside it the trainer is at half speed, but env waits (no compute) still overlap.
@@ -123,9 +133,17 @@ def test_shared_hardware_slows_only_the_overlap() -> None:
 
 
 def test_simulation_scales_to_thousands_of_gpus() -> None:
-    task = TaskProfile(name="swe", trajectories_per_step=8192, group_size=16, prompt_tokens=4000,
-                       context_tokens_per_turn=500, output_tokens_per_turn=300, turns=8,
-                       env_latency_s=LatencyDist(mean=3.0, dist="lognormal", sigma=1.0), reward_s=LatencyDist(mean=1.0))
+    task = TaskProfile(
+        name="swe",
+        trajectories_per_step=8192,
+        group_size=16,
+        prompt_tokens=4000,
+        context_tokens_per_turn=500,
+        output_tokens_per_turn=300,
+        turns=8,
+        env_latency_s=LatencyDist(mean=3.0, dist="lognormal", sigma=1.0),
+        reward_s=LatencyDist(mean=1.0),
+    )
     prof = WorkloadProfile(model=MODEL, tasks=[task], train=TrainProfile(train_s=120, sync_s=10))
     # (how fast it runs is for a benchmark, not a test: CI machines are shared)
     plan = make_plan(prof, DEFAULT_CATALOGUE, gpus=2048, simulate_steps=3)
@@ -141,11 +159,19 @@ def test_profile_from_trajectories() -> None:
         t.timings = {"env": 0.4, "generate": 0.3, "reward": 0.01}
         t.fate = Fate.FINISHED if i < 3 else Fate.ENV_FAILED
         trajs.append(t)
-    rows = [{"train_s": 9.0, "sync_s": 9.0}, {"train_s": 1.0, "sync_s": 0.2, "traj_per_s": 5, "step_s": 2, "wait_s": 1},
-            {"train_s": 3.0, "sync_s": 0.4, "traj_per_s": 7, "step_s": 2, "wait_s": 1}]
+    rows = [
+        {"train_s": 9.0, "sync_s": 9.0},
+        {"train_s": 1.0, "sync_s": 0.2, "traj_per_s": 5, "step_s": 2, "wait_s": 1},
+        {"train_s": 3.0, "sync_s": 0.4, "traj_per_s": 7, "step_s": 2, "wait_s": 1},
+    ]
     prof = profile_from_trajectories(trajs, rows, group_size={"lake": 4})
     task = prof.task("lake")
-    assert (task.prompt_tokens, task.context_tokens_per_turn, task.output_tokens_per_turn, task.turns) == (100, 10, 1, 3)
+    assert (task.prompt_tokens, task.context_tokens_per_turn, task.output_tokens_per_turn, task.turns) == (
+        100,
+        10,
+        1,
+        3,
+    )
     assert task.env_latency_s.mean == pytest.approx(0.1) and task.generate_s.mean == pytest.approx(0.1)  # type: ignore[union-attr]
     assert (prof.train.train_s, prof.train.sync_s) == (2.0, pytest.approx(0.3))  # warm-up row skipped
     assert prof.measured["traj_per_s"] == 6
@@ -159,29 +185,52 @@ CONFIG = Path(__file__).resolve().parents[3] / "examples" / "frozenlake_tiny.yam
 
 
 def _profile_file(tmp_path: Path) -> Path:
-    prof = WorkloadProfile(model=MODEL, tasks=[TaskProfile(name="frozenlake", prompt_tokens=8000,
-                                                           output_tokens_per_turn=16)])
+    prof = WorkloadProfile(
+        model=MODEL, tasks=[TaskProfile(name="frozenlake", prompt_tokens=8000, output_tokens_per_turn=16)]
+    )
     path = tmp_path / "run.json"
     path.write_text(prof.model_dump_json())
     return path
 
 
 def test_cli_plan_prints_plan_and_bottleneck(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["plan", str(CONFIG), "--profile", str(_profile_file(tmp_path)), "--gpus", "8", "--simulate", "3"]) == 0
+    assert (
+        main(
+            ["plan", str(CONFIG), "--profile", str(_profile_file(tmp_path)), "--gpus", "8", "--simulate", "3"]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "frozenlake      H800" in out and "predicted bottleneck: generation" in out
     assert "simulated sync" in out and "simulated async" in out
     cat = tmp_path / "cat.yaml"
     cat.write_text("H800: {flops: 1.0e12, mem_bw: 1.0e11, mem_bytes: 1.0e11, price_per_hour: 100}\n")
-    assert main(["plan", str(CONFIG), "--profile", str(_profile_file(tmp_path)), "--catalogue", str(cat), "--json"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                str(CONFIG),
+                "--profile",
+                str(_profile_file(tmp_path)),
+                "--catalogue",
+                str(cat),
+                "--json",
+            ]
+        )
+        == 0
+    )
     plan = json.loads(capsys.readouterr().out)
     assert plan["tasks"][0]["prefill"]["hw"] != "H800"  # the made-expensive class is avoided
 
 
 def test_cli_plan_bad_input_exits_2_without_traceback(tmp_path: Path) -> None:
     def run(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "rollart_core.cli", "plan", *args], capture_output=True,
-                              text=True, timeout=120)
+        return subprocess.run(
+            [sys.executable, "-m", "rollart_core.cli", "plan", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
     cases = [
         ((str(tmp_path / "missing.yaml"),), "no such config file"),
@@ -210,13 +259,22 @@ def test_planned_config_routes_tasks_to_the_plans_pools(tmp_path: Path) -> None:
     from rollart_core.config import RunConfig, load_config
     from rollart_core.planner_cli import plan_config
 
-    cfg = RunConfig.model_validate({
-        "model": {"path": str(tmp_path / "m")}, "engines": [{"name": "gen", "impl": "vllm", "options": {"x": 1}}],
-        "tasks": [{"name": n, "env": {"impl": "frozenlake"}, "reward": {"impl": "success"}}
-                  for n in ("rag", "reason", "agent")]})
+    cfg = RunConfig.model_validate(
+        {
+            "model": {"path": str(tmp_path / "m")},
+            "engines": [{"name": "gen", "impl": "vllm", "options": {"x": 1}}],
+            "tasks": [
+                {"name": n, "env": {"impl": "frozenlake"}, "reward": {"impl": "success"}}
+                for n in ("rag", "reason", "agent")
+            ],
+        }
+    )
     both = TaskProfile(name="agent", prompt_tokens=32000, output_tokens_per_turn=8000)
-    plan = make_plan(WorkloadProfile(model=MODEL, tasks=[PREFILL_HEAVY, DECODE_HEAVY, both]),
-                     {"H800": H800, "H20": H20}, gpus=16)
+    plan = make_plan(
+        WorkloadProfile(model=MODEL, tasks=[PREFILL_HEAVY, DECODE_HEAVY, both]),
+        {"H800": H800, "H20": H20},
+        gpus=16,
+    )
     data = plan_config(cfg, plan)
     counts = {e["pool"]: e["count"] for e in data["engines"]}
     assert counts == {hw: n for hw, n in plan.pools.items() if hw in ("H800", "H20")}

@@ -12,9 +12,17 @@ from rollart_core.types import Fate, Trajectory, Turn
 def _traj(new_sequence: bool) -> Trajectory:
     t = Trajectory("g-0", "fl", "frozenlake", "g", seed=3, start_version=2, reward=1.0, fate=Fate.FINISHED)
     for k in range(3):
-        t.turns.append(Turn(context_ids=[10 + k, 20 + k], output_ids=[30 + k], output_logprobs=[-0.1 * (k + 1)],
-                            output_versions=[2 + k], allowed_token_ids=(30, 31, 32), temperature=0.5,
-                            new_sequence=new_sequence and k > 0))
+        t.turns.append(
+            Turn(
+                context_ids=[10 + k, 20 + k],
+                output_ids=[30 + k],
+                output_logprobs=[-0.1 * (k + 1)],
+                output_versions=[2 + k],
+                allowed_token_ids=(30, 31, 32),
+                temperature=0.5,
+                new_sequence=new_sequence and k > 0,
+            )
+        )
     return t
 
 

@@ -11,8 +11,14 @@ from rollart_env import EnvServer, GemConfig, GemEnv, GymnasiumConfig, Gymnasium
 
 
 def lake(**kw) -> GymnasiumEnv:
-    return GymnasiumEnv(GymnasiumConfig(env_id="FrozenLake-v1", make_kwargs={"is_slippery": False},
-                                        action_names=["L", "D", "R", "U"], **kw))
+    return GymnasiumEnv(
+        GymnasiumConfig(
+            env_id="FrozenLake-v1",
+            make_kwargs={"is_slippery": False},
+            action_names=["L", "D", "R", "U"],
+            **kw,
+        )
+    )
 
 
 async def test_gymnasium_round_trip_matches_the_raw_env() -> None:
@@ -123,7 +129,12 @@ async def test_remote_env_over_http_matches_local() -> None:
         for a in ["U", "L", "nonsense", "D", "R"]:
             r, loc = await remote.step(a), await local.step(a)
             assert (r.observation, r.reward, r.terminated, r.truncated, r.info) == (
-                loc.observation, loc.reward, loc.terminated, loc.truncated, loc.info)
+                loc.observation,
+                loc.reward,
+                loc.terminated,
+                loc.truncated,
+                loc.info,
+            )
         # session limit, then close frees the session
         other = await RemoteEnv.connect(server.url)
         with pytest.raises(EnvError, match="max_sessions"):

@@ -44,7 +44,7 @@ def _solve_with_tool_calls(expression: str) -> list[str]:
         a, op, b = m.groups()
         value = evaluate(f"{a} {op} {b}")
         calls.append(f"<calc>{a} {op} {b}</calc>")
-        expr = expr[: m.start()] + str(value) + expr[m.end():]
+        expr = expr[: m.start()] + str(value) + expr[m.end() :]
 
 
 async def test_multi_turn_tool_use_reaches_correct_answer() -> None:

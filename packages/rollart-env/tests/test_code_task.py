@@ -46,7 +46,10 @@ async def test_missing_code_block_is_a_format_error() -> None:
 
 
 async def test_context_makes_long_prompts_and_is_deterministic() -> None:
-    short, long = CodeTaskEnv(CodeTaskConfig(context_functions=0)), CodeTaskEnv(CodeTaskConfig(context_functions=200))
+    short, long = (
+        CodeTaskEnv(CodeTaskConfig(context_functions=0)),
+        CodeTaskEnv(CodeTaskConfig(context_functions=200)),
+    )
     o_short, _ = await short.reset(3)
     o_long, _ = await long.reset(3)
     assert len(o_long) > 20 * len(o_short)

@@ -46,8 +46,9 @@ class ThreadServer:
         self.thread.join(10)
         self.loop.close()
 
-    def request(self, method: str, path: str, body: bytes | None = None,
-                headers: dict[str, str] | None = None) -> tuple[int, Any, dict[str, str]]:
+    def request(
+        self, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None
+    ) -> tuple[int, Any, dict[str, str]]:
         conn = http.client.HTTPConnection(self.server.host, self.server.port, timeout=10)
         try:
             conn.request(method, path, body=body, headers=headers or {"Content-Type": "application/json"})
@@ -79,34 +80,42 @@ def served() -> Iterator[ThreadServer]:
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=50),
     lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=10), inner, max_size=5),
-    max_leaves=20)
+    max_leaves=20,
+)
 fields = st.one_of(
     json_values,
-    st.integers(min_value=-2**70, max_value=2**70),  # beyond int64 too
+    st.integers(min_value=-(2**70), max_value=2**70),  # beyond int64 too
     st.text(max_size=300),
     st.sampled_from(["up", "down", "left", "right", "", "<action>up</action>", "\x00", "é" * 50]),
 )
 bodies = st.one_of(
-    st.binary(max_size=300),                                                    # anything, mostly not JSON
-    json_values.map(lambda v: json.dumps(v).encode()),                          # JSON of any shape
-    st.dictionaries(st.sampled_from(["seed", "action", "x"]), fields, max_size=3)
-    .map(lambda v: json.dumps(v).encode()),                                     # near-valid bodies
-    st.integers(1, 200).map(lambda n: ("[" * n * 5 + "]" * n * 5).encode()),    # deep nesting
+    st.binary(max_size=300),  # anything, mostly not JSON
+    json_values.map(lambda v: json.dumps(v).encode()),  # JSON of any shape
+    st.dictionaries(st.sampled_from(["seed", "action", "x"]), fields, max_size=3).map(
+        lambda v: json.dumps(v).encode()
+    ),  # near-valid bodies
+    st.integers(1, 200).map(lambda n: ("[" * n * 5 + "]" * n * 5).encode()),  # deep nesting
 )
 routes = st.sampled_from(["reset", "step", "delete", "create", "health", "other"])
 session_ids = st.one_of(st.just("<live>"), st.text(max_size=40), st.sampled_from(["", "..", "%00", "a/b"]))
 
 
-@settings(max_examples=150, deadline=2000, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                     HealthCheck.too_slow])
+@settings(
+    max_examples=150,
+    deadline=2000,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(route=routes, sid=session_ids, body=bodies)
 def test_generated_requests_get_4xx_or_2xx(served: ThreadServer, route: str, sid: str, body: bytes) -> None:
     live = served.new_session()
     sid = live if sid == "<live>" else urllib.parse.quote(sid, safe="")
     method, path = {
-        "reset": ("POST", f"/sessions/{sid}/reset"), "step": ("POST", f"/sessions/{sid}/step"),
-        "delete": ("DELETE", f"/sessions/{sid}"), "create": ("POST", "/sessions"),
-        "health": ("GET", "/health"), "other": ("PUT", f"/sessions/{sid}"),
+        "reset": ("POST", f"/sessions/{sid}/reset"),
+        "step": ("POST", f"/sessions/{sid}/step"),
+        "delete": ("DELETE", f"/sessions/{sid}"),
+        "create": ("POST", "/sessions"),
+        "health": ("GET", "/health"),
+        "other": ("PUT", f"/sessions/{sid}"),
     }[route]
     if route == "step" and sid == live:  # a step needs a reset first: the env, not the body, would object
         assert served.request("POST", f"/sessions/{live}/reset", b'{"seed": 3}')[0] == 200

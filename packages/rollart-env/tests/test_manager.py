@@ -89,8 +89,9 @@ async def test_crash_is_env_error_and_the_env_is_replaced(ray_cluster) -> None:
 
 async def test_hang_times_out_and_the_hung_call_is_cancelled(ray_cluster) -> None:
     spec = FaultSpec(seed=0, hang_prob=1.0, fault_within_calls=1)  # hangs in reset
-    async with manager(groups={"lake": {**LAKE, "num_envs": 1, "faults": spec.model_dump()}},
-                       reset_timeout_s=0.5) as m:
+    async with manager(
+        groups={"lake": {**LAKE, "num_envs": 1, "faults": spec.model_dump()}}, reset_timeout_s=0.5
+    ) as m:
         env = await m.acquire("lake")
         t0 = time.perf_counter()
         with pytest.raises(EnvTimeoutError, match="reset exceeded"):
@@ -107,8 +108,9 @@ async def test_hang_times_out_and_the_hung_call_is_cancelled(ray_cluster) -> Non
 
 async def test_episode_timeout(ray_cluster) -> None:
     spec = FaultSpec(step_latency_s=0.3)
-    async with manager(groups={"lake": {**LAKE, "num_envs": 1, "faults": spec.model_dump()}},
-                       episode_timeout_s=1.0) as m:
+    async with manager(
+        groups={"lake": {**LAKE, "num_envs": 1, "faults": spec.model_dump()}}, episode_timeout_s=1.0
+    ) as m:
         env = await m.acquire("lake")
         await env.reset(1)
         with pytest.raises(EnvTimeoutError, match="episode timeout"):
@@ -209,8 +211,10 @@ async def test_bad_configs_are_clear_errors(ray_cluster) -> None:
 
 
 async def test_group_whose_starts_keep_failing_is_reported(ray_cluster) -> None:
-    async with manager(groups={"bad": {"impl": "gymnasium", "options": {"env_id": "NoSuchEnv-v0"}, "num_envs": 1}},
-                       max_start_failures=2) as m:
+    async with manager(
+        groups={"bad": {"impl": "gymnasium", "options": {"env_id": "NoSuchEnv-v0"}, "num_envs": 1}},
+        max_start_failures=2,
+    ) as m:
         with pytest.raises(EnvError, match=r"cannot start environments.*cannot make"):
             await m.acquire("bad")
         assert m.stats["start_failures"] == 2

@@ -84,8 +84,10 @@ async def test_bad_arguments() -> None:
 async def test_run_batch_keeps_the_first_complete_groups_and_cancels_the_straggling_group() -> None:
     from rollart_env import run_batch
 
-    groups = [[Trajectory(f"g{g}t{i}", "task", "env", f"g{g}", seed=g, start_version=0) for i in range(3)]
-              for g in range(3)]
+    groups = [
+        [Trajectory(f"g{g}t{i}", "task", "env", f"g{g}", seed=g, start_version=0) for i in range(3)]
+        for g in range(3)
+    ]
     delays = {f"g{g}t{i}": 0.01 * (i + 1) for g in range(3) for i in range(3)}
     delays |= {"g1t0": 5, "g1t1": 5}  # group 1 straggles: 2 of its 3 are slow (k=1 cannot mask that)
     delays["g2t2"] = 5  # group 2 has one straggler, masked by its redundancy
@@ -96,16 +98,24 @@ async def test_run_batch_keeps_the_first_complete_groups_and_cancels_the_straggl
     # exactly the batch is 'finished'; the straggling group's trajectories and the surplus are cancelled
     assert fates == {"finished": 4, "env_failed": 1, "cancelled_redundant": 4}, fates
     assert sum(fates.values()) == 9 and len(cleaned) == 9  # every task ended (closed) before the return
-    assert {t.traj_id for t in groups[1]} <= {t.traj_id for t in out.trajectories if t.fate is Fate.CANCELLED_REDUNDANT}
+    assert {t.traj_id for t in groups[1]} <= {
+        t.traj_id for t in out.trajectories if t.fate is Fate.CANCELLED_REDUNDANT
+    }
 
 
 async def test_run_batch_with_too_few_complete_groups_returns_what_completed() -> None:
     from rollart_env import run_batch
 
-    groups = [[Trajectory(f"g{g}t{i}", "task", "env", f"g{g}", seed=g, start_version=0) for i in range(2)]
-              for g in range(2)]
-    out = await run_batch(groups, runner({f"g{g}t{i}": 0.01 for g in range(2) for i in range(2)}, fail={"g1t0"}),
-                          group_size=2, needed=2)
+    groups = [
+        [Trajectory(f"g{g}t{i}", "task", "env", f"g{g}", seed=g, start_version=0) for i in range(2)]
+        for g in range(2)
+    ]
+    out = await run_batch(
+        groups,
+        runner({f"g{g}t{i}": 0.01 for g in range(2) for i in range(2)}, fail={"g1t0"}),
+        group_size=2,
+        needed=2,
+    )
     assert len(out.complete) == 1 and out.cancelled_groups == 0
     assert out.fates() == {"finished": 2, "env_failed": 1, "cancelled_redundant": 1}
     with pytest.raises(ValueError):

@@ -124,9 +124,13 @@ async def test_the_replicated_entry_point_builds_copies_in_process_and_masks_the
     from rollart_core.registry import build
 
     # the bench's StragglerEnv numbers its instances: each copy draws its own crash
-    inner = {"impl": "rollart_core.bench_workload:StragglerEnv",
-             "options": {"env": {"impl": "frozenlake", "options": LAKE.model_dump()},
-                         "faults": {"crash_prob": 0.5, "fault_within_calls": 1, "seed": 3}}}
+    inner = {
+        "impl": "rollart_core.bench_workload:StragglerEnv",
+        "options": {
+            "env": {"impl": "frozenlake", "options": LAKE.model_dump()},
+            "faults": {"crash_prob": 0.5, "fault_within_calls": 1, "seed": 3},
+        },
+    }
     single = FrozenLakeEnv(LAKE)
     masked = 0
     for seed in range(40):
@@ -167,10 +171,17 @@ def ray_cluster() -> Iterator[None]:
         yield
 
 
-def manager(num_envs: int, replicas: int = 2, faults: FaultSpec | None = None, scope: str = "actors",
-            **kw) -> EnvManager:
-    group = {"impl": "frozenlake", "options": {"hole_prob": 0.0, "max_steps": 50}, "num_envs": num_envs,
-             "replicas": replicas, "faults": faults.model_dump() if faults else None, "replica_scope": scope}
+def manager(
+    num_envs: int, replicas: int = 2, faults: FaultSpec | None = None, scope: str = "actors", **kw
+) -> EnvManager:
+    group = {
+        "impl": "frozenlake",
+        "options": {"hole_prob": 0.0, "max_steps": 50},
+        "num_envs": num_envs,
+        "replicas": replicas,
+        "faults": faults.model_dump() if faults else None,
+        "replica_scope": scope,
+    }
     base = {"envs_per_actor": 2, "step_timeout_s": 1.0, "reset_timeout_s": 1.0, "start_timeout_s": 60}
     return EnvManager(EnvManagerConfig.model_validate({"groups": {"lake": group}, **base, **kw}))
 
@@ -179,7 +190,10 @@ def hang_spec() -> FaultSpec:
     """A per-instance spec under which instance 0 hangs in its first step and instance 1 does not."""
     for seed in range(1000):
         spec = FaultSpec(seed=seed, hang_prob=0.5, fault_within_calls=2, per_instance=True)
-        if plan_episode(spec, 0, (0, 1)) == EpisodePlan("hang", 1) and plan_episode(spec, 0, (1, 1)).fault == "none":
+        if (
+            plan_episode(spec, 0, (0, 1)) == EpisodePlan("hang", 1)
+            and plan_episode(spec, 0, (1, 1)).fault == "none"
+        ):
             return spec
     raise AssertionError("no such seed")
 
@@ -228,8 +242,9 @@ async def test_waiting_trajectories_come_before_extra_replicas(ray_cluster) -> N
             assert not isinstance(e, ReplicatedEnv) and one.stats["replica_shortfall"] == 1
             await e.close()
     # the manager-wide default (env_manager.options.replicas in a run config) applies to every group
-    cfg = EnvManagerConfig.model_validate({"groups": {"lake": {"impl": "frozenlake", "num_envs": 2}},
-                                           "replicas": 2, "envs_per_actor": 2})
+    cfg = EnvManagerConfig.model_validate(
+        {"groups": {"lake": {"impl": "frozenlake", "num_envs": 2}}, "replicas": 2, "envs_per_actor": 2}
+    )
     async with EnvManager(cfg) as d:
         await d.wait_ready("lake", 2)
         e = await d.acquire("lake")

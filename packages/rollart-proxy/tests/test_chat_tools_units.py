@@ -18,8 +18,20 @@ from rollart_proxy.tools import (
     tojson,
 )
 
-TOOLS = [{"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {
-    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "a + b",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a", "b"],
+            },
+        },
+    }
+]
 
 
 @pytest.fixture(scope="module")
@@ -47,26 +59,37 @@ def test_spliced_prompt_extends_previous_prompt_and_output(template: ChatTemplat
     # sampled: compact JSON, as the model wrote it (the template would re-serialise it with spaces)
     raw = '<tool_call>\n{"name":"add","arguments":{"a":2,"b":3}}\n</tool_call>'
     o1 = [*template.encode(raw), eos]
-    reply = {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]}
+    reply = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
+        ],
+    }
     second = [*first, reply, {"role": "tool", "content": "5", "tool_call_id": "c1"}]
     p2, n = splice_encode(render, template.encode, second, {2: o1}, eot)
-    assert n == 1 and p2[:len(p1) + len(o1)] == p1 + o1
-    assert template.decode(p2[len(p1) + len(o1):], skip_special_tokens=False).startswith("\n<|im_start|>tool\n5")
+    assert n == 1 and p2[: len(p1) + len(o1)] == p1 + o1
+    assert template.decode(p2[len(p1) + len(o1) :], skip_special_tokens=False).startswith(
+        "\n<|im_start|>tool\n5"
+    )
     naive = template.encode(render(second))
-    assert naive[:len(p1) + len(o1)] != p1 + o1  # re-tokenising would not give the sampled ids back
+    assert naive[: len(p1) + len(o1)] != p1 + o1  # re-tokenising would not give the sampled ids back
     # an output cut by max_tokens (no end-of-turn token): the template's own closing text stays
     o_cut = template.encode("hello")
-    p3, _ = splice_encode(render, template.encode, [*first, {"role": "assistant", "content": "hello"}], {2: o_cut}, eot)
-    assert p3[:len(p1) + len(o_cut)] == p1 + o_cut
-    assert template.decode(p3[len(p1) + len(o_cut):], skip_special_tokens=False).startswith("<|im_end|>")
+    p3, _ = splice_encode(
+        render, template.encode, [*first, {"role": "assistant", "content": "hello"}], {2: o_cut}, eot
+    )
+    assert p3[: len(p1) + len(o_cut)] == p1 + o_cut
+    assert template.decode(p3[len(p1) + len(o_cut) :], skip_special_tokens=False).startswith("<|im_end|>")
 
 
 def test_generated_messages_are_bounded_and_keyed_by_content_and_calls() -> None:
     g = GeneratedMessages(max_sessions=2, max_per_session=2)
     calls = [{"id": "x", "function": {"name": "add", "arguments": "{}"}}]
     g.remember("s", message_key("", calls), [1, 2])
-    assert g.lookup("s", message_key(None, [{"id": "other-id", "function": {"name": "add", "arguments": "{}"}}])) == [1, 2]
+    assert g.lookup(
+        "s", message_key(None, [{"id": "other-id", "function": {"name": "add", "arguments": "{}"}}])
+    ) == [1, 2]
     assert g.lookup("s", message_key("", None)) is None
     for i in range(3):
         g.remember("s", message_key(str(i), None), [i])
@@ -76,14 +99,27 @@ def test_generated_messages_are_bounded_and_keyed_by_content_and_calls() -> None
     assert len(g) == 2 and g.lookup("s", message_key("2", None)) is None
 
 
-@pytest.mark.parametrize(("tools", "field"), [
-    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}], "tools[0].function.parameters"),
-    ([{"type": "function", "function": {"name": "f", "parameters": {"properties": {"a": {"minimum": "x"}}}}}],
-     "tools[0].function.parameters"),
-    ([{"type": "function", "function": {"name": "bad name"}}], "tools[0].function.name"),
-    ([{"type": "retrieval"}], "tools[0].type"),
-    ([*TOOLS, *TOOLS], "tools[1].function.name"),
-])
+@pytest.mark.parametrize(
+    ("tools", "field"),
+    [
+        (
+            [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}],
+            "tools[0].function.parameters",
+        ),
+        (
+            [
+                {
+                    "type": "function",
+                    "function": {"name": "f", "parameters": {"properties": {"a": {"minimum": "x"}}}},
+                }
+            ],
+            "tools[0].function.parameters",
+        ),
+        ([{"type": "function", "function": {"name": "bad name"}}], "tools[0].function.name"),
+        ([{"type": "retrieval"}], "tools[0].type"),
+        ([*TOOLS, *TOOLS], "tools[1].function.name"),
+    ],
+)
 def test_invalid_tools_name_the_field(tools: list[dict], field: str) -> None:
     with pytest.raises(ToolsError) as e:
         check_tools(tools)
@@ -101,15 +137,19 @@ def test_tool_choice() -> None:
 
 def test_hermes_parser_plain_parallel_and_malformed(model_dir: Path) -> None:
     p = ToolCallParser("hermes", str(model_dir))
-    text = ('thinking <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
-            '<tool_call>{"name":"add","arguments":{"a":3,"b":4}}</tool_call>')
+    text = (
+        'thinking <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+        '<tool_call>{"name":"add","arguments":{"a":3,"b":4}}</tool_call>'
+    )
     content, calls, err = p.parse(text, TOOLS, "auto")
     assert err is None and content == "thinking "
     assert [c["function"]["arguments"] for c in calls] == ['{"a": 1, "b": 2}', '{"a": 3, "b": 4}']
     assert len({c["id"] for c in calls}) == 2
     _, calls, err = p.parse(text, TOOLS, "auto", parallel=False)
     assert len(calls) == 1 and err and "parallel" in err
-    content, calls, err = p.parse('<tool_call>{"name": "add", "arguments": {"a": 1,</tool_call>', TOOLS, "auto")
+    content, calls, err = p.parse(
+        '<tool_call>{"name": "add", "arguments": {"a": 1,</tool_call>', TOOLS, "auto"
+    )
     assert calls == [] and err and "malformed" in err and content and content.startswith("<tool_call>")
     _, calls, err = p.parse('<tool_call>{"name": "rm", "arguments": {}}</tool_call>', TOOLS, "auto")
     assert calls == [] and err and "undeclared" in err

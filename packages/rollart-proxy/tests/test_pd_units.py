@@ -38,15 +38,19 @@ def test_cost_rule_per_turn() -> None:
 
 
 def test_auto_resolves_from_the_task_profile() -> None:
-    swe = TaskProfile(name="swe", prompt_tokens=4000, context_tokens_per_turn=600, output_tokens_per_turn=300, turns=10)
+    swe = TaskProfile(
+        name="swe", prompt_tokens=4000, context_tokens_per_turn=600, output_tokens_per_turn=300, turns=10
+    )
     math = TaskProfile(name="math", prompt_tokens=300, output_tokens_per_turn=4000)
     assert resolve_policy("auto", swe, 1.0) == "on"
     assert resolve_policy("auto", math, 1.0) == "off"
     assert resolve_policy("auto", None, 1.0) == "auto"
     assert resolve_policy("off", swe, 1.0) == "off"
-    router = PDRouter(_proxy(swe="H20", math="H20"), PDConfig(pools={"H20": "H800"},
-                                                                task_policy={"swe": "auto", "math": "auto"}),
-                      profiles={"swe": swe, "math": math})
+    router = PDRouter(
+        _proxy(swe="H20", math="H20"),
+        PDConfig(pools={"H20": "H800"}, task_policy={"swe": "auto", "math": "auto"}),
+        profiles={"swe": swe, "math": math},
+    )
     assert (router.policy_of("swe"), router.policy_of("math"), router.policy_of(None)) == ("on", "off", "off")
 
 
@@ -67,17 +71,23 @@ def test_task_config_pd_fields(tmp_path: Path) -> None:
     base = {"model": {"path": str(tmp_path)}, "engines": [{"name": "pre"}, {"name": "dec"}]}
     task = {"name": "t", "env": {"impl": "x"}, "reward": {"impl": "y"}}
     assert TaskConfig.model_validate(task).pd == "off"
-    ok = RunConfig.model_validate({**base, "tasks": [{**task, "pd": "auto", "pool": "dec", "prefill_pool": "pre"}]})
+    ok = RunConfig.model_validate(
+        {**base, "tasks": [{**task, "pd": "auto", "pool": "dec", "prefill_pool": "pre"}]}
+    )
     cfg = PDConfig.from_tasks(ok.tasks, min_pd_suffix_tokens=64)
     assert cfg.pools == {"dec": "pre"} and cfg.task_policy == {"t": "auto"} and cfg.min_pd_suffix_tokens == 64
-    for bad, msg in [({"pd": "on", "pool": "dec"}, "needs both"),
-                     ({"pd": "on", "pool": "dec", "prefill_pool": "dec"}, "other than its pool"),
-                     ({"pd": "on", "pool": "dec", "prefill_pool": "nope"}, "must be an engine group"),
-                     ({"pd": "sometimes"}, "pd")]:
+    for bad, msg in [
+        ({"pd": "on", "pool": "dec"}, "needs both"),
+        ({"pd": "on", "pool": "dec", "prefill_pool": "dec"}, "other than its pool"),
+        ({"pd": "on", "pool": "dec", "prefill_pool": "nope"}, "must be an engine group"),
+        ({"pd": "sometimes"}, "pd"),
+    ]:
         with pytest.raises(ValidationError, match=msg):
             RunConfig.model_validate({**base, "tasks": [{**task, **bad}]})
-    two = [TaskConfig.model_validate({**task, "name": n, "pool": "dec", "prefill_pool": p, "pd": "on"})
-           for n, p in (("a", "pre"), ("b", "other"))]
+    two = [
+        TaskConfig.model_validate({**task, "name": n, "pool": "dec", "prefill_pool": p, "pd": "on"})
+        for n, p in (("a", "pre"), ("b", "other"))
+    ]
     with pytest.raises(ConfigError, match="paired with prefill pool"):
         PDConfig.from_tasks(two)
 
@@ -96,4 +106,6 @@ def test_shared_storage_args(tmp_path: Path) -> None:
     args = shared_storage_kv_args("kv_producer", tmp_path)
     cfg = VllmEngineConfig(engine_args=args)
     kv = cfg.engine_args["kv_transfer_config"]
-    assert kv["kv_role"] == "kv_producer" and kv["kv_connector_extra_config"]["shared_storage_path"] == str(tmp_path)
+    assert kv["kv_role"] == "kv_producer" and kv["kv_connector_extra_config"]["shared_storage_path"] == str(
+        tmp_path
+    )

@@ -74,11 +74,15 @@ def req(rid: str, session: str | None = None) -> GenerateRequest:
 
 
 async def test_session_tables_stay_bounded_after_many_sessions() -> None:
-    proxy = LLMProxy([WorkerHandle("a", FakeEngine("a")), WorkerHandle("b", FakeEngine("b"))], max_sessions=100)
+    proxy = LLMProxy(
+        [WorkerHandle("a", FakeEngine("a")), WorkerHandle("b", FakeEngine("b"))], max_sessions=100
+    )
     for i in range(2000):  # a client that never ends its sessions
         await proxy.generate(req(f"r{i}", session=f"s{i}"))
     assert proxy.session_counts() == {"sessions": 100, "sessions_in_flight": 0, "requests_in_flight": 0}
-    assert proxy.session_worker("s1999") is not None and proxy.session_worker("s0") is None  # LRU: oldest gone
+    assert (
+        proxy.session_worker("s1999") is not None and proxy.session_worker("s0") is None
+    )  # LRU: oldest gone
     for i in range(1900, 2000):  # the runner ends each trajectory's session
         proxy.end_session(f"s{i}")
     assert proxy.session_counts()["sessions"] == 0

@@ -49,7 +49,9 @@ def test_service_config_validation(tmp_path: Path) -> None:
     from rollart_proxy.service import load_config
 
     good = tmp_path / "ok.yaml"
-    good.write_text("model: /m\nworkers:\n  - {url: 'http://127.0.0.1:1', pool: H20}\ntask_pools: {agent: H20}\n")
+    good.write_text(
+        "model: /m\nworkers:\n  - {url: 'http://127.0.0.1:1', pool: H20}\ntask_pools: {agent: H20}\n"
+    )
     assert load_config(good).workers[0].pool == "H20"
     for text, msg in [
         ("model: /m\nworkers: []\n", "at least 1"),
@@ -67,15 +69,22 @@ def test_service_config_validation(tmp_path: Path) -> None:
 def test_cli_check_config_reports_errors(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: /m\nworkers:\n  - {url: 'http://x', max_inflight: 0}\n")
-    r = subprocess.run([sys.executable, "-m", "rollart_proxy.cli", "check-config", str(bad)],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "rollart_proxy.cli", "check-config", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and "max_inflight" in r.stderr
 
 
 def test_sglang_stream_chunks_cumulative_and_incremental() -> None:
     from rollart_proxy.sglang_server_engine import SglangServerEngine
 
-    cum = {"completion_tokens": 3, "output_token_logprobs": [[-1.0, 5, None], [-2.0, 6, None], [-3.0, 7, None]]}
+    cum = {
+        "completion_tokens": 3,
+        "output_token_logprobs": [[-1.0, 5, None], [-2.0, 6, None], [-3.0, 7, None]],
+    }
     assert SglangServerEngine._new_tokens(cum, 2) == [[-3.0, 7, None]]
     inc = {"completion_tokens": 3, "output_token_logprobs": [[-3.0, 7, None]]}
     assert SglangServerEngine._new_tokens(inc, 2) == [[-3.0, 7, None]]
@@ -91,8 +100,12 @@ def test_version_spans_to_per_token_versions() -> None:
 
 
 def test_import_is_light() -> None:
-    code = ("import sys, json, rollart_proxy, rollart_proxy.service, rollart_proxy.cli\n"
-            "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
-            "{'torch','vllm','ray','fastapi','uvicorn','sglang'})))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    code = (
+        "import sys, json, rollart_proxy, rollart_proxy.service, rollart_proxy.cli\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "{'torch','vllm','ray','fastapi','uvicorn','sglang'})))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []

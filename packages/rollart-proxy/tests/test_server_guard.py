@@ -23,7 +23,12 @@ from rollart_proxy import LLMProxy, WorkerHandle
 pytestmark = [pytest.mark.vllm, pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
 
 NO_EOS = list(range(10, 300))
-CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "allowed_token_ids": NO_EOS}
+CHAT = {
+    "model": "tiny",
+    "messages": [{"role": "user", "content": "hi"}],
+    "max_tokens": 2,
+    "allowed_token_ids": NO_EOS,
+}
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +43,11 @@ async def engine(model_dir: Path) -> AsyncIterator[Any]:
     from rollart_proxy.vllm_engine import VllmEngine, VllmEngineConfig
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    e = VllmEngine(VllmEngineConfig(max_model_len=512, dtype="float32", max_num_seqs=8), model_path=str(model_dir),
-                   name="e")
+    e = VllmEngine(
+        VllmEngineConfig(max_model_len=512, dtype="float32", max_num_seqs=8),
+        model_path=str(model_dir),
+        name="e",
+    )
     try:
         await e.start()
         yield e
@@ -77,7 +85,9 @@ async def serve(model_dir: Path) -> AsyncIterator[Any]:
 
 @pytest.fixture
 def no_key_env() -> Iterator[None]:
-    saved = {k: os.environ.pop(k) for k in ("ROLLART_PROXY_API_KEY", "ROLLART_PROXY_ADMIN_KEY") if k in os.environ}
+    saved = {
+        k: os.environ.pop(k) for k in ("ROLLART_PROXY_API_KEY", "ROLLART_PROXY_ADMIN_KEY") if k in os.environ
+    }
     try:
         yield
     finally:
@@ -86,12 +96,23 @@ def no_key_env() -> Iterator[None]:
 
 async def test_keys_admin_token_and_session_ownership(engine: Any, serve: Any, no_key_env: None) -> None:
     srv = await serve(LLMProxy({"e": engine}), api_key=["k1", "k2"], admin_key="adm")
-    async with srv.client() as anon, srv.client("k1") as c1, srv.client("k2") as c2, \
-            srv.client("adm") as admin, srv.client("wrong") as bad:
+    async with (
+        srv.client() as anon,
+        srv.client("k1") as c1,
+        srv.client("k2") as c2,
+        srv.client("adm") as admin,
+        srv.client("wrong") as bad,
+    ):
         r = await anon.get("/health")
-        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer" and r.json()["error"]["message"]
+        assert (
+            r.status_code == 401
+            and r.headers["www-authenticate"] == "Bearer"
+            and r.json()["error"]["message"]
+        )
         assert (await bad.get("/v1/models")).status_code == 401
-        assert (await c1.get("/health")).status_code == 200 and (await admin.get("/metrics")).status_code == 200
+        assert (await c1.get("/health")).status_code == 200 and (
+            await admin.get("/metrics")
+        ).status_code == 200
         # admin endpoints: the admin token only
         assert (await anon.post("/admin/suspend")).status_code == 401
         r = await c1.post("/admin/suspend")
@@ -101,9 +122,13 @@ async def test_keys_admin_token_and_session_ownership(engine: Any, serve: Any, n
         # a session belongs to the key that created it
         r = await c1.post("/v1/chat/completions", json=CHAT, headers={"X-Session-Id": "s1"})
         assert r.status_code == 200, r.text
-        for call in (c2.get("/v1/sessions/s1"), c2.post("/v1/sessions/s1/drain"), c2.post("/v1/sessions/s1/abort"),
-                     c2.delete("/v1/sessions/s1"),
-                     c2.post("/v1/chat/completions", json=CHAT, headers={"X-Session-Id": "s1"})):
+        for call in (
+            c2.get("/v1/sessions/s1"),
+            c2.post("/v1/sessions/s1/drain"),
+            c2.post("/v1/sessions/s1/abort"),
+            c2.delete("/v1/sessions/s1"),
+            c2.post("/v1/chat/completions", json=CHAT, headers={"X-Session-Id": "s1"}),
+        ):
             r = await call
             assert r.status_code == 403 and "another API key" in r.json()["error"]["message"], r.text
         assert len((await c1.get("/v1/sessions/s1")).json()["calls"]) == 1
@@ -134,8 +159,7 @@ async def test_admin_without_admin_key(engine: Any, serve: Any, no_key_env: None
     async with opened.client() as h:
         assert (await h.get("/admin/weight_versions")).json() == {"e": 0}
     with pytest.raises(ConfigError, match="only served on loopback"):
-        await OpenAIServer(LLMProxy({"e": engine}), str(model_dir), enable_admin=True
-                           ).start("192.0.2.1", 0)
+        await OpenAIServer(LLMProxy({"e": engine}), str(model_dir), enable_admin=True).start("192.0.2.1", 0)
     # beyond loopback without a key: a WARNING (192.0.2.1 is TEST-NET, not on this machine: the bind fails)
     seen = _Records()
     logging.getLogger("rollart_proxy.server").addHandler(seen)
@@ -148,7 +172,9 @@ async def test_admin_without_admin_key(engine: Any, serve: Any, no_key_env: None
     os.environ["ROLLART_PROXY_API_KEY"] = "from-env"  # restored by no_key_env
     from_env = await serve(LLMProxy({"e": engine}))
     async with from_env.client() as anon, from_env.client("from-env") as keyed:
-        assert (await anon.get("/health")).status_code == 401 and (await keyed.get("/health")).status_code == 200
+        assert (await anon.get("/health")).status_code == 401 and (
+            await keyed.get("/health")
+        ).status_code == 200
 
 
 async def test_bodies_limits_and_full_queue(engine: Any, serve: Any, no_key_env: None) -> None:
@@ -161,30 +187,49 @@ async def test_bodies_limits_and_full_queue(engine: Any, serve: Any, no_key_env:
         async def chunks() -> AsyncIterator[bytes]:  # no Content-Length: the limit counts what arrives
             for _ in range(40):
                 yield b" " * 1024
+
         r = await h.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
         assert r.status_code == 413
         malformed: list[tuple[str, Any]] = [
-            ("/v1/completions", b"{not json"), ("/v1/completions", b"[]"), ("/v1/completions", b'"text"'),
-            ("/v1/completions", b"\xff\xfe"), ("/v1/completions", b""),
-            ("/v1/completions", {"model": "tiny"}), ("/v1/completions", {"model": 3, "prompt": "x"}),
+            ("/v1/completions", b"{not json"),
+            ("/v1/completions", b"[]"),
+            ("/v1/completions", b'"text"'),
+            ("/v1/completions", b"\xff\xfe"),
+            ("/v1/completions", b""),
+            ("/v1/completions", {"model": "tiny"}),
+            ("/v1/completions", {"model": 3, "prompt": "x"}),
             ("/v1/completions", {"model": "tiny", "prompt": [-5, 3]}),
             ("/v1/completions", {"model": "tiny", "prompt": [[1, 2]]}),
             ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": "many"}),
             ("/v1/completions", {"model": "tiny", "prompt": "x", "stop": [""]}),
             ("/v1/chat/completions", {"model": "tiny", "messages": "hi"}),
             ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}),
-            ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": "x"}}]}]}),
+            (
+                "/v1/chat/completions",
+                {
+                    "model": "tiny",
+                    "messages": [
+                        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+                    ],
+                },
+            ),
             ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user"}], "max_tokens": -1}),
         ]
         for path, body in malformed:
-            kw: dict[str, Any] = ({"content": body, "headers": {"content-type": "application/json"}}
-                                  if isinstance(body, bytes) else {"json": body})
+            kw: dict[str, Any] = (
+                {"content": body, "headers": {"content-type": "application/json"}}
+                if isinstance(body, bytes)
+                else {"json": body}
+            )
             r = await h.post(path, **kw)
             assert 400 <= r.status_code < 500 and r.json()["error"]["message"], (body, r.status_code, r.text)
         # a full queue: one request in flight (max_inflight=1), no room to wait → 429 at once
-        long = asyncio.create_task(h.post("/v1/completions", json={"model": "tiny", "prompt": [1, 20, 30],
-                                                                   "max_tokens": 400, "allowed_token_ids": NO_EOS}))
+        long = asyncio.create_task(
+            h.post(
+                "/v1/completions",
+                json={"model": "tiny", "prompt": [1, 20, 30], "max_tokens": 400, "allowed_token_ids": NO_EOS},
+            )
+        )
         deadline = time.monotonic() + 60
         while proxy.workers["e"].inflight < 1:
             assert time.monotonic() < deadline and not long.done(), "the long request never started"
@@ -196,5 +241,7 @@ async def test_bodies_limits_and_full_queue(engine: Any, serve: Any, no_key_env:
     async with admin.client("adm") as h:
         r = await h.post("/admin/update_weights", json={"version": -1})
         assert r.status_code == 400 and r.json()["error"]["message"]
-        r = await h.post("/admin/update_weights", content=b"nope", headers={"content-type": "application/json"})
+        r = await h.post(
+            "/admin/update_weights", content=b"nope", headers={"content-type": "application/json"}
+        )
         assert r.status_code == 400

@@ -65,10 +65,16 @@ class FakeSglangServer:
             async def sse():
                 n = body["sampling_params"]["max_new_tokens"] if role == "decode" else 1
                 toks = [[-0.5, 100 + i, "x"] for i in range(n)]
-                meta = {"output_token_logprobs": toks, "completion_tokens": n, "weight_version": "0",
-                        "finish_reason": {"type": "length"}, "cached_tokens": 0}
+                meta = {
+                    "output_token_logprobs": toks,
+                    "completion_tokens": n,
+                    "weight_version": "0",
+                    "finish_reason": {"type": "length"},
+                    "cached_tokens": 0,
+                }
                 yield f"data: {json.dumps({'meta_info': meta})}\n\n"
                 yield "data: [DONE]\n\n"
+
             return StreamingResponse(sse(), media_type="text/event-stream")
 
         self.app = app
@@ -76,8 +82,9 @@ class FakeSglangServer:
     async def start(self) -> str:
         import uvicorn
 
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning",
-                                                    lifespan="off"))
+        self.server = uvicorn.Server(
+            uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+        )
         self.task = asyncio.create_task(self.server.serve())
         deadline = time.monotonic() + 30
         while not self.server.started:
@@ -101,18 +108,27 @@ async def test_sglang_pd_pair_speaks_the_bootstrap_protocol(tmp_path) -> None:
     pre_srv, dec_srv = FakeSglangServer("prefill", rooms, 8998), FakeSglangServer("decode", rooms)
     urls = [await pre_srv.start(), await dec_srv.start()]
     tpl = str(tmp_path / "v{version}")
-    pre, dec = (SglangServerEngine(SglangServerEngine.Config(url=u, weights_path_template=tpl), name=n)
-                for u, n in zip(urls, ("pre", "dec"), strict=True))
+    pre, dec = (
+        SglangServerEngine(SglangServerEngine.Config(url=u, weights_path_template=tpl), name=n)
+        for u, n in zip(urls, ("pre", "dec"), strict=True)
+    )
     pair = SglangPDEngine(pre, dec, name="pair")
     try:
         await pair.start()
         proxy = LLMProxy([WorkerHandle("pair", pair)])
-        outs = await asyncio.gather(*(proxy.generate(GenerateRequest(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=5)))
-                                      for i in range(3)))
+        outs = await asyncio.gather(
+            *(
+                proxy.generate(GenerateRequest(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=5)))
+                for i in range(3)
+            )
+        )
         assert [len(o.token_ids) for o in outs] == [5, 5, 5] and {o.worker for o in outs} == {"pair"}
         assert len(pre_srv.requests) == len(dec_srv.requests) == 3
-        for p, d in zip(sorted(pre_srv.requests, key=lambda b: b["rid"]), sorted(dec_srv.requests, key=lambda b: b["rid"]),
-                        strict=True):
+        for p, d in zip(
+            sorted(pre_srv.requests, key=lambda b: b["rid"]),
+            sorted(dec_srv.requests, key=lambda b: b["rid"]),
+            strict=True,
+        ):
             assert p == d  # the same request, bootstrap fields included
             assert p["bootstrap_host"] == "127.0.0.1" and p["bootstrap_port"] == 8998
             assert 0 <= p["bootstrap_room"] < 2**63
@@ -122,12 +138,15 @@ async def test_sglang_pd_pair_speaks_the_bootstrap_protocol(tmp_path) -> None:
         for srv in (pre_srv, dec_srv):
             paths = [c[0] for c in srv.calls]
             assert "update_weights_from_disk" in paths and paths.index("pause_generation") < paths.index(
-                "update_weights_from_disk") < paths.index("continue_generation")
+                "update_weights_from_disk"
+            ) < paths.index("continue_generation")
         assert await pair.weight_version() == 1
         # a prefill that fails: the decode half is aborted, the request fails (retryable), no hang
         pre_srv.fail_generate = True
         with pytest.raises(WorkerUnavailableError):
-            await asyncio.wait_for(pair.generate(GenerateRequest("doomed", [1, 2], SamplingParams(max_tokens=3))), 20)
+            await asyncio.wait_for(
+                pair.generate(GenerateRequest("doomed", [1, 2], SamplingParams(max_tokens=3))), 20
+            )
         assert ("abort_request", {"rid": "doomed"}) in dec_srv.calls
     finally:
         await pair.shutdown()

@@ -40,9 +40,17 @@ ADVERSARIAL = {
 
 
 def traj(response: str) -> Trajectory:
-    return Trajectory(traj_id="adv", task="t", env_id="e", group_id="g", seed=0, start_version=0, terminated=True,
-                      turns=[Turn(context_ids=[1], output_ids=[2], action_text=response)],
-                      info={"answer": "42", "tests": "assert add(2, 3) == 5\n", "work_s": 0.0})
+    return Trajectory(
+        traj_id="adv",
+        task="t",
+        env_id="e",
+        group_id="g",
+        seed=0,
+        start_version=0,
+        terminated=True,
+        turns=[Turn(context_ids=[1], output_ids=[2], action_text=response)],
+        info={"answer": "42", "tests": "assert add(2, 3) == 5\n", "work_s": 0.0},
+    )
 
 
 def test_every_builtin_reward_is_covered() -> None:
@@ -52,8 +60,9 @@ def test_every_builtin_reward_is_covered() -> None:
 @pytest.mark.parametrize("kind", sorted(ADVERSARIAL))
 @pytest.mark.parametrize("name", REWARDS)
 async def test_adversarial_completion_is_bounded(name: str, kind: str) -> None:
-    ex = InlineExecutor(build("reward", name, OPTIONS.get(name, {}), where="test"), retries=0,
-                        timeout_s=CALL_TIMEOUT_S)
+    ex = InlineExecutor(
+        build("reward", name, OPTIONS.get(name, {}), where="test"), retries=0, timeout_s=CALL_TIMEOUT_S
+    )
     ticks = 0
 
     async def heartbeat() -> None:  # the event loop must stay responsive while the reward works

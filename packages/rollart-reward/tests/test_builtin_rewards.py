@@ -28,18 +28,29 @@ from rollart_reward.wire import idempotency_key, trajectory_from_dict, trajector
 
 
 def traj(response: str, **info: object) -> Trajectory:
-    return Trajectory(traj_id="x", task="math", env_id="e", group_id="g", seed=0, start_version=0,
-                      turns=[Turn(context_ids=[1, 2], output_ids=[3], action_text=response)], info=dict(info))
+    return Trajectory(
+        traj_id="x",
+        task="math",
+        env_id="e",
+        group_id="g",
+        seed=0,
+        start_version=0,
+        turns=[Turn(context_ids=[1, 2], output_ids=[3], action_text=response)],
+        info=dict(info),
+    )
 
 
-@pytest.mark.parametrize("text,answer", [
-    ("so the result is \\boxed{\\frac{1}{2}} indeed", "\\frac{1}{2}"),
-    ("x \\boxed{1} then \\boxed{{2}+1}", "{2}+1"),
-    ("Reasoning...\nAnswer: 42.", "42"),
-    ("The final answer is $7$", "7"),
-    ("we get 3 apples and then 1,250 pears", "1,250"),
-    ("no digits here", None),
-])
+@pytest.mark.parametrize(
+    "text,answer",
+    [
+        ("so the result is \\boxed{\\frac{1}{2}} indeed", "\\frac{1}{2}"),
+        ("x \\boxed{1} then \\boxed{{2}+1}", "{2}+1"),
+        ("Reasoning...\nAnswer: 42.", "42"),
+        ("The final answer is $7$", "7"),
+        ("we get 3 apples and then 1,250 pears", "1,250"),
+        ("no digits here", None),
+    ],
+)
 def test_extract_answer(text: str, answer: str | None) -> None:
     assert extract_answer(text) == answer
 
@@ -58,14 +69,17 @@ async def test_exact_and_number_match() -> None:
         await NumberMatchReward().score(traj("42"))
 
 
-@pytest.mark.parametrize("pred,ref,ok", [
-    ("1/2", "0.5", True),
-    ("\\frac{1}{2}", "0.5", True),
-    ("The answer is \\boxed{\\frac{1}{2}}", "1/2", True),
-    ("x^2+2x+1", "(x+1)^2", True),
-    ("x^2+2x+2", "(x+1)^2", False),
-    ("3", "4", False),
-])
+@pytest.mark.parametrize(
+    "pred,ref,ok",
+    [
+        ("1/2", "0.5", True),
+        ("\\frac{1}{2}", "0.5", True),
+        ("The answer is \\boxed{\\frac{1}{2}}", "1/2", True),
+        ("x^2+2x+1", "(x+1)^2", True),
+        ("x^2+2x+2", "(x+1)^2", False),
+        ("3", "4", False),
+    ],
+)
 async def test_math_verify_equivalences(pred: str, ref: str, ok: bool) -> None:
     r = await MathVerifyReward().score(traj(pred, answer=ref))
     assert r.details["correct"] is ok and r.score == (1.0 if ok else 0.0)
@@ -86,7 +100,9 @@ async def test_code_tests_reward_runs_in_sandbox() -> None:
     tests = "assert add(2, 3) == 5\n"
     good = "Here you go:\n```python\ndef add(a, b):\n    return a + b\n```"
     loop = "```python\ndef add(a, b):\n    while True:\n        pass\n```"
-    reward = build("reward", "code_tests", {"timeout_s": 5.0}, where="test")  # a loaded machine: bwrap + 2 interpreters
+    reward = build(
+        "reward", "code_tests", {"timeout_s": 5.0}, where="test"
+    )  # a loaded machine: bwrap + 2 interpreters
     r_good, r_bad, r_loop = await asyncio.gather(
         reward.score(traj(good, tests=tests)),
         reward.score(traj("def add(a, b): return a * b", tests=tests)),

@@ -10,7 +10,11 @@ import pytest
 
 from rollart_core.types import Trajectory, Turn
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
+]
 
 
 async def test_llm_judge_with_vllm_engine(tmp_path: Path) -> None:
@@ -21,15 +25,24 @@ async def test_llm_judge_with_vllm_engine(tmp_path: Path) -> None:
 
     model = create_tiny_model(tmp_path / "tiny", dtype="float32")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    engine = VllmEngine(VllmEngineConfig(max_model_len=512, dtype="float32", max_num_seqs=8), model_path=str(model))
+    engine = VllmEngine(
+        VllmEngineConfig(max_model_len=512, dtype="float32", max_num_seqs=8), model_path=str(model)
+    )
     try:
         await engine.start()
         judge = LLMJudgeReward(generator=engine, chat=ChatMLFormat(model))
         results = []
         for i in range(3):
-            t = Trajectory(traj_id=f"j{i}", task="qa", env_id="e", group_id="g", seed=0, start_version=0,
-                           turns=[Turn(context_ids=[1], action_text=f"It is {i}.")],
-                           info={"question": "What is 1+1?", "answer": "2"})
+            t = Trajectory(
+                traj_id=f"j{i}",
+                task="qa",
+                env_id="e",
+                group_id="g",
+                seed=0,
+                start_version=0,
+                turns=[Turn(context_ids=[1], action_text=f"It is {i}.")],
+                info={"question": "What is 1+1?", "answer": "2"},
+            )
             results.append(await judge.score(t))
     finally:
         await engine.shutdown()

@@ -15,11 +15,25 @@ from rollart_reward import EnvReturnReward, InlineExecutor, SuccessReward
 from rollart_reward.builtin import SuccessConfig
 
 
-def make_traj(*, terminated: bool = False, truncated: bool = False, info: dict | None = None,
-              env_return: float = 0.0, traj_id: str = "t0") -> Trajectory:
+def make_traj(
+    *,
+    terminated: bool = False,
+    truncated: bool = False,
+    info: dict | None = None,
+    env_return: float = 0.0,
+    traj_id: str = "t0",
+) -> Trajectory:
     return Trajectory(
-        traj_id=traj_id, task="frozenlake", env_id="e0", group_id="g0", seed=0, start_version=0,
-        terminated=terminated, truncated=truncated, info=dict(info or {}), env_return=env_return,
+        traj_id=traj_id,
+        task="frozenlake",
+        env_id="e0",
+        group_id="g0",
+        seed=0,
+        start_version=0,
+        terminated=terminated,
+        truncated=truncated,
+        info=dict(info or {}),
+        env_return=env_return,
     )
 
 
@@ -33,7 +47,7 @@ def make_traj(*, terminated: bool = False, truncated: bool = False, info: dict |
         (True, False, {"success": 1}, True),
         (True, False, {"success": False}, False),
         (True, False, {}, False),
-        (False, True, {"success": True}, False),   # success flag but not terminated
+        (False, True, {"success": True}, False),  # success flag but not terminated
         (False, False, {"success": True}, False),
         (False, True, {}, False),
     ],
@@ -183,16 +197,20 @@ async def test_executor_works_with_builtin_reward() -> None:
     assert ex.calls == 1 and ex.failures == 0
 
 
-@pytest.mark.parametrize("gaps,cold,ceiling,expected", [
-    ([math.inf] * 20, 0.05, 0.2, 0.0),  # no idle worker ever got a call: keep none
-    ([0.03] * 20, 0.05, 0.2, 0.03),  # every idle worker is called again after 30 ms: keep 30 ms
-    ([0.03] * 15 + [math.inf] * 5, 0.05, 0.2, 0.03),  # mostly reused: 15 x 0.02 saved > 5 x 0.03 spent
-    ([0.03] * 10 + [math.inf] * 10, 0.05, 0.2, 0.0),  # half reused: 10 x 0.02 saved < 10 x 0.03 spent
-    ([0.03] * 5 + [math.inf] * 15, 0.02, 0.2, 0.0),  # cheap cold starts, rare reuse: keep none
-    ([0.5] * 20, 1.0, 0.2, 0.0),  # gaps beyond the ceiling (ski rental) cannot be caught: keep none
-])
-def test_learned_keep_alive_minimises_provisioned_time(gaps: list[float], cold: float, ceiling: float,
-                                                       expected: float) -> None:
+@pytest.mark.parametrize(
+    "gaps,cold,ceiling,expected",
+    [
+        ([math.inf] * 20, 0.05, 0.2, 0.0),  # no idle worker ever got a call: keep none
+        ([0.03] * 20, 0.05, 0.2, 0.03),  # every idle worker is called again after 30 ms: keep 30 ms
+        ([0.03] * 15 + [math.inf] * 5, 0.05, 0.2, 0.03),  # mostly reused: 15 x 0.02 saved > 5 x 0.03 spent
+        ([0.03] * 10 + [math.inf] * 10, 0.05, 0.2, 0.0),  # half reused: 10 x 0.02 saved < 10 x 0.03 spent
+        ([0.03] * 5 + [math.inf] * 15, 0.02, 0.2, 0.0),  # cheap cold starts, rare reuse: keep none
+        ([0.5] * 20, 1.0, 0.2, 0.0),  # gaps beyond the ceiling (ski rental) cannot be caught: keep none
+    ],
+)
+def test_learned_keep_alive_minimises_provisioned_time(
+    gaps: list[float], cold: float, ceiling: float, expected: float
+) -> None:
     from rollart_reward.runtime import learned_keep_alive
 
     assert learned_keep_alive(gaps, cold, ceiling) == pytest.approx(expected)

@@ -28,8 +28,15 @@ from rollart_reward.wire import idempotency_key
 
 
 def traj(i: int | str, **info: Any) -> Trajectory:
-    return Trajectory(traj_id=f"t{i}", task="t", env_id="e", group_id="g", seed=0, start_version=0,
-                      info={"work_s": 0.02, **info})
+    return Trajectory(
+        traj_id=f"t{i}",
+        task="t",
+        env_id="e",
+        group_id="g",
+        seed=0,
+        start_version=0,
+        info={"work_s": 0.02, **info},
+    )
 
 
 async def until(cond: Callable[[], Awaitable[bool]], timeout: float = 20.0, what: str = "condition") -> None:
@@ -48,8 +55,12 @@ def _serve_cmd() -> list[str]:
 @contextlib.contextmanager
 def serving(*args: str, env: dict[str, str] | None = None) -> Iterator[str]:
     """``rollart-reward serve --function synthetic ARGS`` as a real process; yields its URL, ends it by PID."""
-    proc = subprocess.Popen([*_serve_cmd(), "serve", "--function", "synthetic", *args], stdout=subprocess.PIPE,
-                            text=True, env={**os.environ, **(env or {})})
+    proc = subprocess.Popen(
+        [*_serve_cmd(), "serve", "--function", "synthetic", *args],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
     try:
         line = proc.stdout.readline()  # type: ignore[union-attr]
         assert line.startswith("serving synthetic on http://127.0.0.1:"), line
@@ -65,9 +76,21 @@ def serving(*args: str, env: dict[str, str] | None = None) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def runtime() -> Iterator[str]:
-    with serving("--max-workers", "6", "--idle-timeout", "0.5", "--idle-policy", "fixed", "--admin",
-                 "--max-body-bytes", str(1 << 20), "--max-batch", "64",
-                 "--options", json.dumps({"work_s": 0.02})) as url:
+    with serving(
+        "--max-workers",
+        "6",
+        "--idle-timeout",
+        "0.5",
+        "--idle-policy",
+        "fixed",
+        "--admin",
+        "--max-body-bytes",
+        str(1 << 20),
+        "--max-batch",
+        "64",
+        "--options",
+        json.dumps({"work_s": 0.02}),
+    ) as url:
         yield url
 
 
@@ -81,8 +104,17 @@ def stats(url: str) -> dict[str, Any]:
 
 
 def executor(url: str, **kw: Any) -> HttpExecutor:
-    cfg = {"url": url, "function": "synthetic", "timeout_s": 0.6, "cold_start_timeout_s": 0.6,
-           "retries": 8, "backoff_base_s": 0.01, "backoff_max_s": 0.1, "seed": 0, **kw}
+    cfg = {
+        "url": url,
+        "function": "synthetic",
+        "timeout_s": 0.6,
+        "cold_start_timeout_s": 0.6,
+        "retries": 8,
+        "backoff_base_s": 0.01,
+        "backoff_max_s": 0.1,
+        "seed": 0,
+        **kw,
+    }
     return HttpExecutor(HttpExecutorConfig(**cfg))
 
 
@@ -106,7 +138,8 @@ async def test_retries_on_503_and_timeouts_never_double_count(runtime: str) -> N
 
 
 async def test_malformed_json_is_retried_then_fails_with_body_logged(
-        runtime: str, caplog: pytest.LogCaptureFixture) -> None:
+    runtime: str, caplog: pytest.LogCaptureFixture
+) -> None:
     admin(runtime, {"malformed": 1.0})
     ex = executor(runtime, retries=2)
     caplog.set_level(logging.WARNING, logger="rollart_reward.http_executor")
@@ -201,7 +234,9 @@ async def test_autoscaling_up_under_burst_and_down_to_zero(runtime: str) -> None
 async def test_learned_keep_alive_stops_paying_for_idle_workers_that_never_get_a_call() -> None:
     """Isolated calls (each worker stopped before the next call comes): the learned policy starts at
     the ski-rental keep-alive and, once it has seen enough such idle periods, keeps workers idle for 0 s."""
-    with serving("--max-workers", "2", "--idle-timeout", "0.15", "--options", json.dumps({"work_s": 0.005})) as url:
+    with serving(
+        "--max-workers", "2", "--idle-timeout", "0.15", "--options", json.dumps({"work_s": 0.005})
+    ) as url:
         assert stats(url)["keep_alive_s"] >= 0.15 and stats(url)["idle_policy"] == "learned"
 
         async def zero() -> bool:
@@ -223,7 +258,9 @@ async def test_platform_adapters(runtime: str, adapter: str, invocation: str) ->
     admin(runtime, {"seed": 1, "error_before": 0.2})
     ex = executor(runtime, adapter=adapter, invocation=invocation, timeout_s=5, cold_start_timeout_s=5)
     try:
-        results = await asyncio.gather(*(ex.score(traj(f"{adapter}{invocation}{i}", score=i)) for i in range(6)))
+        results = await asyncio.gather(
+            *(ex.score(traj(f"{adapter}{invocation}{i}", score=i)) for i in range(6))
+        )
         assert [r.score for r in results] == [float(i) for i in range(6)]
         with pytest.raises(RewardError, match="synthetic failure"):
             await ex.score(traj(f"{adapter}{invocation}-fail", fail=True))
@@ -240,8 +277,9 @@ async def test_batching_groups_concurrent_calls(runtime: str) -> None:
     ex = executor(runtime, batch_size=8, batch_wait_s=0.02, timeout_s=5, cold_start_timeout_s=5)
     try:
         results = await asyncio.gather(*(ex.score(traj(f"batch{i}", score=i)) for i in range(16)))
-        failed = asyncio.gather(ex.score(traj("batch-fail", fail=True)), ex.score(traj("batch-ok")),
-                                return_exceptions=True)
+        failed = asyncio.gather(
+            ex.score(traj("batch-fail", fail=True)), ex.score(traj("batch-ok")), return_exceptions=True
+        )
         bad, good = await failed
     finally:
         await ex.aclose()
@@ -251,8 +289,9 @@ async def test_batching_groups_concurrent_calls(runtime: str) -> None:
 
 
 def test_serve_rejects_unknown_function() -> None:
-    r = subprocess.run([*_serve_cmd(), "serve", "--function", "no_such_reward"], capture_output=True, text=True,
-                       timeout=60)
+    r = subprocess.run(
+        [*_serve_cmd(), "serve", "--function", "no_such_reward"], capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 2 and "unknown reward implementation 'no_such_reward'" in r.stderr
 
 
@@ -341,12 +380,17 @@ BAD_BODIES: list[tuple[str, str, bytes | Any, dict[str, str], int]] = [
 
 
 @pytest.mark.parametrize("name,path,body,headers,expected", BAD_BODIES, ids=[b[0] for b in BAD_BODIES])
-def test_malformed_bodies_are_4xx_with_a_message(runtime: str, name: str, path: str, body: Any,
-                                                 headers: dict[str, str], expected: int) -> None:
+def test_malformed_bodies_are_4xx_with_a_message(
+    runtime: str, name: str, path: str, body: Any, headers: dict[str, str], expected: int
+) -> None:
     admin(runtime)
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    r = httpx.post(f"{runtime}{path}", content=content, headers={"Content-Type": "application/json", **headers},
-                   timeout=30)
+    r = httpx.post(
+        f"{runtime}{path}",
+        content=content,
+        headers={"Content-Type": "application/json", **headers},
+        timeout=30,
+    )
     assert r.status_code == expected, (name, r.status_code, r.text[:300])
     message = r.json()
     assert isinstance(message, dict) and any(isinstance(v, str) and v for v in message.values()), r.text[:300]
@@ -365,7 +409,9 @@ async def test_a_key_cannot_be_pre_seeded_with_another_trajectory(runtime: str) 
         assert r.status_code == 200 and r.json()["result"]["score"] == 0.0
         r = await client.post("/invoke", json={"key": key, "trajectory": genuine})
         assert r.status_code == 409 and "different trajectory" in r.json()["error"]
-        r = await client.post("/invoke", json={"key": key, "trajectory": forged})  # a true retry still replays
+        r = await client.post(
+            "/invoke", json={"key": key, "trajectory": forged}
+        )  # a true retry still replays
         assert r.status_code == 200 and r.json()["result"]["score"] == 0.0
         # while running, too: a second body under a running call's key is refused, not joined
         slow, other = wire("running", score=3, work_s=0.5), wire("running", score=4)
@@ -380,7 +426,9 @@ async def test_a_key_cannot_be_pre_seeded_with_another_trajectory(runtime: str) 
         assert (await client.post(_FC, json={"trajectory": genuine}, headers=fc)).status_code == 409
         assert (await client.post(_FC, json={"trajectory": forged}, headers=fc)).status_code == 202
         ev = {"X-Amz-Invocation-Type": "Event"}
-        assert (await client.post(_LAMBDA, json={"key": "ev-seed", "trajectory": forged}, headers=ev)).status_code == 202
+        assert (
+            await client.post(_LAMBDA, json={"key": "ev-seed", "trajectory": forged}, headers=ev)
+        ).status_code == 202
         r = await client.post(_LAMBDA, json={"key": "ev-seed", "trajectory": genuine}, headers=ev)
         assert r.status_code == 409
     s = stats(runtime)
@@ -392,15 +440,23 @@ async def _running_calls(url: str) -> bool:
 
 
 async def test_async_task_table_forgets_finished_tasks_and_is_bounded() -> None:
-    with serving("--max-workers", "2", "--max-async-tasks", "8", "--options", json.dumps({"work_s": 0.0})) as url:
+    with serving(
+        "--max-workers", "2", "--max-async-tasks", "8", "--options", json.dumps({"work_s": 0.0})
+    ) as url:
         async with httpx.AsyncClient(base_url=url, timeout=30) as client:
             fc = {"x-fc-invocation-type": "Async"}
             for i in range(40):  # one at a time: each finishes before the next
-                r = await client.post(_FC, json={"trajectory": wire(f"a{i}", score=i)},
-                                      headers={**fc, "x-fc-async-task-id": f"task{i}"})
+                r = await client.post(
+                    _FC,
+                    json={"trajectory": wire(f"a{i}", score=i)},
+                    headers={**fc, "x-fc-async-task-id": f"task{i}"},
+                )
                 assert r.status_code == 202
-                ev = await client.post(_LAMBDA, json={"key": f"ev{i}", "trajectory": wire(f"ev{i}")},
-                                       headers={"X-Amz-Invocation-Type": "Event"})
+                ev = await client.post(
+                    _LAMBDA,
+                    json={"key": f"ev{i}", "trajectory": wire(f"ev{i}")},
+                    headers={"X-Amz-Invocation-Type": "Event"},
+                )
                 assert ev.status_code == 202
 
             async def settled() -> bool:
@@ -413,7 +469,14 @@ async def test_async_task_table_forgets_finished_tasks_and_is_bounded() -> None:
             assert newest["status"] == "Succeeded" and json.loads(newest["returnPayload"])["score"] == 39.0
             assert (await client.get("/2023-03-30/functions/synthetic/async-tasks/task0")).status_code == 404
             # running tasks are bounded too: beyond the limit a new one is refused with 429
-            statuses = [(await client.post(_FC, json={"trajectory": wire(f"slow{i}", work_s=1.0)},
-                                           headers={**fc, "x-fc-async-task-id": f"slow{i}"})).status_code
-                        for i in range(10)]
+            statuses = [
+                (
+                    await client.post(
+                        _FC,
+                        json={"trajectory": wire(f"slow{i}", work_s=1.0)},
+                        headers={**fc, "x-fc-async-task-id": f"slow{i}"},
+                    )
+                ).status_code
+                for i in range(10)
+            ]
             assert statuses.count(202) == 8 and statuses[8:] == [429, 429], statuses

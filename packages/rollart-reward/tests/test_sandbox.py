@@ -26,8 +26,10 @@ from rollart_reward.sandbox import SandboxError, parse_tests, run_python, run_py
 SOLUTION = "def add(a, b):\n    return a + b\n"
 TESTS = "assert add(1, 2) == 3\nassert add(-1, 1) == 0\n"
 
-needs_bwrap = pytest.mark.skipif(sandbox.probe_isolation()[0] is None,
-                                 reason=f"no bubblewrap isolation here: {sandbox.probe_isolation()[1]}")
+needs_bwrap = pytest.mark.skipif(
+    sandbox.probe_isolation()[0] is None,
+    reason=f"no bubblewrap isolation here: {sandbox.probe_isolation()[1]}",
+)
 
 
 def test_correct_solution_passes() -> None:
@@ -41,35 +43,47 @@ def test_wrong_solution_fails_with_feedback() -> None:
     assert "AssertionError" in r.stderr and "add(-1, 1) returned 7" in r.stderr
 
 
-@pytest.mark.parametrize("cheat", [
-    "import os\nos._exit(0)\n",
-    "import sys\nsys.exit(0)\n",
-    "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n",
-    "class Yes:\n    def __eq__(self, other):\n        return True\n    __hash__ = object.__hash__\n"
-    "def add(a, b):\n    return Yes()\n",
-    "class I(int):\n    def __eq__(self, other):\n        return True\n    __hash__ = int.__hash__\n"
-    "def add(a, b):\n    return I(0)\n",
-    "import sys\nprint('{\"nonce\": \"x\", \"results\": [{\"passed\": true}]}')\nsys.stdout.flush()\nsys.exit(0)\n",
-])
+@pytest.mark.parametrize(
+    "cheat",
+    [
+        "import os\nos._exit(0)\n",
+        "import sys\nsys.exit(0)\n",
+        "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n",
+        "class Yes:\n    def __eq__(self, other):\n        return True\n    __hash__ = object.__hash__\n"
+        "def add(a, b):\n    return Yes()\n",
+        "class I(int):\n    def __eq__(self, other):\n        return True\n    __hash__ = int.__hash__\n"
+        "def add(a, b):\n    return I(0)\n",
+        'import sys\nprint(\'{"nonce": "x", "results": [{"passed": true}]}\')\nsys.stdout.flush()\nsys.exit(0)\n',
+    ],
+)
 async def test_reward_hacks_score_zero(cheat: str) -> None:
     code = "def add(a, b):\n    return 0\n" + cheat
     reward = CodeTestsReward(CodeTestsConfig(timeout_s=5, isolation="best_effort"))
-    t = Trajectory(traj_id="x", task="code", env_id="e", group_id="g", seed=0, start_version=0,
-                   turns=[Turn(context_ids=[1], output_ids=[2], action_text=f"```python\n{code}```")],
-                   info={"tests": TESTS})
+    t = Trajectory(
+        traj_id="x",
+        task="code",
+        env_id="e",
+        group_id="g",
+        seed=0,
+        start_version=0,
+        turns=[Turn(context_ids=[1], output_ids=[2], action_text=f"```python\n{code}```")],
+        info={"tests": TESTS},
+    )
     r = await reward.score(t)
     assert r.score == 0.0 and not r.details["passed"] and r.details["tests_passed"] == 0, r.details
     assert r.details["tests_total"] == 2
 
 
 def test_call_and_io_cases_are_compared_type_strictly() -> None:
-    code = ("def f(x):\n    return x\n"
-            "def g():\n    return (1, [2.5, {'a': None}], {3, 4}, b'z')\n"
-            "import sys\nif __name__ == '__main__':\n    print(sum(map(int, sys.stdin.read().split())))\n")
+    code = (
+        "def f(x):\n    return x\n"
+        "def g():\n    return (1, [2.5, {'a': None}], {3, 4}, b'z')\n"
+        "import sys\nif __name__ == '__main__':\n    print(sum(map(int, sys.stdin.read().split())))\n"
+    )
     cases = [
         {"call": "f", "args": [1], "expected": 1},
-        {"call": "f", "args": [True], "expected": 1},        # bool is not int
-        {"call": "f", "args": [1.0], "expected": 1},         # float is not int
+        {"call": "f", "args": [True], "expected": 1},  # bool is not int
+        {"call": "f", "args": [1.0], "expected": 1},  # float is not int
         {"call": "f", "args": [[1, 2]], "expected": (1, 2)},  # list is not tuple
         {"call": "g", "expected": (1, [2.5, {"a": None}], {4, 3}, b"z")},
         {"stdin": "2 3\n", "stdout": "5\n"},
@@ -104,22 +118,31 @@ def test_fork_bomb_is_contained() -> None:
 
 
 def test_huge_allocation_fails() -> None:
-    r = run_python("x = bytearray(10 * 1024**3)\nprint('allocated')\n", memory_mb=256, isolation="best_effort")
+    r = run_python(
+        "x = bytearray(10 * 1024**3)\nprint('allocated')\n", memory_mb=256, isolation="best_effort"
+    )
     assert not r.passed and r.killed_reason == "memory", r
     assert "allocated" not in r.stdout
 
 
 def test_output_is_capped() -> None:
-    r = run_python("import sys\nwhile True:\n    sys.stdout.write('x' * 4096)\n", max_output_bytes=10_000,
-                   isolation="best_effort")
+    r = run_python(
+        "import sys\nwhile True:\n    sys.stdout.write('x' * 4096)\n",
+        max_output_bytes=10_000,
+        isolation="best_effort",
+    )
     assert not r.passed and r.killed_reason == "output_limit", r
     assert len(r.stdout) + len(r.stderr) <= 10_000 + 200
 
 
 def test_async_runs_concurrently_and_sync_works_inside_a_loop() -> None:
     async def main() -> list[sandbox.SandboxResult]:
-        rs = await asyncio.gather(*(run_python_async(SOLUTION, f"assert add({i}, 1) == {i + 1}",
-                                                     isolation="best_effort") for i in range(4)))
+        rs = await asyncio.gather(
+            *(
+                run_python_async(SOLUTION, f"assert add({i}, 1) == {i + 1}", isolation="best_effort")
+                for i in range(4)
+            )
+        )
         rs.append(run_python(SOLUTION, "assert add(2, 2) == 5", isolation="best_effort"))
         return list(rs)
 
@@ -140,7 +163,7 @@ def test_require_names_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
 
 # ---------------------------------------------------------------- isolation, as root and as nobody
 
-ESCAPES = r'''
+ESCAPES = r"""
 import json, os, socket, subprocess, sys, time
 def read(p):
     try:
@@ -176,7 +199,7 @@ def subprocess_connect(port):
     return p.returncode
 def visible_pids():
     return len([d for d in os.listdir("/proc") if d.isdigit()]) < 10
-'''
+"""
 
 
 def _escape_cases(secret_path: str, secret: str, outside: str, port: int, marker: str) -> list[dict]:
@@ -194,7 +217,7 @@ def _escape_cases(secret_path: str, secret: str, outside: str, port: int, marker
     ]
 
 
-DAEMON = r'''
+DAEMON = r"""
 import os, sys, time
 MARKER = "{marker}"
 if os.fork() == 0:
@@ -214,7 +237,7 @@ while time.monotonic() < deadline:
     if found:
         print("daemon up")
         break
-'''
+"""
 
 KILL_ALL = "import os, signal\nos.kill(-1, signal.SIGKILL)\n"
 
@@ -233,7 +256,7 @@ def _host_processes_with(marker: str) -> list[int]:
 
 
 # Runs the same checks through the sandbox in another process (as root, or as `nobody` via setpriv).
-RUNNER = r'''
+RUNNER = r"""
 import json, site, sys
 site.addsitedir(sys.argv[1])
 from rollart_reward.sandbox import run_python
@@ -244,7 +267,7 @@ for name, (code, tests) in spec.items():
     out[name] = {"passed": r.passed, "tp": r.tests_passed, "tt": r.tests_total, "level": r.isolation,
                  "stdout": r.stdout, "stderr": r.stderr[-1500:], "killed": r.killed_reason}
 print(json.dumps(out))
-'''
+"""
 
 
 def _as_user(user: str) -> list[str]:
@@ -270,14 +293,18 @@ def test_sandbox_cannot_escape(user: str) -> None:
     server.bind(("127.0.0.1", 0))
     server.listen(8)
     server.setblocking(False)
-    sibling = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", marker + "-sibling"],
-                               start_new_session=True)
+    sibling = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(120)", marker + "-sibling"], start_new_session=True
+    )
     try:
         os.write(fd, secret.encode())
         os.close(fd)
         os.chmod(secret_path, 0o644)  # readable by every uid on the host: only the sandbox stands in the way
         spec = {
-            "escapes": [ESCAPES, _escape_cases(secret_path, secret, outside, server.getsockname()[1], marker)],
+            "escapes": [
+                ESCAPES,
+                _escape_cases(secret_path, secret, outside, server.getsockname()[1], marker),
+            ],
             "kill_all": [KILL_ALL, None],
             "daemon": [DAEMON.format(marker=marker), None],
         }
@@ -285,8 +312,13 @@ def test_sandbox_cannot_escape(user: str) -> None:
         python = sys.executable if user == "root" else "/usr/bin/python3"
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), marker: secret, "SECRET": marker}
         t0 = time.monotonic()
-        p = subprocess.run([*prefix, python, "-I", "-c", RUNNER, site_dir, json.dumps(spec)], capture_output=True,
-                           timeout=120, env=env, cwd="/")
+        p = subprocess.run(
+            [*prefix, python, "-I", "-c", RUNNER, site_dir, json.dumps(spec)],
+            capture_output=True,
+            timeout=120,
+            env=env,
+            cwd="/",
+        )
         assert p.returncode == 0, p.stderr.decode()[-3000:]
         out = json.loads(p.stdout)
         esc = out["escapes"]

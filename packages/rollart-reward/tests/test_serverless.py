@@ -29,16 +29,31 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def traj(i: int | str, **info: Any) -> Trajectory:
-    return Trajectory(traj_id=f"t{i}", task="t", env_id="e", group_id="g", seed=0, start_version=0,
-                      info={"work_s": 0.01, **info})
+    return Trajectory(
+        traj_id=f"t{i}",
+        task="t",
+        env_id="e",
+        group_id="g",
+        seed=0,
+        start_version=0,
+        info={"work_s": 0.01, **info},
+    )
 
 
 def executor(launch: str = "local", **options: Any) -> ServerlessExecutor:
-    opts = {"launch": launch, "runtime": {"max_workers": 4, "idle_timeout_s": 5},
-            "http": {"fallback": "none", "timeout_s": 10, "cold_start_timeout_s": 10, "backoff_max_s": 0.2},
-            **options}
-    return build("reward_executor", "serverless", opts, "reward_executor.options",
-                 fn=build("reward", "synthetic", {"work_s": 0.01}, "reward.options"))
+    opts = {
+        "launch": launch,
+        "runtime": {"max_workers": 4, "idle_timeout_s": 5},
+        "http": {"fallback": "none", "timeout_s": 10, "cold_start_timeout_s": 10, "backoff_max_s": 0.2},
+        **options,
+    }
+    return build(
+        "reward_executor",
+        "serverless",
+        opts,
+        "reward_executor.options",
+        fn=build("reward", "synthetic", {"work_s": 0.01}, "reward.options"),
+    )
 
 
 def runtime_stats(ex: ServerlessExecutor) -> dict[str, Any]:
@@ -71,8 +86,11 @@ async def until(cond: Callable[[], bool], timeout: float, what: str) -> None:
 
 
 async def all_gone(pids: list[int]) -> None:
-    await until(lambda: not any(running(p) for p in pids), 15,
-                f"processes {[p for p in pids if running(p)]} to be gone")
+    await until(
+        lambda: not any(running(p) for p in pids),
+        15,
+        f"processes {[p for p in pids if running(p)]} to be gone",
+    )
 
 
 async def test_starts_a_runtime_scores_through_it_and_aclose_leaves_no_process() -> None:
@@ -84,7 +102,9 @@ async def test_starts_a_runtime_scores_through_it_and_aclose_leaves_no_process()
         assert ex.url.startswith("http://127.0.0.1:")
         pids = runtime_pids(ex)
         assert len(pids) >= 3 and all(running(p) for p in pids)  # serve, template, >= 1 worker
-        assert httpx.post(f"{ex.url}/invoke", json={"trajectory": {}}).status_code == 401  # a token by default
+        assert (
+            httpx.post(f"{ex.url}/invoke", json={"trajectory": {}}).status_code == 401
+        )  # a token by default
         s = await ex.astats()
         assert s["runtime_calls"] == 12 and s["runtime_executions"] == 12 and s["runtime_cold_starts"] >= 1
         assert 0 < s["runtime_utilisation"] <= 1 and s["runtime_restarts"] == 0
@@ -126,8 +146,11 @@ async def test_restart_budget_spent_fails_naming_the_stage_and_url() -> None:
         assert pid is not None
         pids = runtime_pids(ex)
         os.kill(pid, signal.SIGKILL)
-        with pytest.raises(RewardError, match=f"reward stage: the function runtime at {url} died and its restart "
-                                              r"budget \(0\) is spent"):
+        with pytest.raises(
+            RewardError,
+            match=f"reward stage: the function runtime at {url} died and its restart "
+            r"budget \(0\) is spent",
+        ):
             await asyncio.wait_for(ex.score(traj("after", work_s=0.01)), 60)
         await all_gone(pids)
     finally:
@@ -138,7 +161,9 @@ async def test_url_mode_connects_to_a_runtime_it_does_not_own() -> None:
     owner = executor()
     try:
         await owner.start()
-        guest = build("reward_executor", "serverless", {"url": owner.url, "http": {"api_key": owner.api_key}}, "x")
+        guest = build(
+            "reward_executor", "serverless", {"url": owner.url, "http": {"api_key": owner.api_key}}, "x"
+        )
         try:
             assert (await guest.score(traj("guest", score=3))).score == 3.0
         finally:
@@ -150,15 +175,20 @@ async def test_url_mode_connects_to_a_runtime_it_does_not_own() -> None:
 
 def test_options_url_excludes_own_runtime_options_and_bad_options_are_config_errors() -> None:
     with pytest.raises(ConfigError, match="url is set, but \\['host', 'runtime'\\]"):
-        build("reward_executor", "serverless", {"url": "http://127.0.0.1:1", "host": "0.0.0.0",
-                                                "runtime": {"max_workers": 2}}, "x")
+        build(
+            "reward_executor",
+            "serverless",
+            {"url": "http://127.0.0.1:1", "host": "0.0.0.0", "runtime": {"max_workers": 2}},
+            "x",
+        )
     with pytest.raises(ConfigError, match="no_such_option"):
         build("reward_executor", "serverless", {"no_such_option": 1}, "x", fn=SyntheticReward())
     with pytest.raises(ConfigError, match="no reward function to serve"):
         build("reward_executor", "serverless", {}, "x")
     with pytest.raises(ConfigError, match="host 'node' needs Ray"):
-        ServerlessExecutor(ServerlessExecutor.Config(launch="local", host="node"),
-                           fn=SyntheticReward())._new_handle()
+        ServerlessExecutor(
+            ServerlessExecutor.Config(launch="local", host="node"), fn=SyntheticReward()
+        )._new_handle()
 
 
 def test_reward_served_is_the_tasks_function() -> None:
@@ -174,14 +204,32 @@ def test_reward_served_is_the_tasks_function() -> None:
 
 
 def test_every_scaling_option_reaches_the_serve_command() -> None:
-    scaling = ScalingConfig(min_workers=1, max_workers=3, idle_timeout_s=0.7, idle_policy="fixed",
-                            call_timeout_s=9, max_queue=11, cache_size=12, max_body_bytes=4096, max_batch=13,
-                            max_async_tasks=14)
+    scaling = ScalingConfig(
+        min_workers=1,
+        max_workers=3,
+        idle_timeout_s=0.7,
+        idle_policy="fixed",
+        call_timeout_s=9,
+        max_queue=11,
+        cache_size=12,
+        max_body_bytes=4096,
+        max_batch=13,
+        max_async_tasks=14,
+    )
     argv = serve_command("synthetic", {"work_s": 0.1}, "127.0.0.1", 0, scaling)
-    args = _parser().parse_args(argv[argv.index("serve"):])
-    assert (args.min_workers, args.max_workers, args.idle_timeout, args.idle_policy, args.call_timeout,
-            args.max_queue, args.cache_size, args.max_body_bytes, args.max_batch, args.max_async_tasks) == (
-        1, 3, 0.7, "fixed", 9.0, 11, 12, 4096, 13, 14)
+    args = _parser().parse_args(argv[argv.index("serve") :])
+    assert (
+        args.min_workers,
+        args.max_workers,
+        args.idle_timeout,
+        args.idle_policy,
+        args.call_timeout,
+        args.max_queue,
+        args.cache_size,
+        args.max_body_bytes,
+        args.max_batch,
+        args.max_async_tasks,
+    ) == (1, 3, 0.7, "fixed", 9.0, 11, 12, 4096, 13, 14)
     assert "--api-key" not in argv  # the token travels in the environment, not on a visible command line
 
 
@@ -191,10 +239,18 @@ def test_fault_injection_reaches_the_serve_command() -> None:
 
     scaling = ScalingConfig(faults={"seed": 7, "error_before": 0.1, "delay": 0.1, "delay_s": 3.0})
     argv = serve_command("synthetic", {}, "127.0.0.1", 0, scaling)
-    args = _parser().parse_args(argv[argv.index("serve"):])
+    args = _parser().parse_args(argv[argv.index("serve") :])
     assert FaultConfig.model_validate(json.loads(args.faults)) == scaling.faults
-    assert json.loads(_parser().parse_args(serve_command("synthetic", {}, "127.0.0.1", 0, ScalingConfig())[
-        argv.index("serve"):]).faults) == FaultConfig().model_dump()  # none by default
+    assert (
+        json.loads(
+            _parser()
+            .parse_args(
+                serve_command("synthetic", {}, "127.0.0.1", 0, ScalingConfig())[argv.index("serve") :]
+            )
+            .faults
+        )
+        == FaultConfig().model_dump()
+    )  # none by default
 
 
 # ---------------------------------------------------------------- the Ray actor path
@@ -207,7 +263,9 @@ def ray_cluster() -> Iterator[Any]:
     os.environ.update(LOOPBACK_ENV)
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, resources={"reward_cpu": 1}, include_dashboard=False, _node_ip_address="127.0.0.1")
+        ray.init(
+            num_cpus=2, resources={"reward_cpu": 1}, include_dashboard=False, _node_ip_address="127.0.0.1"
+        )
     try:
         yield ray
     finally:
@@ -221,18 +279,24 @@ def ray_cluster() -> Iterator[Any]:
 
 
 @pytest.mark.ray
-async def test_ray_actor_on_the_pool_runs_the_runtime_restarts_it_and_aclose_stops_it(ray_cluster: Any) -> None:
+async def test_ray_actor_on_the_pool_runs_the_runtime_restarts_it_and_aclose_stops_it(
+    ray_cluster: Any,
+) -> None:
     ex = executor(launch="auto", pool="reward_cpu", num_cpus=0.5, restarts=1)
     try:
         assert (await ex.score(traj("ray0", score=5))).score == 5.0
         handle = ex._handle
         assert handle is not None and handle.where == "Ray actor"
-        assert ray_cluster.available_resources().get("reward_cpu", 0) == pytest.approx(1 - 0.001)  # on the pool
+        assert ray_cluster.available_resources().get("reward_cpu", 0) == pytest.approx(
+            1 - 0.001
+        )  # on the pool
         actors = [handle.actor]
         pids = runtime_pids(ex)
         assert os.getppid() != pids[0] and pids[0] != os.getpid()  # the serve process is the actor's child
         os.kill(pids[0], signal.SIGKILL)
-        results = await asyncio.wait_for(asyncio.gather(*(ex.score(traj(f"ray{i}", score=i)) for i in range(4))), 90)
+        results = await asyncio.wait_for(
+            asyncio.gather(*(ex.score(traj(f"ray{i}", score=i)) for i in range(4))), 90
+        )
         assert [r.score for r in results] == [0.0, 1.0, 2.0, 3.0] and ex.restarts == 1
         await all_gone(pids)
         pids = runtime_pids(ex)
@@ -244,4 +308,6 @@ async def test_ray_actor_on_the_pool_runs_the_runtime_restarts_it_and_aclose_sto
     for actor in actors:  # both runtimes' actors are killed, their pool resource is free again
         with pytest.raises(ray_cluster.exceptions.RayActorError):
             await asyncio.wait_for(actor.alive.remote(), 30)
-    await until(lambda: ray_cluster.available_resources().get("reward_cpu", 0) == 1, 30, "the pool to be free")
+    await until(
+        lambda: ray_cluster.available_resources().get("reward_cpu", 0) == 1, 30, "the pool to be free"
+    )

@@ -30,9 +30,19 @@ def _last_turn_batch(trainer: TorchTrainer, version: int = 0) -> list[Trajectory
     """Behaviour logprobs of each action given *its own turn's prompt only* (what the engine saw)."""
     batch = []
     for i, (turns, reward) in enumerate(EPISODES):
-        built = [Turn(context_ids=list(ctx), output_ids=list(out), output_logprobs=trainer.logprobs(ctx + out)[-1:],
-                      output_versions=[version], new_sequence=k > 0) for k, (ctx, out) in enumerate(turns)]
-        batch.append(Trajectory(f"g-{i}", "t", "e", "g", seed=0, start_version=version, turns=built, reward=reward))
+        built = [
+            Turn(
+                context_ids=list(ctx),
+                output_ids=list(out),
+                output_logprobs=trainer.logprobs(ctx + out)[-1:],
+                output_versions=[version],
+                new_sequence=k > 0,
+            )
+            for k, (ctx, out) in enumerate(turns)
+        ]
+        batch.append(
+            Trajectory(f"g-{i}", "t", "e", "g", seed=0, start_version=version, turns=built, reward=reward)
+        )
     return batch
 
 

@@ -13,8 +13,9 @@ from rollart_train.losses import grpo_advantages, ppo_clip_loss, step_advantages
 
 
 def traj(group: str, reward: float, i: int = 0) -> Trajectory:
-    return Trajectory(traj_id=f"{group}-{i}", task="t", env_id="e", group_id=group, seed=i,
-                      start_version=0, reward=reward)
+    return Trajectory(
+        traj_id=f"{group}-{i}", task="t", env_id="e", group_id=group, seed=i, start_version=0, reward=reward
+    )
 
 
 # references -------------------------------------------------------------------------------------
@@ -134,15 +135,20 @@ def episode(group: str, reward: float, states: list[int], i: int) -> Trajectory:
     return t
 
 
-def ref_step(batch: list[tuple[str, float, list[int]]], gamma: float, w: float, scale: bool,
-             eps: float = 1e-6) -> list[list[float]]:
+def ref_step(
+    batch: list[tuple[str, float, list[int]]], gamma: float, w: float, scale: bool, eps: float = 1e-6
+) -> list[list[float]]:
     """Episode GRPO + w * (discounted return - mean of the same-state turns of the group) / std."""
     ep = ref_grpo([g for g, _, _ in batch], [r for _, r, _ in batch], scale)
     out = [[ep[i]] * len(states) for i, (_, _, states) in enumerate(batch)]
     keys = {(g, s) for g, _, states in batch for s in states}
     for key in keys:
-        members = [(i, k, r * gamma ** (len(states) - 1 - k)) for i, (g, r, states) in enumerate(batch)
-                   for k, s in enumerate(states) if (g, s) == key]
+        members = [
+            (i, k, r * gamma ** (len(states) - 1 - k))
+            for i, (g, r, states) in enumerate(batch)
+            for k, s in enumerate(states)
+            if (g, s) == key
+        ]
         if len(members) < 2:
             continue
         mean = sum(m[2] for m in members) / len(members)
@@ -160,8 +166,12 @@ def test_step_advantages_match_reference(gamma: float, w: float, scale: bool) ->
         g = "ab"[i % 2]
         states = [0] + [int(x) for x in rng.integers(1, 5, size=int(rng.integers(0, 5)))]
         batch.append((g, float(rng.integers(0, 2)) * (1 + i % 3), states))
-    got = step_advantages([episode(g, r, s, i) for i, (g, r, s) in enumerate(batch)], gamma=gamma,
-                          step_weight=w, scale_by_std=scale)
+    got = step_advantages(
+        [episode(g, r, s, i) for i, (g, r, s) in enumerate(batch)],
+        gamma=gamma,
+        step_weight=w,
+        scale_by_std=scale,
+    )
     exp = ref_step(batch, gamma, w, scale)
     assert [len(a) for a in got] == [len(s) for _, _, s in batch]
     for a, e in zip(got, exp, strict=True):
@@ -243,8 +253,9 @@ def test_ppo_clip_loss_matches_reference(seed: int, clip_eps: float, clip_eps_hi
     assert ((ratio > 1 + hi) & (mask > 0)).any() and ((ratio < 1 - clip_eps) & (mask > 0)).any()
     logp = logp.clone().requires_grad_(True)
     loss, info = ppo_clip_loss(logp, blp, adv, mask, clip_eps=clip_eps, clip_eps_high=clip_eps_high)
-    ref_loss, ref_frac, ref_kl, ref_grad = ref_ppo(logp.detach().numpy(), blp.numpy(), adv.numpy(),
-                                                   mask.numpy(), clip_eps, clip_eps_high)
+    ref_loss, ref_frac, ref_kl, ref_grad = ref_ppo(
+        logp.detach().numpy(), blp.numpy(), adv.numpy(), mask.numpy(), clip_eps, clip_eps_high
+    )
     assert loss.dim() == 0
     assert float(loss) == pytest.approx(ref_loss, rel=1e-12, abs=1e-12)
     assert info["clip_frac"] == pytest.approx(ref_frac, rel=1e-12, abs=1e-12)
@@ -255,7 +266,9 @@ def test_ppo_clip_loss_matches_reference(seed: int, clip_eps: float, clip_eps_hi
 
 def test_ppo_clip_loss_float32_close_to_float64_reference() -> None:
     logp, blp, adv, mask = random_ppo_inputs(7, shape=(8, 33))
-    loss, info = ppo_clip_loss(logp.float(), blp.float(), adv.float(), mask.float(), clip_eps=0.2, clip_eps_high=0.28)
+    loss, info = ppo_clip_loss(
+        logp.float(), blp.float(), adv.float(), mask.float(), clip_eps=0.2, clip_eps_high=0.28
+    )
     ref_loss, ref_frac, _, _ = ref_ppo(logp.numpy(), blp.numpy(), adv.numpy(), mask.numpy(), 0.2, 0.28)
     assert float(loss) == pytest.approx(ref_loss, abs=1e-5)
     assert info["clip_frac"] == pytest.approx(ref_frac, abs=1e-6)

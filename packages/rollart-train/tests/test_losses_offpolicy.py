@@ -62,11 +62,13 @@ def test_decoupled_ppo_matches_reference(seed, cap, mode, clip_eps, clip_eps_hig
     if cap is not None:  # the cap is really exercised on masked tokens
         assert ((w > cap) & (mask > 0)).any() and ((w <= cap) & (mask > 0)).any()
     logp = logp.clone().requires_grad_(True)
-    loss, st = decoupled_ppo_loss(logp, prox, blp, adv, mask, clip_eps=clip_eps, clip_eps_high=clip_eps_high,
-                                  tis_cap=cap, tis_mode=mode)
+    loss, st = decoupled_ppo_loss(
+        logp, prox, blp, adv, mask, clip_eps=clip_eps, clip_eps_high=clip_eps_high, tis_cap=cap, tis_mode=mode
+    )
     hi = clip_eps if clip_eps_high is None else clip_eps_high
-    r_loss, r_clip, r_kl, r_w, r_capped, r_grad = ref_decoupled(logp.detach(), prox, blp, adv, mask, clip_eps, hi,
-                                                                 cap, mode)
+    r_loss, r_clip, r_kl, r_w, r_capped, r_grad = ref_decoupled(
+        logp.detach(), prox, blp, adv, mask, clip_eps, hi, cap, mode
+    )
     assert float(loss) == pytest.approx(r_loss, rel=1e-12, abs=1e-12)
     assert float(st["clip_frac"]) == pytest.approx(r_clip, abs=1e-12)
     assert float(st["approx_kl"]) == pytest.approx(r_kl, rel=1e-12, abs=1e-12)
@@ -168,7 +170,7 @@ def test_entropy_gradient_is_finite_and_exact_with_restricted_logits() -> None:
     # an entropy bonus on allowed-token-restricted logits must not produce nan gradients (which
     # make the trainer skip every optimiser step); reference: dH/dz_i = -p_i (log p_i + H) on the support
     g = torch.Generator().manual_seed(7)
-    logits = (torch.randn(3, 9, generator=g, dtype=torch.float64) * 2)
+    logits = torch.randn(3, 9, generator=g, dtype=torch.float64) * 2
     logits[:, [1, 2, 5, 8]] = float("-inf")
     logits[2, [0, 3, 4, 6]] = float("-inf")  # one allowed token left: H = 0, gradient 0
     logits.requires_grad_(True)
@@ -209,15 +211,18 @@ def test_lr_schedules() -> None:
     assert [lr_factor(lin, s) for s in range(6)] == pytest.approx([1.0, 0.75, 0.5, 0.25, 0.0, 0.0])
 
 
-@pytest.mark.parametrize("bad", [
-    {"tis_cap": 2.0},  # needs decoupled_ppo
-    {"lr_schedule": "cosine"},  # needs total_steps
-    {"warmup_steps": 5, "total_steps": 3},
-    {"ref_model_path": "/x"},  # unused without kl_coef
-    {"loss": "grpo"},
-    {"micro_batch_tokens": 0},
-    {"unknown": 1},
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"tis_cap": 2.0},  # needs decoupled_ppo
+        {"lr_schedule": "cosine"},  # needs total_steps
+        {"warmup_steps": 5, "total_steps": 3},
+        {"ref_model_path": "/x"},  # unused without kl_coef
+        {"loss": "grpo"},
+        {"micro_batch_tokens": 0},
+        {"unknown": 1},
+    ],
+)
 def test_config_rejects_bad_input(bad) -> None:
     from pydantic import ValidationError
 

@@ -32,8 +32,24 @@ def test_qkv_layout_is_grouped_by_query_group() -> None:
     q, k, v = labelled(100, 8), labelled(200, 4), labelled(300, 4)  # 4 q heads, 2 kv heads, head_dim 2
     fused = merge_qkv(q, k, v, SHAPE)
     # group 0: q heads 0,1 (rows 0-3), k head 0, v head 0; then group 1
-    assert fused[:, 0].tolist() == [100, 101, 102, 103, 200, 201, 300, 301,
-                                    104, 105, 106, 107, 202, 203, 302, 303]
+    assert fused[:, 0].tolist() == [
+        100,
+        101,
+        102,
+        103,
+        200,
+        201,
+        300,
+        301,
+        104,
+        105,
+        106,
+        107,
+        202,
+        203,
+        302,
+        303,
+    ]
     for a, b in zip(split_qkv(fused, SHAPE), (q, k, v), strict=True):
         assert torch.equal(a, b)
     bias = merge_qkv(q[:, 0], k[:, 0], v[:, 0], SHAPE)  # 1-D biases use the same layout
@@ -92,10 +108,14 @@ def test_pipeline_stage_layer_offset_and_unknown_names(tiny) -> None:
         list(megatron_to_hf([("decoder.layers.0.self_attention.weird", torch.zeros(1))], shape))
 
 
-HAS_MCORE = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
+HAS_MCORE = (
+    importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
+)
 
 
-@pytest.mark.skipif(not HAS_MCORE, reason="megatron-core is not installed (extra [megatron]; not in the cpu stack)")
+@pytest.mark.skipif(
+    not HAS_MCORE, reason="megatron-core is not installed (extra [megatron]; not in the cpu stack)"
+)
 @pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning", "ignore::FutureWarning")
 def test_megatron_gpt_model_on_cpu_matches_hf_logits(tiny, tmp_path) -> None:
     from rollart_train.megatron_trainer import build_gpt_model_cpu_for_tests

@@ -32,8 +32,13 @@ def ray_session() -> Iterator[None]:
 
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=4, resources={POOL: 2}, include_dashboard=False, _node_ip_address="127.0.0.1",
-                 log_to_driver=False)
+        ray.init(
+            num_cpus=4,
+            resources={POOL: 2},
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            log_to_driver=False,
+        )
     yield
     if started:
         ray.shutdown()
@@ -52,11 +57,25 @@ def make_batch(logprobs: Callable[[list[int]], list[float]] | None = None) -> li
     for i in range(8):
         ctx = torch.randint(3, 400, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()
         gen = torch.randint(3, 400, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
-        lps = logprobs(ctx + gen)[-len(gen):] if logprobs else [-6.0] * len(gen)
-        turn = Turn(context_ids=ctx, output_ids=gen, output_logprobs=[x - 0.05 * (k % 3) for k, x in enumerate(lps)],
-                    output_versions=[0] * len(gen))
-        out.append(Trajectory(traj_id=f"t{i}", task="t", env_id="e", group_id=f"g{i % 2}", seed=i, start_version=0,
-                              turns=[turn], reward=float((i * 7) % 5)))
+        lps = logprobs(ctx + gen)[-len(gen) :] if logprobs else [-6.0] * len(gen)
+        turn = Turn(
+            context_ids=ctx,
+            output_ids=gen,
+            output_logprobs=[x - 0.05 * (k % 3) for k, x in enumerate(lps)],
+            output_versions=[0] * len(gen),
+        )
+        out.append(
+            Trajectory(
+                traj_id=f"t{i}",
+                task="t",
+                env_id="e",
+                group_id=f"g{i % 2}",
+                seed=i,
+                start_version=0,
+                turns=[turn],
+                reward=float((i * 7) % 5),
+            )
+        )
     return out
 
 
@@ -116,7 +135,9 @@ def test_two_ranks_on_pool_match_in_process_trainer(ray_session: None, tiny_mode
         assert group.node_ids == [h800[0]] * 2
         assert len(set(group.pids)) == 2 and os.getpid() not in group.pids
         assert {n for n in named_actors() if n.startswith("rollart-trainer-")} >= {
-            f"{group._name}-g1-rank0", f"{group._name}-g1-rank1"}
+            f"{group._name}-g1-rank0",
+            f"{group._name}-g1-rank1",
+        }
         assert len(live_placement_groups() - pgs_before) == 1
         start = dict(group.named_weights())
         for n, w in start.items():  # full tensors gathered from the shards: the same initial model
@@ -144,8 +165,9 @@ def _tensors_in_process() -> list[torch.Tensor]:
     return [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
 
 
-def test_push_from_rank0_commits_and_weights_never_reach_the_driver(ray_session: None, tiny_model: Path,
-                                                                     tmp_path: Path) -> None:
+def test_push_from_rank0_commits_and_weights_never_reach_the_driver(
+    ray_session: None, tiny_model: Path, tmp_path: Path
+) -> None:
     from safetensors import safe_open
 
     from rollart_weightsync import FilesystemWeightStore
@@ -174,8 +196,9 @@ def test_push_from_rank0_commits_and_weights_never_reach_the_driver(ray_session:
         assert torch.equal(pulled[n], w), n
 
 
-def test_killed_rank_restarts_from_newest_checkpoint(ray_session: None, tiny_model: Path, tmp_path: Path,
-                                                     caplog: pytest.LogCaptureFixture) -> None:
+def test_killed_rank_restarts_from_newest_checkpoint(
+    ray_session: None, tiny_model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     ckpts = tmp_path / "ckpt"
     cfg = group_config(max_restarts=1, checkpoint_dir=str(ckpts))
     with RayTrainerGroup(cfg, model_path=tiny_model) as group:
@@ -191,12 +214,16 @@ def test_killed_rank_restarts_from_newest_checkpoint(ray_session: None, tiny_mod
         assert metrics["restored_version"] == 1.0 and metrics["lost_steps"] == 1.0
         assert metrics["restart_s"] > 0
         assert metrics["version"] == 3.0 and group.version == 3  # rebased: monotone
-        assert metrics["optimizer_steps"] == 2.0  # checkpoint-1's one step + this one: weights from checkpoint-1
+        assert (
+            metrics["optimizer_steps"] == 2.0
+        )  # checkpoint-1's one step + this one: weights from checkpoint-1
         assert metrics["token_lag_mean"] == 2.0  # the ranks themselves continue at version 2 (tokens are v0)
         assert not set(group.pids) & set(old)
         assert not wait_gone(old)
         warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-        assert any("rank 1" in w and "restart 1 of 1" in w and "1 step(s) lost" in w for w in warnings), warnings
+        assert any("rank 1" in w and "restart 1 of 1" in w and "1 step(s) lost" in w for w in warnings), (
+            warnings
+        )
         again = group.train_step(batch)
         assert again["version"] == 4.0 and "trainer_restarts" not in again
 
@@ -204,8 +231,19 @@ def test_killed_rank_restarts_from_newest_checkpoint(ray_session: None, tiny_mod
 def test_killed_rank_without_restart_budget_raises(ray_session: None, tiny_model: Path) -> None:
     with RayTrainerGroup(group_config(max_restarts=0), model_path=tiny_model) as group:
         pids = group.pids
-        empty = [Trajectory(traj_id=f"e{i}", task="t", env_id="e", group_id="g", seed=i, start_version=0,
-                            turns=[Turn(context_ids=[5, 6, 7])], reward=float(i)) for i in range(2)]
+        empty = [
+            Trajectory(
+                traj_id=f"e{i}",
+                task="t",
+                env_id="e",
+                group_id="g",
+                seed=i,
+                start_version=0,
+                turns=[Turn(context_ids=[5, 6, 7])],
+                reward=float(i),
+            )
+            for i in range(2)
+        ]
         with pytest.raises(TrainerError, match="no generated tokens"):  # raised by every rank: not a failure
             group.train_step(empty)
         assert group.pids == pids and group.version == 0
@@ -222,7 +260,9 @@ def test_unplaceable_pools_fail_before_any_rank_starts(ray_session: None, tiny_m
     from rollart_core.resources import ClusterView
 
     actors, pgs = named_actors(), set(ray.util.placement_group_table())
-    with pytest.raises(ConfigError, match=r"1 rank\(s\) on pool 'A100'.*which the cluster does not have.*H800"):
+    with pytest.raises(
+        ConfigError, match=r"1 rank\(s\) on pool 'A100'.*which the cluster does not have.*H800"
+    ):
         RayTrainerGroup(group_config(ranks=1, pool="A100"), model_path=tiny_model)
     with pytest.raises(ConfigError, match=r"3 rank\(s\) on pool 'H800'.*needs 3 H800 but the cluster has 2"):
         RayTrainerGroup(group_config(ranks=3), model_path=tiny_model)

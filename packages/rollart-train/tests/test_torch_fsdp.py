@@ -29,11 +29,25 @@ def make_batch(trainer: TorchTrainer) -> list[Trajectory]:
     for i in range(8):
         ctx = torch.randint(3, 400, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()
         gen = torch.randint(3, 400, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
-        lps = trainer.logprobs(ctx + gen)[-len(gen):]
-        turn = Turn(context_ids=ctx, output_ids=gen, output_logprobs=[x - 0.05 * (k % 3) for k, x in enumerate(lps)],
-                    output_versions=[0] * len(gen))
-        out.append(Trajectory(traj_id=f"t{i}", task="t", env_id="e", group_id=f"g{i % 2}", seed=i, start_version=0,
-                              turns=[turn], reward=float((i * 7) % 5)))
+        lps = trainer.logprobs(ctx + gen)[-len(gen) :]
+        turn = Turn(
+            context_ids=ctx,
+            output_ids=gen,
+            output_logprobs=[x - 0.05 * (k % 3) for k, x in enumerate(lps)],
+            output_versions=[0] * len(gen),
+        )
+        out.append(
+            Trajectory(
+                traj_id=f"t{i}",
+                task="t",
+                env_id="e",
+                group_id=f"g{i % 2}",
+                seed=i,
+                start_version=0,
+                turns=[turn],
+                reward=float((i * 7) % 5),
+            )
+        )
     return out
 
 
@@ -107,8 +121,19 @@ def test_rank_failure_is_reported(two_ranks) -> None:
     with pytest.raises(TrainerError, match="empty batch"):
         two_ranks.train_step([])
     with pytest.raises(TrainerError, match="no generated tokens"):
-        two_ranks.train_step([Trajectory(traj_id="x", task="t", env_id="e", group_id="g", seed=0, start_version=0,
-                                         turns=[Turn(context_ids=[1, 2, 3])])])
+        two_ranks.train_step(
+            [
+                Trajectory(
+                    traj_id="x",
+                    task="t",
+                    env_id="e",
+                    group_id="g",
+                    seed=0,
+                    start_version=0,
+                    turns=[Turn(context_ids=[1, 2, 3])],
+                )
+            ]
+        )
     assert two_ranks.logprobs([5, 6, 7]) is not None  # still usable afterwards
 
 

@@ -29,8 +29,15 @@ def ref(tiny_model) -> TorchTrainer:
     return TorchTrainer(TorchTrainerConfig(), model_path=tiny_model)
 
 
-def make_batch(ref: TorchTrainer, n: int = 6, seed: int = 3, version: int = 0, shift: float = 0.0,
-               allowed: tuple[int, ...] | None = None, temperature: float = 1.0) -> list[Trajectory]:
+def make_batch(
+    ref: TorchTrainer,
+    n: int = 6,
+    seed: int = 3,
+    version: int = 0,
+    shift: float = 0.0,
+    allowed: tuple[int, ...] | None = None,
+    temperature: float = 1.0,
+) -> list[Trajectory]:
     g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(n):
@@ -38,18 +45,39 @@ def make_batch(ref: TorchTrainer, n: int = 6, seed: int = 3, version: int = 0, s
         for _ in range(1 + i % 2):  # one or two turns
             ctx = torch.randint(3, 400, (int(torch.randint(2, 10, (1,), generator=g)),), generator=g).tolist()
             pool = allowed or tuple(range(3, 400))
-            gen = [pool[int(k)] for k in torch.randint(0, len(pool), (int(torch.randint(1, 6, (1,), generator=g)),),
-                                                       generator=g)]
+            gen = [
+                pool[int(k)]
+                for k in torch.randint(
+                    0, len(pool), (int(torch.randint(1, 6, (1,), generator=g)),), generator=g
+                )
+            ]
             prefix += ctx + gen
             if allowed is None and temperature == 1.0:
-                lps = ref.logprobs(prefix)[-len(gen):]
+                lps = ref.logprobs(prefix)[-len(gen) :]
             else:
                 lps = [0.0] * len(gen)  # filled in by the test when it matters
-            turns.append(Turn(context_ids=ctx, output_ids=gen, output_logprobs=[x - shift for x in lps],
-                              output_versions=[version] * len(gen), allowed_token_ids=allowed,
-                              temperature=temperature))
-        out.append(Trajectory(traj_id=f"t{i}", task="t", env_id="e", group_id=f"g{i % 2}", seed=i, start_version=0,
-                              turns=turns, reward=float(i % 3)))
+            turns.append(
+                Turn(
+                    context_ids=ctx,
+                    output_ids=gen,
+                    output_logprobs=[x - shift for x in lps],
+                    output_versions=[version] * len(gen),
+                    allowed_token_ids=allowed,
+                    temperature=temperature,
+                )
+            )
+        out.append(
+            Trajectory(
+                traj_id=f"t{i}",
+                task="t",
+                env_id="e",
+                group_id=f"g{i % 2}",
+                seed=i,
+                start_version=0,
+                turns=turns,
+                reward=float(i % 3),
+            )
+        )
     return out
 
 
@@ -86,10 +114,13 @@ def test_pack_bins_respects_budget_and_is_deterministic() -> None:
 
 
 def test_packed_micro_batch_layout() -> None:
-    seqs = [SeqData([1, 2, 3], [0, 1, 1], [0, -1.0, -2.0], [-1, 4, 4], 0.5),
-            SeqData([7, 8], [0, 1], [0, -3.0], [-1, 5], -1.0)]
-    mb = build_micro_batch(seqs, [0, 1], select="loss", packed=True, pad_id=0, attn_impl="sdpa",
-                           mask_dtype=torch.float32)
+    seqs = [
+        SeqData([1, 2, 3], [0, 1, 1], [0, -1.0, -2.0], [-1, 4, 4], 0.5),
+        SeqData([7, 8], [0, 1], [0, -3.0], [-1, 5], -1.0),
+    ]
+    mb = build_micro_batch(
+        seqs, [0, 1], select="loss", packed=True, pad_id=0, attn_impl="sdpa", mask_dtype=torch.float32
+    )
     assert mb.input_ids.tolist() == [[1, 2, 3, 7, 8]]
     assert mb.position_ids.tolist() == [[0, 1, 2, 0, 1]]
     assert mb.pred_index.tolist() == [0, 1, 3] and mb.targets.tolist() == [2, 3, 8]
@@ -108,24 +139,41 @@ def test_packed_logprobs_equal_unpacked(ref, layout) -> None:
     from rollart_train._packing import seq_data
 
     seqs = [seq_data(t, 0.0, False) for t in batch]
-    packed = build_micro_batch(seqs, range(5), select="all", packed=True, pad_id=ref._local.pad_id,
-                               attn_impl=worker.attn_impl if layout == "segments" else "sdpa",
-                               mask_dtype=torch.float32)
+    packed = build_micro_batch(
+        seqs,
+        range(5),
+        select="all",
+        packed=True,
+        pad_id=ref._local.pad_id,
+        attn_impl=worker.attn_impl if layout == "segments" else "sdpa",
+        mask_dtype=torch.float32,
+    )
     assert (packed.cu_seqlens is not None) == (layout == "segments")
     assert (packed.attention_mask is None) == (layout == "segments")
     with torch.no_grad():
-        lp = torch.log_softmax(worker._logits(worker.model, packed), -1).gather(-1, packed.targets[:, None])[:, 0]
-    padded = build_micro_batch(seqs, range(5), select="all", packed=False, pad_id=ref._local.pad_id,
-                               attn_impl=worker.attn_impl, mask_dtype=torch.float32)
+        lp = torch.log_softmax(worker._logits(worker.model, packed), -1).gather(-1, packed.targets[:, None])[
+            :, 0
+        ]
+    padded = build_micro_batch(
+        seqs,
+        range(5),
+        select="all",
+        packed=False,
+        pad_id=ref._local.pad_id,
+        attn_impl=worker.attn_impl,
+        mask_dtype=torch.float32,
+    )
     with torch.no_grad():
-        lp_pad = torch.log_softmax(worker._logits(worker.model, padded), -1).gather(-1, padded.targets[:, None])[:, 0]
+        lp_pad = torch.log_softmax(worker._logits(worker.model, padded), -1).gather(
+            -1, padded.targets[:, None]
+        )[:, 0]
     k = 0
     for i, t in enumerate(batch):
         alone = ref.logprobs(t.token_ids())  # one sequence, no packing
         n = len(alone)
-        assert packed.seq_index[k:k + n].tolist() == [i] * n
-        torch.testing.assert_close(lp[k:k + n], torch.tensor(alone), rtol=0, atol=2e-5)
-        torch.testing.assert_close(lp_pad[k:k + n], torch.tensor(alone), rtol=0, atol=2e-5)
+        assert packed.seq_index[k : k + n].tolist() == [i] * n
+        torch.testing.assert_close(lp[k : k + n], torch.tensor(alone), rtol=0, atol=2e-5)
+        torch.testing.assert_close(lp_pad[k : k + n], torch.tensor(alone), rtol=0, atol=2e-5)
         k += n
     assert k == lp.numel()
 
@@ -138,10 +186,19 @@ def test_packed_attention_does_not_cross_sequences(ref) -> None:
     a2 = SeqData([300, 301, 302, 303], [1] * 4, [0.0] * 4, [0] * 4, 0.0)
 
     def lps(seqs):
-        mb = build_micro_batch(seqs, [0, 1], select="all", packed=True, pad_id=0, attn_impl=worker.attn_impl,
-                               mask_dtype=torch.float32)
+        mb = build_micro_batch(
+            seqs,
+            [0, 1],
+            select="all",
+            packed=True,
+            pad_id=0,
+            attn_impl=worker.attn_impl,
+            mask_dtype=torch.float32,
+        )
         with torch.no_grad():
-            return torch.log_softmax(worker._logits(worker.model, mb), -1).gather(-1, mb.targets[:, None])[:, 0]
+            return torch.log_softmax(worker._logits(worker.model, mb), -1).gather(-1, mb.targets[:, None])[
+                :, 0
+            ]
 
     # b's logprobs do not change when the sequence packed before it changes
     torch.testing.assert_close(lps([a, b])[3:], lps([a2, b2])[3:], rtol=0, atol=1e-6)
@@ -212,8 +269,9 @@ def test_decoupled_with_current_tokens_equals_ppo_clip_and_skips_recompute(tiny_
 
 
 def test_decoupled_with_stale_tokens_recomputes_proximal(tiny_model, ref) -> None:
-    trainer = TorchTrainer(TorchTrainerConfig(lr=1e-3, loss="decoupled_ppo", tis_cap=1.05, ppo_epochs=2),
-                           model_path=tiny_model)
+    trainer = TorchTrainer(
+        TorchTrainerConfig(lr=1e-3, loss="decoupled_ppo", tis_cap=1.05, ppo_epochs=2), model_path=tiny_model
+    )
     trainer.train_step(make_batch(ref, seed=9))  # now at version 1
     batch = make_batch(ref, shift=0.3, version=0)  # generated by version 0, behaviour logprobs off by 0.3
     m = trainer.train_step(batch)
@@ -249,7 +307,9 @@ def test_match_sampling_restricted_tokens_train(tiny_model, ref) -> None:
     assert abs(m["approx_kl"]) < 1e-5 and m["clip_frac"] == 0.0  # the trainer saw the same distribution
     assert m["entropy"] <= torch.log(torch.tensor(4.0)).item() + 1e-5  # at most 4 allowed tokens
     # with an entropy bonus on the restricted logits the optimiser still steps (no nan gradient)
-    bonus = TorchTrainer(TorchTrainerConfig(lr=1e-3, match_sampling=True, entropy_coef=0.01), model_path=tiny_model)
+    bonus = TorchTrainer(
+        TorchTrainerConfig(lr=1e-3, match_sampling=True, entropy_coef=0.01), model_path=tiny_model
+    )
     mb = bonus.train_step(batch)
     assert math.isfinite(mb["grad_norm"]) and mb["grad_norm"] > 0 and mb["skipped_steps"] == 0
 
@@ -283,7 +343,9 @@ def test_bf16_mixed_precision_keeps_fp32_master_weights(tiny_model, ref) -> None
     assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
     m = trainer.train_step(make_batch(ref))
     assert torch.isfinite(torch.tensor(m["loss"])) and m["grad_norm"] > 0
-    pure = TorchTrainer(TorchTrainerConfig(lr=1e-3, dtype="bfloat16", mixed_precision=False), model_path=tiny_model)
+    pure = TorchTrainer(
+        TorchTrainerConfig(lr=1e-3, dtype="bfloat16", mixed_precision=False), model_path=tiny_model
+    )
     assert all(p.dtype == torch.bfloat16 for p in pure.model.parameters())
     pure.train_step(make_batch(ref))
 
@@ -311,8 +373,10 @@ def test_resume_continues_version_optimizer_and_counters(tiny_model, ref, tmp_pa
     assert m_b["lr"] == pytest.approx(m_a["lr"], rel=1e-12)  # the schedule continues at step 3
     assert_same_weights(dict(a.named_weights()), dict(b.named_weights()), atol=1e-6)
     # without the optimiser state the same step lands elsewhere (Adam moments matter)
-    c = TorchTrainer(TorchTrainerConfig(lr=1e-3, lr_schedule="cosine", total_steps=10, warmup_steps=1),
-                     model_path=tmp_path / "run" / "checkpoint-2")
+    c = TorchTrainer(
+        TorchTrainerConfig(lr=1e-3, lr_schedule="cosine", total_steps=10, warmup_steps=1),
+        model_path=tmp_path / "run" / "checkpoint-2",
+    )
     c.version = 2
     c._local.version = 2
     c.train_step(b2)
@@ -345,9 +409,13 @@ def test_gigpo_and_skip_zero_adv_in_a_train_step(tiny_model, ref) -> None:
     for t, r in zip(batch, [0.0, 1.0, 2.0, 1.0, 0.5, 1.0], strict=True):
         t.reward = r
     base = TorchTrainer(TorchTrainerConfig(lr=1e-3), model_path=tiny_model).train_step(batch)
-    skip = TorchTrainer(TorchTrainerConfig(lr=1e-3, skip_zero_adv=True), model_path=tiny_model).train_step(batch)
+    skip = TorchTrainer(TorchTrainerConfig(lr=1e-3, skip_zero_adv=True), model_path=tiny_model).train_step(
+        batch
+    )
     g0_tokens = sum(len(t.token_ids()) for t in batch if t.group_id == "g0")
     assert skip["packed_tokens"] == g0_tokens < base["packed_tokens"]
     # gigpo: every turn of these random contexts is its own step group, so it equals grpo here
-    gi = TorchTrainer(TorchTrainerConfig(lr=1e-3, advantage="gigpo", gamma=0.9), model_path=tiny_model).train_step(batch)
+    gi = TorchTrainer(
+        TorchTrainerConfig(lr=1e-3, advantage="gigpo", gamma=0.9), model_path=tiny_model
+    ).train_step(batch)
     assert gi["pg_loss"] == pytest.approx(base["pg_loss"], abs=1e-6)

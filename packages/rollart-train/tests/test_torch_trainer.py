@@ -39,18 +39,40 @@ def ro_trainer(tiny_model) -> TorchTrainer:
     return TorchTrainer(TorchTrainerConfig(lr=1e-2), model_path=tiny_model)
 
 
-def make_traj(trainer: TorchTrainer, turns: list[tuple[list[int], list[int]]], reward: float,
-              group: str = "g", i: int = 0, version: int = 0) -> Trajectory:
+def make_traj(
+    trainer: TorchTrainer,
+    turns: list[tuple[list[int], list[int]]],
+    reward: float,
+    group: str = "g",
+    i: int = 0,
+    version: int = 0,
+) -> Trajectory:
     """A trajectory whose behaviour logprobs are the trainer's own (so every ratio is 1)."""
     built: list[Turn] = []
     prefix: list[int] = []
     for ctx, out in turns:
         prefix = prefix + ctx + out
-        lps = trainer.logprobs(prefix)[-len(out):] if out else []
-        built.append(Turn(context_ids=list(ctx), output_ids=list(out), output_logprobs=lps,
-                          output_versions=[version] * len(out)))
-    return Trajectory(traj_id=f"{group}-{i}", task="t", env_id="e", group_id=group, seed=i,
-                      start_version=version, turns=built, reward=reward, fate=None, terminated=True)
+        lps = trainer.logprobs(prefix)[-len(out) :] if out else []
+        built.append(
+            Turn(
+                context_ids=list(ctx),
+                output_ids=list(out),
+                output_logprobs=lps,
+                output_versions=[version] * len(out),
+            )
+        )
+    return Trajectory(
+        traj_id=f"{group}-{i}",
+        task="t",
+        env_id="e",
+        group_id=group,
+        seed=i,
+        start_version=version,
+        turns=built,
+        reward=reward,
+        fate=None,
+        terminated=True,
+    )
 
 
 def gen_logprob_sum(trainer: TorchTrainer, t: Trajectory) -> float:
@@ -78,8 +100,10 @@ def make_group_batch(trainer, tokenizer) -> list[Trajectory]:
     ctx = encode(tokenizer, "<|im_start|>user\nreach the goal\n<|im_end|>\n<|im_start|>assistant\n")
     outs = ["right down<|im_end|>", "left<|im_end|>", "up up up<|im_end|>", "answer 42 plus<|im_end|>"]
     rewards = [1.0, 0.5, 0.0, -1.0]
-    return [make_traj(trainer, [(ctx, encode(tokenizer, o))], r, i=i)
-            for i, (o, r) in enumerate(zip(outs, rewards, strict=True))]
+    return [
+        make_traj(trainer, [(ctx, encode(tokenizer, o))], r, i=i)
+        for i, (o, r) in enumerate(zip(outs, rewards, strict=True))
+    ]
 
 
 # logprobs ---------------------------------------------------------------------------------------
@@ -118,8 +142,15 @@ def stepped(tiny_model, tokenizer):
     version_before = trainer.version
     metrics = trainer.train_step(batch)
     lp_after = [gen_logprob_sum(trainer, t) for t in batch]
-    return {"trainer": trainer, "batch": batch, "weights_before": weights_before, "metrics": metrics,
-            "lp_before": lp_before, "lp_after": lp_after, "version_before": version_before}
+    return {
+        "trainer": trainer,
+        "batch": batch,
+        "weights_before": weights_before,
+        "metrics": metrics,
+        "lp_before": lp_before,
+        "lp_after": lp_after,
+        "version_before": version_before,
+    }
 
 
 def test_train_step_increments_version(stepped) -> None:
@@ -147,7 +178,9 @@ def test_train_step_returns_finite_metrics(stepped) -> None:
     std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
     adv = [(r - mean) / (std + 1e-6) for r in rewards]
     n = [t.num_generated() for t in batch]
-    assert metrics["loss"] == pytest.approx(-sum(a * k for a, k in zip(adv, n, strict=True)) / sum(n), abs=1e-5)
+    assert metrics["loss"] == pytest.approx(
+        -sum(a * k for a, k in zip(adv, n, strict=True)) / sum(n), abs=1e-5
+    )
 
 
 def test_train_step_changes_weights(stepped) -> None:
@@ -171,12 +204,19 @@ def test_train_step_mixed_lengths_and_multi_turn(trainer, tokenizer) -> None:
     # different lengths (right padding), two turns, several micro-batches: ratio must still be 1
     trainer.config = trainer.config.model_copy(update={"micro_batch_size": 2})
     c1 = encode(tokenizer, "<|im_start|>user\nstart<|im_end|>\n<|im_start|>assistant\n")
-    c2 = encode(tokenizer, "<|im_end|>\n<|im_start|>user\nstep reward done<|im_end|>\n<|im_start|>assistant\n")
+    c2 = encode(
+        tokenizer, "<|im_end|>\n<|im_start|>user\nstep reward done<|im_end|>\n<|im_start|>assistant\n"
+    )
     batch = [
         make_traj(trainer, [(c1, encode(tokenizer, "left")), (c2, encode(tokenizer, "down down"))], 1.0, i=0),
         make_traj(trainer, [(c1, encode(tokenizer, "up"))], 0.0, i=1),
-        make_traj(trainer, [(c1, encode(tokenizer, "right right right")), (c2, encode(tokenizer, "R"))], 0.0,
-                  group="h", i=2),
+        make_traj(
+            trainer,
+            [(c1, encode(tokenizer, "right right right")), (c2, encode(tokenizer, "R"))],
+            0.0,
+            group="h",
+            i=2,
+        ),
         make_traj(trainer, [(c1, encode(tokenizer, "the goal"))], 1.0, group="h", i=3),
         make_traj(trainer, [(c1, encode(tokenizer, "x"))], 0.5, group="h", i=4),
     ]
@@ -193,14 +233,18 @@ def test_adaptive_entropy_control(tiny_model, tokenizer, tmp_path) -> None:
     base = {"lr": 1e-2, "entropy_coef": 0.0}
     fixed = TorchTrainer(TorchTrainerConfig(**base), model_path=tiny_model)
     # a target above any entropy reachable here: the coefficient climbs every step, to the cap
-    adaptive = TorchTrainer(TorchTrainerConfig(**base, entropy_target=100.0, entropy_coef_step=0.5,
-                                               entropy_coef_max=1.0), model_path=tiny_model)
+    adaptive = TorchTrainer(
+        TorchTrainerConfig(**base, entropy_target=100.0, entropy_coef_step=0.5, entropy_coef_max=1.0),
+        model_path=tiny_model,
+    )
     coefs = []
     for tr in (fixed, adaptive):
         for _ in range(4):
             m = tr.train_step(make_group_batch(tr, tokenizer))
             # the loss is the policy-gradient loss minus the coefficient in use times the entropy
-            assert m["loss"] == pytest.approx(m["pg_loss"] - m["entropy_coef"] * m["entropy"], rel=1e-4, abs=1e-6)
+            assert m["loss"] == pytest.approx(
+                m["pg_loss"] - m["entropy_coef"] * m["entropy"], rel=1e-4, abs=1e-6
+            )
             if tr is adaptive:
                 coefs.append(m["entropy_coef"])
             else:
@@ -210,8 +254,13 @@ def test_adaptive_entropy_control(tiny_model, tokenizer, tmp_path) -> None:
     assert json.loads((tmp_path / "ckpt" / "rollart_trainer.json").read_text())["entropy_coef"] == 1.0
     # resumed with a target below any entropy: starts from the saved 1.0 and steps down to the
     # floor, entropy_coef
-    low = TorchTrainerConfig(**{**base, "entropy_coef": 0.25}, entropy_target=1e-6, entropy_coef_step=0.5,
-                             entropy_coef_max=1.0, resume_from=str(tmp_path / "ckpt"))
+    low = TorchTrainerConfig(
+        **{**base, "entropy_coef": 0.25},
+        entropy_target=1e-6,
+        entropy_coef_step=0.5,
+        entropy_coef_max=1.0,
+        resume_from=str(tmp_path / "ckpt"),
+    )
     resumed = TorchTrainer(low, model_path=tiny_model)
     used = [resumed.train_step(make_group_batch(resumed, tokenizer))["entropy_coef"] for _ in range(3)]
     assert used == [1.0, 0.5, 0.25]
@@ -229,7 +278,9 @@ def test_train_step_empty_batch_raises(ro_trainer) -> None:
 def test_train_step_without_generated_tokens_raises(ro_trainer, tokenizer) -> None:
     trainer = ro_trainer
     before = {n: w.clone() for n, w in trainer.named_weights()}
-    batch = [make_traj(trainer, [(encode(tokenizer, "hello there"), [])], r, i=i) for i, r in enumerate([0.0, 1.0])]
+    batch = [
+        make_traj(trainer, [(encode(tokenizer, "hello there"), [])], r, i=i) for i, r in enumerate([0.0, 1.0])
+    ]
     with pytest.raises(TrainerError):
         trainer.train_step(batch)
     assert trainer.version == 0
@@ -285,8 +336,9 @@ def test_tiny_model_config_and_tokenizer(tiny_model, tokenizer) -> None:
         assert tokenizer.decode(ids) == special
     assert tokenizer.eos_token == "<|im_end|>"
     assert cfg.eos_token_id == tokenizer.convert_tokens_to_ids("<|im_end|>")
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                         add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 

@@ -66,7 +66,9 @@ def assert_bits_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor
     for k, w in want.items():
         g = got[k]
         assert g.dtype == w.dtype and g.shape == w.shape, k
-        assert torch.equal(g.reshape(-1).contiguous().view(torch.uint8), w.reshape(-1).contiguous().view(torch.uint8)), k
+        assert torch.equal(
+            g.reshape(-1).contiguous().view(torch.uint8), w.reshape(-1).contiguous().view(torch.uint8)
+        ), k
 
 
 @pytest.mark.parametrize("dtype", [None, "bfloat16"])
@@ -83,13 +85,18 @@ def test_pull_into_preallocated_tensors(make) -> None:
     st = make(bucket_bytes=64 << 10, batch_buckets=2)
     sd = model_state(1)
     st.push(3, sd).result(TIMEOUT)
-    into = {"embed.weight": torch.zeros(3000, 64), "linear1.weight": torch.zeros(256, 64, dtype=torch.float64),
-            "ids": torch.zeros(7, dtype=torch.int64)}
+    into = {
+        "embed.weight": torch.zeros(3000, 64),
+        "linear1.weight": torch.zeros(256, 64, dtype=torch.float64),
+        "ids": torch.zeros(7, dtype=torch.int64),
+    }
     out = st.pull(3, into=into)
     for k, t in into.items():
         assert out[k] is t
         assert torch.equal(t, sd[k].to(t.dtype))
-    assert_bits_equal({k: v for k, v in out.items() if k not in into}, {k: v for k, v in sd.items() if k not in into})
+    assert_bits_equal(
+        {k: v for k, v in out.items() if k not in into}, {k: v for k, v in sd.items() if k not in into}
+    )
     with pytest.raises(WeightSyncError, match="shape"):
         st.pull(3, into={"ids": torch.zeros(8, dtype=torch.int64)})
     with pytest.raises(WeightSyncError, match="does not have"):
@@ -162,8 +169,11 @@ def test_killed_pusher_leaves_no_torn_version(make) -> None:
     v1 = model_state(1)
     st.push(1, v1).result(TIMEOUT)
     c = _client(st.config)
-    child = subprocess.Popen([sys.executable, "-c", _PUSHER, st.config.model_dump_json()],
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _PUSHER, st.config.model_dump_json()],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + TIMEOUT
         while c.is_exist(st.bucket_key(2, 2)) != 1:  # a few buckets of version 2 are in
@@ -264,7 +274,9 @@ def test_picklable_and_registered(make, server: MooncakeStoreServer) -> None:
     st.push(1, {"x": torch.arange(4.0)}).result(TIMEOUT)
     copy = pickle.loads(pickle.dumps(st))
     assert torch.equal(copy.pull(1)["x"], torch.arange(4.0))
-    built = build("weight_store", "mooncake", {"master": server.master_address, "prefix": st.config.prefix}, "ws")
+    built = build(
+        "weight_store", "mooncake", {"master": server.master_address, "prefix": st.config.prefix}, "ws"
+    )
     assert isinstance(built, MooncakeWeightStore) and built.latest_version() == 1
     with pytest.raises(ConfigError, match="bucket_bytes"):
         build("weight_store", "mooncake", {"master": server.master_address, "bucket_bytes": 1}, "ws")
@@ -319,7 +331,9 @@ def test_mc_force_tcp_is_respected(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("shared_memory", [False, True])
 def test_holder_restart_next_push_recreates_version(shared_memory: bool) -> None:
-    with MooncakeStoreServer(MooncakeServerConfig(segment_bytes=64 << 20, shared_memory=shared_memory)) as srv:
+    with MooncakeStoreServer(
+        MooncakeServerConfig(segment_bytes=64 << 20, shared_memory=shared_memory)
+    ) as srv:
         st = MooncakeWeightStore(srv.store_config(bucket_bytes=64 << 10))
         st.push(1, model_state(1)).result(TIMEOUT)
         old_pid = srv.holder.pid  # type: ignore[union-attr]
@@ -342,9 +356,20 @@ def test_holder_restart_next_push_recreates_version(shared_memory: bool) -> None
 
 @pytest.mark.parametrize("shared_memory", [False, True])
 def test_serve_cli_runs_and_stops_by_signal(shared_memory: bool) -> None:
-    proc = subprocess.Popen([sys.executable, "-m", "rollart_weightsync.cli", "serve", "--segment-gib", "0.05",
-                             *(["--shared-memory"] if shared_memory else [])],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "rollart_weightsync.cli",
+            "serve",
+            "--segment-gib",
+            "0.05",
+            *(["--shared-memory"] if shared_memory else []),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         info = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
         assert (info["real_client"] is not None) == shared_memory

@@ -43,7 +43,9 @@ def test_ray_store_round_trip_retention_and_workers(ray_cluster: None) -> None:
     def pull_in_worker(store: RayWeightStore, version: int) -> float:
         return float(store.pull(version)["a"].sum())
 
-    assert ray.get(pull_in_worker.remote(pickle.loads(pickle.dumps(st)), 1)) == pytest.approx(float(sd["a"].sum()))
+    assert ray.get(pull_in_worker.remote(pickle.loads(pickle.dumps(st)), 1)) == pytest.approx(
+        float(sd["a"].sum())
+    )
     for v in (2, 3):
         st.push(v, {k: t + v if t.is_floating_point() else t for k, t in sd.items()})
     assert st.wait_for(3, TIMEOUT) == 3

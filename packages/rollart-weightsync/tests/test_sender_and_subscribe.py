@@ -33,7 +33,9 @@ def test_full_state_strips_wrappers_and_maps_names() -> None:
     with pytest.raises(WeightSyncError, match="two tensors"):
         full_state(model, name_mapper=rename(lambda n: "same"))
     store = MemoryWeightStore()
-    push_model(store, 1, model, name_mapper=rename(lambda n: None if "bias" in n else f"m.{n}"), rank=0).result(TIMEOUT)
+    push_model(
+        store, 1, model, name_mapper=rename(lambda n: None if "bias" in n else f"m.{n}"), rank=0
+    ).result(TIMEOUT)
     assert sorted(store.pull(1)) == ["m.0.weight", "m.1.weight"]
     assert push_model(store, 2, model, rank=1) is None
     store.close()
@@ -82,8 +84,15 @@ def test_fsdp2_sharded_parameters_are_gathered() -> None:
     from rollart_weightsync.mooncake_server import free_port
 
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", _FSDP_WORKER, str(r), "2", str(port)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _FSDP_WORKER, str(r), "2", str(port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
     outs = []
     try:
         for p in procs:

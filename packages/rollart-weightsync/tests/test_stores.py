@@ -49,8 +49,9 @@ def assert_same(pulled: dict[str, torch.Tensor], expected: dict[str, torch.Tenso
         assert p.device.type == "cpu", k
         assert torch.equal(p, v), k
         # bit-identical (torch.equal would accept -0.0 == 0.0)
-        assert torch.equal(p.reshape(-1).contiguous().view(torch.uint8),
-                           v.reshape(-1).contiguous().view(torch.uint8)), k
+        assert torch.equal(
+            p.reshape(-1).contiguous().view(torch.uint8), v.reshape(-1).contiguous().view(torch.uint8)
+        ), k
 
 
 @pytest.fixture(params=["filesystem", "memory"])
@@ -118,8 +119,10 @@ def test_pull_preserves_special_float_values(store) -> None:
     for name, src in (("t", t), ("b", b)):
         assert out[name].dtype == src.dtype
         # compare raw bits so -0.0 vs 0.0 matters
-        assert torch.equal(out[name].view(torch.int16 if src.dtype == torch.bfloat16 else torch.int32),
-                           src.view(torch.int16 if src.dtype == torch.bfloat16 else torch.int32))
+        assert torch.equal(
+            out[name].view(torch.int16 if src.dtype == torch.bfloat16 else torch.int32),
+            src.view(torch.int16 if src.dtype == torch.bfloat16 else torch.int32),
+        )
 
 
 def test_snapshot_semantics_source_mutation_after_push(store) -> None:

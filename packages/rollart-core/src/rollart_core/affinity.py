@@ -52,8 +52,16 @@ def affinity(
         raise ConfigError("affinity: num_cpus/num_gpus must be >= 0 and count >= 1")
     if serverless and (num_gpus or colocate_with or labels):
         raise ConfigError("affinity: a serverless worker takes no GPUs, colocation or node labels")
-    spec = AffinitySpec(pool, num_cpus, num_gpus, memory_bytes, count, colocate_with, serverless,
-                        tuple(sorted((labels or {}).items())))
+    spec = AffinitySpec(
+        pool,
+        num_cpus,
+        num_gpus,
+        memory_bytes,
+        count,
+        colocate_with,
+        serverless,
+        tuple(sorted((labels or {}).items())),
+    )
 
     def deco(cls: C) -> C:
         setattr(cls, _ATTR, spec)

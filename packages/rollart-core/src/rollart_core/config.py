@@ -204,17 +204,23 @@ class RunConfig(_Model):
     @model_validator(mode="after")
     def _cross_check(self) -> RunConfig:
         if self.train.mode == "one_off" and self.train.alpha < 1:
-            raise ValueError("train.mode one_off trains on trajectories one version old: needs train.alpha >= 1")
+            raise ValueError(
+                "train.mode one_off trains on trajectories one version old: needs train.alpha >= 1"
+            )
         tr = self.train
         if tr.max_trainer_restarts is None:
             tr.max_trainer_restarts = 2 if tr.save_every and self.trainer.group else 0
         if tr.max_trainer_restarts and not self.trainer.group:
-            raise ValueError("train.max_trainer_restarts needs the trainer as a worker group (trainer.ranks / "
-                             "trainer.pool): an in-process trainer dies with the driver")
+            raise ValueError(
+                "train.max_trainer_restarts needs the trainer as a worker group (trainer.ranks / "
+                "trainer.pool): an in-process trainer dies with the driver"
+            )
         if tr.mode == "async" and tr.alpha == 0 and tr.async_weight_sync and not tr.update_on_arrival:
-            raise ValueError("train.mode async with train.alpha 0 needs the engines on the newest weights before each "
-                             "batch's rollout: set train.update_on_arrival true or train.async_weight_sync false (with "
-                             "the update after Get Batch every trajectory would start one version old and go stale)")
+            raise ValueError(
+                "train.mode async with train.alpha 0 needs the engines on the newest weights before each "
+                "batch's rollout: set train.update_on_arrival true or train.async_weight_sync false (with "
+                "the update after Get Batch every trajectory would start one version old and go stale)"
+            )
         names = [e.name for e in self.engines]
         if len(set(names)) != len(names):
             raise ValueError(f"engine group names must be unique, got {names}")
@@ -227,8 +233,10 @@ class RunConfig(_Model):
             if t.pd != "off" and (t.pool is None or t.prefill_pool is None):
                 raise ValueError(f"task {t.name!r}: pd {t.pd!r} needs both pool (decode) and prefill_pool")
             if t.prefill_pool is not None and (t.prefill_pool not in names or t.prefill_pool == t.pool):
-                raise ValueError(f"task {t.name!r}: prefill_pool {t.prefill_pool!r} must be an engine group "
-                                 f"other than its pool ({names})")
+                raise ValueError(
+                    f"task {t.name!r}: prefill_pool {t.prefill_pool!r} must be an engine group "
+                    f"other than its pool ({names})"
+                )
         return self
 
     def resolve_paths(self, base: Path) -> RunConfig:

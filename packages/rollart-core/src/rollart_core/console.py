@@ -74,8 +74,10 @@ class WarningTally(logging.Handler):
                 msg = msg[: width - 1] + "…"
             lines.append(f"{n}× {key[0]}: {msg}")
         if len(self.counts) > limit:
-            lines.append(f"… and {sum(self.counts.values()) - sum(n for _, n in self.counts.most_common(limit))} "
-                         "more warnings")
+            lines.append(
+                f"… and {sum(self.counts.values()) - sum(n for _, n in self.counts.most_common(limit))} "
+                "more warnings"
+            )
         self.counts.clear()
         self.first.clear()
         return lines
@@ -107,8 +109,18 @@ def route_logs(log_file: Path, verbose: bool = False) -> Iterator[Path]:
     global _tally
     log_file.parent.mkdir(parents=True, exist_ok=True)
     root = logging.getLogger()
-    saved = (root.level, list(root.handlers), {n: (logging.getLogger(n).propagate, list(logging.getLogger(n).handlers),
-                                                  logging.getLogger(n).level) for n in _SELF_CONFIGURED})
+    saved = (
+        root.level,
+        list(root.handlers),
+        {
+            n: (
+                logging.getLogger(n).propagate,
+                list(logging.getLogger(n).handlers),
+                logging.getLogger(n).level,
+            )
+            for n in _SELF_CONFIGURED
+        },
+    )
     file_handler = logging.FileHandler(log_file, encoding="utf-8")
     file_handler.setFormatter(logging.Formatter(_LOG_FORMAT))
     file_handler.setLevel(logging.INFO)
@@ -172,8 +184,10 @@ class _Phase:
     def __rich__(self) -> Any:
         from rich.text import Text
 
-        return Text(f"⠿ {self.title} … {time.perf_counter() - self.t0:.0f} s (start-up: Ray, engines, trainer)",
-                    style="cyan")
+        return Text(
+            f"⠿ {self.title} … {time.perf_counter() - self.t0:.0f} s (start-up: Ray, engines, trainer)",
+            style="cyan",
+        )
 
 
 @contextlib.contextmanager
@@ -252,9 +266,16 @@ class LiveSink:
     @staticmethod
     def _line(step: int, m: dict[str, Any]) -> str:
         parts = [f"step {step:>3}"]
-        for k, label in (("reward_mean", "reward"), ("success_rate", "success"), ("eval_success", "held-out"),
-                         ("traj_per_s", "traj/s"), ("gen_tok_per_s", "gen tok/s"), ("lag_max", "lag"),
-                         ("loss", "loss"), ("train_s", "train s")):
+        for k, label in (
+            ("reward_mean", "reward"),
+            ("success_rate", "success"),
+            ("eval_success", "held-out"),
+            ("traj_per_s", "traj/s"),
+            ("gen_tok_per_s", "gen tok/s"),
+            ("lag_max", "lag"),
+            ("loss", "loss"),
+            ("train_s", "train s"),
+        ):
             if k in m:
                 parts.append(f"{label} {_fmt(m[k], 2)}")
         if isinstance(m.get("fates"), dict):
@@ -272,17 +293,32 @@ class LiveSink:
         done = getattr(self, "last_step", 0)
         bar = ProgressBar(total=float(self.total or 1), completed=float(done), width=30)
         head = Table.grid(padding=(0, 1))
-        head.add_row(f"step {done}/{self.total or '?'}", bar,
-                     f"elapsed {time.perf_counter() - self.t0:.0f} s  ETA {self._eta()}")
+        head.add_row(
+            f"step {done}/{self.total or '?'}",
+            bar,
+            f"elapsed {time.perf_counter() - self.t0:.0f} s  ETA {self._eta()}",
+        )
         grid.add_row("progress", head)
-        grid.add_row("reward", f"{_fmt(m.get('reward_mean'))}  success {_fmt(m.get('success_rate'))}  "
-                               f"held-out success {_fmt(self.last_eval)}")
-        grid.add_row("throughput", f"{_fmt(m.get('traj_per_s'), 2)} traj/s  {_fmt(m.get('gen_tok_per_s'), 0)} gen tok/s"
-                                   f"  train {_fmt(m.get('train_s'), 1)} s  sync {_fmt(m.get('sync_s'), 2)} s")
-        grid.add_row("staleness", f"lag max {_fmt(m.get('lag_max'), 0)}  mean {_fmt(m.get('lag_mean'), 2)}  "
-                                  f"version {_fmt(m.get('version'))}")
+        grid.add_row(
+            "reward",
+            f"{_fmt(m.get('reward_mean'))}  success {_fmt(m.get('success_rate'))}  "
+            f"held-out success {_fmt(self.last_eval)}",
+        )
+        grid.add_row(
+            "throughput",
+            f"{_fmt(m.get('traj_per_s'), 2)} traj/s  {_fmt(m.get('gen_tok_per_s'), 0)} gen tok/s"
+            f"  train {_fmt(m.get('train_s'), 1)} s  sync {_fmt(m.get('sync_s'), 2)} s",
+        )
+        grid.add_row(
+            "staleness",
+            f"lag max {_fmt(m.get('lag_max'), 0)}  mean {_fmt(m.get('lag_mean'), 2)}  "
+            f"version {_fmt(m.get('version'))}",
+        )
         fates = m.get("fates")
-        grid.add_row("fates", " ".join(f"{k}={v}" for k, v in sorted(fates.items())) if isinstance(fates, dict) else "-")
+        grid.add_row(
+            "fates",
+            " ".join(f"{k}={v}" for k, v in sorted(fates.items())) if isinstance(fates, dict) else "-",
+        )
         grid.add_row("warnings", "; ".join(self.warn_lines) or "none this step")
         return grid
 

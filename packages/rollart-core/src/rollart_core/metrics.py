@@ -9,8 +9,16 @@ import sys
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
-__all__ = ["ConsoleSink", "JsonlSink", "MemorySink", "MetricsSink", "MultiSink", "TensorBoardSink", "default_sinks",
-           "since_process_start"]
+__all__ = [
+    "ConsoleSink",
+    "JsonlSink",
+    "MemorySink",
+    "MetricsSink",
+    "MultiSink",
+    "TensorBoardSink",
+    "default_sinks",
+    "since_process_start",
+]
 
 
 def since_process_start() -> float | None:
@@ -26,7 +34,6 @@ def since_process_start() -> float | None:
     return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
 
 
-
 class MetricsSink(Protocol):
     def log(self, step: int, metrics: dict[str, Any]) -> None: ...
 
@@ -40,8 +47,11 @@ class JsonlSink:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if first_step is not None and self.path.is_file():
-            kept = [line for line in self.path.read_text(encoding="utf-8").splitlines(keepends=True)
-                    if _row_step(line) < first_step]
+            kept = [
+                line
+                for line in self.path.read_text(encoding="utf-8").splitlines(keepends=True)
+                if _row_step(line) < first_step
+            ]
             tmp = self.path.with_name(self.path.name + ".tmp")
             tmp.write_text("".join(kept), encoding="utf-8")
             tmp.replace(self.path)
@@ -85,8 +95,9 @@ class TensorBoardSink:
         self._w.close()
 
 
-def default_sinks(out_dir: Path, console_keys: list[str], first_step: int | None = None,
-                  total_steps: int | None = None) -> MultiSink:
+def default_sinks(
+    out_dir: Path, console_keys: list[str], first_step: int | None = None, total_steps: int | None = None
+) -> MultiSink:
     """JSON lines + TensorBoard (when ``tensorboardX`` is installed) + the console: a live display
     (step k/``total_steps``, ETA, …) when stdout is an interactive terminal and ``rich`` is
     installed, else a plain line per step. ``first_step``: a resumed run's first step (earlier rows

@@ -46,13 +46,20 @@ def overlap_warning(cfg: RunConfig) -> str | None:
     """What to tell a user whose torch trainer trains in the control plane's process while rollout
     runs beside it (one_off / async): the step and the asyncio loop then share one GIL."""
     opts = cfg.trainer.options
-    if (cfg.train.mode == "sync" or cfg.trainer.impl != "torch" or cfg.trainer.group or opts.get("spawn")
-            or opts.get("world_size", 1) > 1):
+    if (
+        cfg.train.mode == "sync"
+        or cfg.trainer.impl != "torch"
+        or cfg.trainer.group
+        or opts.get("spawn")
+        or opts.get("world_size", 1) > 1
+    ):
         return None
-    return (f"train.mode {cfg.train.mode!r} overlaps training with rollout, but the torch trainer runs in this "
-            "process: its step and the rollout's event loop share one GIL and slow each other down (measured on "
-            "2 CPU cores: generation 24 ms per turn alone, 280 ms beside a step). Set trainer.options.spawn: true "
-            "(and num_threads to the trainer's share of the cores).")
+    return (
+        f"train.mode {cfg.train.mode!r} overlaps training with rollout, but the torch trainer runs in this "
+        "process: its step and the rollout's event loop share one GIL and slow each other down (measured on "
+        "2 CPU cores: generation 24 ms per turn alone, 280 ms beside a step). Set trainer.options.spawn: true "
+        "(and num_threads to the trainer's share of the cores)."
+    )
 
 
 log = logging.getLogger(__name__)
@@ -91,14 +98,22 @@ class Pipeline:
         # validate every component's options before creating or starting anything
         for i, task in enumerate(cfg.tasks):
             validate_options(resolve("env", task.env.impl), task.env.options, f"tasks.{i}.env.options")
-            validate_options(resolve("reward", task.reward.impl), task.reward.options, f"tasks.{i}.reward.options")
-            validate_options(resolve("reward_executor", task.reward_executor.impl), task.reward_executor.options,
-                             f"tasks.{i}.reward_executor.options")
+            validate_options(
+                resolve("reward", task.reward.impl), task.reward.options, f"tasks.{i}.reward.options"
+            )
+            validate_options(
+                resolve("reward_executor", task.reward_executor.impl),
+                task.reward_executor.options,
+                f"tasks.{i}.reward_executor.options",
+            )
         self._pd_kv_dir = cfg.output_dir / "kv" if _pd_roles(cfg) else None
         pd_args = self._pd_engine_args(cfg)
         engine_cfgs = [
-            validate_options(resolve("engine", g.impl), _with_engine_args(g.options, pd_args.get(g.name)),
-                             f"engines.{i}.options")
+            validate_options(
+                resolve("engine", g.impl),
+                _with_engine_args(g.options, pd_args.get(g.name)),
+                f"engines.{i}.options",
+            )
             for i, g in enumerate(cfg.engines)
         ]
         t_model = time.perf_counter()
@@ -107,21 +122,33 @@ class Pipeline:
         store_opts = dict(cfg.weight_store.options)
         if cfg.weight_store.impl == "filesystem":
             store_opts.setdefault("root", str(cfg.output_dir / "weights"))
-        self.store = build("weight_store", cfg.weight_store.impl, store_opts, "weight_store.options",
-                           protocol=WeightStore)
+        self.store = build(
+            "weight_store", cfg.weight_store.impl, store_opts, "weight_store.options", protocol=WeightStore
+        )
         group_cfg = self._trainer_group_config(cfg) if cfg.trainer.group else None
         if group_cfg is None:
             t_trainer = time.perf_counter()
-            self.trainer = build("trainer", cfg.trainer.impl, cfg.trainer.options, "trainer.options",
-                                 protocol=Trainer, model_path=cfg.model.path)
+            self.trainer = build(
+                "trainer",
+                cfg.trainer.impl,
+                cfg.trainer.options,
+                "trainer.options",
+                protocol=Trainer,
+                model_path=cfg.model.path,
+            )
             self.timings["trainer_start_s"] = time.perf_counter() - t_trainer
         if (warning := overlap_warning(cfg)) is not None:
             log.warning(warning)
         self.chat = resolve("chat", cfg.model.chat_format)(cfg.model.path)
         self.rewards = {
-            t.name: build("reward_executor", t.reward_executor.impl, t.reward_executor.options,
-                          f"tasks.{i}.reward_executor.options", protocol=RewardExecutor,
-                          fn=build("reward", t.reward.impl, t.reward.options, f"tasks.{i}.reward.options"))
+            t.name: build(
+                "reward_executor",
+                t.reward_executor.impl,
+                t.reward_executor.options,
+                f"tasks.{i}.reward_executor.options",
+                protocol=RewardExecutor,
+                fn=build("reward", t.reward.impl, t.reward.options, f"tasks.{i}.reward.options"),
+            )
             for i, t in enumerate(cfg.tasks)
         }
         self.buffer = SampleBuffer(cfg.train.alpha)
@@ -130,8 +157,12 @@ class Pipeline:
         if group_cfg is not None:  # placed on its pool, validated with the engines before either starts
             t1 = time.perf_counter()
             self._validate_plan(group_cfg)
-            self.trainer = await asyncio.to_thread(resolve("trainer", TRAINER_GROUP), group_cfg,
-                                                   model_path=cfg.model.path, weight_store=self.store)
+            self.trainer = await asyncio.to_thread(
+                resolve("trainer", TRAINER_GROUP),
+                group_cfg,
+                model_path=cfg.model.path,
+                weight_store=self.store,
+            )
             self.timings["trainer_start_s"] = time.perf_counter() - t1
         self.timings["build_local_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -147,25 +178,43 @@ class Pipeline:
 
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         store_cfg = getattr(self.store, "config", None)
-        if cfg.weight_store.impl == "filesystem" and len(nodes) > 1 and not getattr(store_cfg, "shared", False):
-            raise ConfigError(f"weight_store filesystem ({getattr(self.store, 'root', '?')}) is a local directory, but "
-                              f"the cluster has {len(nodes)} nodes: engines on other nodes would never see the "
-                              "weights. Use a store every node reaches (weight_store.impl: mooncake or ray), or set "
-                              "weight_store.options.shared: true if the directory is on a shared file system")
+        if (
+            cfg.weight_store.impl == "filesystem"
+            and len(nodes) > 1
+            and not getattr(store_cfg, "shared", False)
+        ):
+            raise ConfigError(
+                f"weight_store filesystem ({getattr(self.store, 'root', '?')}) is a local directory, but "
+                f"the cluster has {len(nodes)} nodes: engines on other nodes would never see the "
+                "weights. Use a store every node reaches (weight_store.impl: mooncake or ray), or set "
+                "weight_store.options.shared: true if the directory is on a shared file system"
+            )
 
     def _trainer_group_config(self, cfg: RunConfig) -> Any:
         t = cfg.trainer
-        options = {"worker": t.impl, "ranks": t.ranks or 1, "pool": t.pool, "num_cpus_per_rank": t.num_cpus,
-                   "num_gpus_per_rank": t.num_gpus, "options": t.options,
-                   "max_restarts": cfg.train.max_trainer_restarts or 0, "checkpoint_dir": str(cfg.output_dir)}
+        options = {
+            "worker": t.impl,
+            "ranks": t.ranks or 1,
+            "pool": t.pool,
+            "num_cpus_per_rank": t.num_cpus,
+            "num_gpus_per_rank": t.num_gpus,
+            "options": t.options,
+            "max_restarts": cfg.train.max_trainer_restarts or 0,
+            "checkpoint_dir": str(cfg.output_dir),
+        }
         return validate_options(resolve("trainer", TRAINER_GROUP), options, "trainer")
 
     def _engine_decls(self) -> list[Any]:
         from rollart_core.resources import WorkerDecl
 
-        return [WorkerDecl(g.name, get_affinity(resolve("engine", g.impl), pool=g.pool, num_cpus=g.num_cpus,
-                                                count=g.count), "engine group")
-                for g in self.config.engines]
+        return [
+            WorkerDecl(
+                g.name,
+                get_affinity(resolve("engine", g.impl), pool=g.pool, num_cpus=g.num_cpus, count=g.count),
+                "engine group",
+            )
+            for g in self.config.engines
+        ]
 
     def _validate_plan(self, group_cfg: Any) -> None:
         """Engines and trainer ranks together fit the cluster's pools (ConfigError naming the worker,
@@ -181,8 +230,10 @@ class Pipeline:
         if is_model_dir(m.path):
             return
         if not m.create_tiny:
-            raise ConfigError(f"model.path {m.path} is not a Hugging Face model directory (set create_tiny: true "
-                              "to create the tiny random model there)")
+            raise ConfigError(
+                f"model.path {m.path} is not a Hugging Face model directory (set create_tiny: true "
+                "to create the tiny random model there)"
+            )
         log.info("creating the tiny model at %s", m.path)
         resolve("model", "rollart_train.tiny:create_tiny_model")(m.path, dtype=m.dtype)
 
@@ -201,9 +252,14 @@ class Pipeline:
                 name = f"{group.name}-{r}"
                 actor = (
                     ray.remote(cls)
-                    .options(**self.placement.actor_options(group.name, r), name=f"rollart-{name}",
-                             max_concurrency=1024, runtime_env={"env_vars": _ENGINE_ENV},
-                             max_restarts=group.max_restarts, max_task_retries=0)
+                    .options(
+                        **self.placement.actor_options(group.name, r),
+                        name=f"rollart-{name}",
+                        max_concurrency=1024,
+                        runtime_env={"env_vars": _ENGINE_ENV},
+                        max_restarts=group.max_restarts,
+                        max_task_retries=0,
+                    )
                     .remote(ecfg, model_path=str(self.config.model.path), weight_store=self.store, name=name)
                 )
                 self.actors.append(actor)
@@ -213,9 +269,13 @@ class Pipeline:
         self.proxy = proxy_cls.from_ray_actors(members, task_pools=task_pools)
         if self._pd_kv_dir is not None:  # prefill/decode disaggregation: the PD router fronts the proxy
             pd_cls = resolve("proxy", "pd")
-            self.proxy = pd_cls(self.proxy, pd_cls.Config.from_tasks(self.config.tasks, kv_store_dir=self._pd_kv_dir))
+            self.proxy = pd_cls(
+                self.proxy, pd_cls.Config.from_tasks(self.config.tasks, kv_store_dir=self._pd_kv_dir)
+            )
         if not isinstance(self.proxy, Proxy):
-            raise RegistryError(f"proxy {type(self.proxy).__name__} does not implement rollart_core.protocols.Proxy")
+            raise RegistryError(
+                f"proxy {type(self.proxy).__name__} does not implement rollart_core.protocols.Proxy"
+            )
         start_health = getattr(self.proxy, "start_health_loop", None)
         if start_health is not None:  # restarted engines come back on the served weights
             start_health()
@@ -228,10 +288,15 @@ class Pipeline:
             return {}
         for g in cfg.engines:
             if g.name in roles and g.impl != "vllm":
-                raise ConfigError(f"engine group {g.name!r}: prefill/decode disaggregation needs impl 'vllm' "
-                                  f"(its KV connector), not {g.impl!r}")
+                raise ConfigError(
+                    f"engine group {g.name!r}: prefill/decode disaggregation needs impl 'vllm' "
+                    f"(its KV connector), not {g.impl!r}"
+                )
         pd_cls = resolve("proxy", "pd")
-        return {g: pd_cls.engine_args(r.pop() if len(r) == 1 else "kv_both", self._pd_kv_dir) for g, r in roles.items()}
+        return {
+            g: pd_cls.engine_args(r.pop() if len(r) == 1 else "kv_both", self._pd_kv_dir)
+            for g, r in roles.items()
+        }
 
     async def _start_env_manager(self, cfg: RunConfig) -> None:
         import ray
@@ -240,14 +305,21 @@ class Pipeline:
         if em is None:
             return
         cls = resolve("env_manager", em.impl)
-        options = {**em.options, "groups": {t.name: {"impl": t.env.impl, "options": t.env.options,
-                                                     "num_envs": em.num_envs} for t in cfg.tasks}}
+        options = {
+            **em.options,
+            "groups": {
+                t.name: {"impl": t.env.impl, "options": t.env.options, "num_envs": em.num_envs}
+                for t in cfg.tasks
+            },
+        }
         mcfg = validate_options(cls, options, "env_manager.options")
         pool = getattr(mcfg, "pool", None)
         if pool is not None and pool not in ray.cluster_resources():
-            raise ConfigError(f"env_manager: environment workers need the Ray resource {pool!r} (their pool), "
-                              f"which no node has (cluster: {sorted(ray.cluster_resources())}); declare it in "
-                              "ray.resources or set env_manager.options.pool: null")
+            raise ConfigError(
+                f"env_manager: environment workers need the Ray resource {pool!r} (their pool), "
+                f"which no node has (cluster: {sorted(ray.cluster_resources())}); declare it in "
+                "ray.resources or set env_manager.options.pool: null"
+            )
         self.env_manager = cls(mcfg)
         await self.env_manager.start()
 

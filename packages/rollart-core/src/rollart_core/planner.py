@@ -71,8 +71,9 @@ def max_batch(context: float, model: ModelProfile, hw: HardwareClass, cap: int) 
     return max(0, min(cap, int(free / max(context * model.kv_bytes_per_token, 1.0))))
 
 
-def estimate(task: TaskProfile, model: ModelProfile, name: str, hw: HardwareClass, *,
-             max_batch_cap: int = 256) -> ClassEstimate | None:
+def estimate(
+    task: TaskProfile, model: ModelProfile, name: str, hw: HardwareClass, *, max_batch_cap: int = 256
+) -> ClassEstimate | None:
     """Per-trajectory GPU time of ``task`` on one device of class ``hw`` (None: the model does not fit)."""
     if hw.kind != "gpu":
         return None
@@ -81,12 +82,23 @@ def estimate(task: TaskProfile, model: ModelProfile, name: str, hw: HardwareClas
     if b < 1:
         return None
     step, bound = decode_step(b, ctx, model, hw)
-    return ClassEstimate(name, prefill_seconds(task.prefill_tokens(), model, hw), task.decode_tokens() * step / b,
-                         b, bound, hw.price_per_hour)
+    return ClassEstimate(
+        name,
+        prefill_seconds(task.prefill_tokens(), model, hw),
+        task.decode_tokens() * step / b,
+        b,
+        bound,
+        hw.price_per_hour,
+    )
 
 
-def roofline_gen_time(model: ModelProfile, hw: HardwareClass, decode_hw: HardwareClass | None = None, *,
-                      max_batch_cap: int = 256) -> GenTime:
+def roofline_gen_time(
+    model: ModelProfile,
+    hw: HardwareClass,
+    decode_hw: HardwareClass | None = None,
+    *,
+    max_batch_cap: int = 256,
+) -> GenTime:
     """Per-turn latency of one request for the simulator: its prefill on ``hw``, then its decode
     steps on ``decode_hw`` (default ``hw``; PD disaggregation) in a full batch. The simulator's slots
     (devices × batch) bound decode throughput; prefill capacity is checked by the planner's stages."""
@@ -117,7 +129,10 @@ class TaskPlan:
 
     @property
     def cost(self) -> float:
-        return (self.prefill.prefill_s * self.prefill.price_per_hour + self.decode.decode_s * self.decode.price_per_hour) / 3600
+        return (
+            self.prefill.prefill_s * self.prefill.price_per_hour
+            + self.decode.decode_s * self.decode.price_per_hour
+        ) / 3600
 
 
 @dataclass
@@ -132,13 +147,20 @@ class Plan:
     simulated: dict[str, SimResult] = field(default_factory=dict)
 
 
-def _choose(task: TaskProfile, model: ModelProfile, catalogue: dict[str, HardwareClass],
-            allowed: list[str] | None) -> TaskPlan:
-    ests = [e for n, hw in catalogue.items() if (allowed is None or n in allowed)
-            if (e := estimate(task, model, n, hw)) is not None]
+def _choose(
+    task: TaskProfile, model: ModelProfile, catalogue: dict[str, HardwareClass], allowed: list[str] | None
+) -> TaskPlan:
+    ests = [
+        e
+        for n, hw in catalogue.items()
+        if (allowed is None or n in allowed)
+        if (e := estimate(task, model, n, hw)) is not None
+    ]
     if not ests:
-        raise ConfigError(f"task {task.name!r}: the model ({model.params / 1e9:g}B params) fits no GPU class of the "
-                          f"catalogue{'' if allowed is None else f' among {allowed}'}")
+        raise ConfigError(
+            f"task {task.name!r}: the model ({model.params / 1e9:g}B params) fits no GPU class of the "
+            f"catalogue{'' if allowed is None else f' among {allowed}'}"
+        )
     best = min(ests, key=lambda e: e.cost)
     pf = min(ests, key=lambda e: e.prefill_s * e.price_per_hour)
     dc = min(ests, key=lambda e: e.decode_s * e.price_per_hour)
@@ -148,8 +170,15 @@ def _choose(task: TaskProfile, model: ModelProfile, catalogue: dict[str, Hardwar
     return TaskPlan(task.name, best, best, options=ests)
 
 
-def make_plan(profile: WorkloadProfile, catalogue: dict[str, HardwareClass], *, gpus: int = 64,
-              classes: list[str] | None = None, env_class: str = "CPU", simulate_steps: int = 0) -> Plan:
+def make_plan(
+    profile: WorkloadProfile,
+    catalogue: dict[str, HardwareClass],
+    *,
+    gpus: int = 64,
+    classes: list[str] | None = None,
+    env_class: str = "CPU",
+    simulate_steps: int = 0,
+) -> Plan:
     """Choose classes per task, size pools for ``gpus`` devices, find the bottleneck."""
     for n in classes or []:
         if n not in catalogue:
@@ -187,7 +216,9 @@ def make_plan(profile: WorkloadProfile, catalogue: dict[str, HardwareClass], *, 
         n = profile.task(tp.task).trajectories_per_step
         gen_rates.append(g / (d / n) * n_total / n)  # trajectories/s of the mix this pool sustains
     stage["generation"] = min(gen_rates)
-    env_s = sum(t.trajectories_per_step * (t.turns + 1) * t.env_latency_s.mean for t in profile.tasks) / n_total
+    env_s = (
+        sum(t.trajectories_per_step * (t.turns + 1) * t.env_latency_s.mean for t in profile.tasks) / n_total
+    )
     env_node = catalogue.get(env_class)
     if env_s > 0 and (env_node is None or env_node.kind != "cpu"):
         raise ConfigError(f"env_class {env_class!r} is not a CPU class of the catalogue")
@@ -214,37 +245,72 @@ def make_plan(profile: WorkloadProfile, catalogue: dict[str, HardwareClass], *, 
     return plan
 
 
-def simulate_plan(profile: WorkloadProfile, plan: Plan, catalogue: dict[str, HardwareClass], *,
-                  steps: int = 6, alpha: int = 1) -> dict[str, SimResult]:
+def simulate_plan(
+    profile: WorkloadProfile,
+    plan: Plan,
+    catalogue: dict[str, HardwareClass],
+    *,
+    steps: int = 6,
+    alpha: int = 1,
+) -> dict[str, SimResult]:
     """Replay the profile on the planned pools, Sync+ and async (roofline generation times)."""
-    gens = {tp.task: roofline_gen_time(profile.model, catalogue[tp.prefill.hw], catalogue[tp.decode.hw])
-            for tp in plan.tasks}
+    gens = {
+        tp.task: roofline_gen_time(profile.model, catalogue[tp.prefill.hw], catalogue[tp.decode.hw])
+        for tp in plan.tasks
+    }
     slots = sum(tp.gpus_decode * tp.decode.batch for tp in plan.tasks)
     env_slots = plan.pools.get("CPU", 0) * max(catalogue["CPU"].cpus if "CPU" in catalogue else 1, 1) or None
 
     def gen_time(task: TaskProfile, turn: int, rng: random.Random) -> float:
         return gens[task.name](task, turn, rng)
 
-    return {m: simulate(profile, mode=m, alpha=alpha, steps=steps, gen_slots=max(slots, 1), env_slots=env_slots,
-                        gen_time=gen_time) for m in ("sync", "async")}
+    return {
+        m: simulate(
+            profile,
+            mode=m,
+            alpha=alpha,
+            steps=steps,
+            gen_slots=max(slots, 1),
+            env_slots=env_slots,
+            gen_time=gen_time,
+        )
+        for m in ("sync", "async")
+    }
 
 
 def render_plan(plan: Plan) -> str:
     lines = ["task → pool (roofline, per trajectory)"]
-    lines.append(f"  {'task':<16}{'prefill on':<12}{'decode on':<12}{'GPUs':>6}{'GPU-s/traj':>12}{'$/1k traj':>11}"
-                 f"  decode bound")
+    lines.append(
+        f"  {'task':<16}{'prefill on':<12}{'decode on':<12}{'GPUs':>6}{'GPU-s/traj':>12}{'$/1k traj':>11}"
+        f"  decode bound"
+    )
     for tp in plan.tasks:
         g = tp.gpus_prefill + (tp.gpus_decode if tp.disaggregated else 0)
         gpu_s = tp.prefill.prefill_s + tp.decode.decode_s
-        lines.append(f"  {tp.task:<16}{tp.prefill.hw:<12}{tp.decode.hw:<12}{g:>6}{gpu_s:>12.2f}{tp.cost * 1000:>11.3f}"
-                     f"  {tp.decode.decode_bound} (batch {tp.decode.batch})")
+        lines.append(
+            f"  {tp.task:<16}{tp.prefill.hw:<12}{tp.decode.hw:<12}{g:>6}{gpu_s:>12.2f}{tp.cost * 1000:>11.3f}"
+            f"  {tp.decode.decode_bound} (batch {tp.decode.batch})"
+        )
         alts = sorted(tp.options, key=lambda e: e.cost)
-        lines.append("      alternatives $/1k traj: " + ", ".join(f"{e.hw} {e.cost * 1000:.3f}" for e in alts))
-    lines.append("pools: " + ", ".join(f"{h} × {n}" for h, n in plan.pools.items()) + f"   (${plan.cost_per_hour:.2f}/h)")
-    lines.append("stage capacity (trajectories/s): " + ", ".join(f"{k} {v:.2f}" for k, v in plan.stage_traj_per_s.items()))
-    lines.append(f"predicted bottleneck: {plan.bottleneck} → {plan.traj_per_s:.2f} trajectories/s, "
-                 f"{plan.traj_per_s * 3600 / max(plan.cost_per_hour, 1e-9):.0f} trajectories per $")
+        lines.append(
+            "      alternatives $/1k traj: " + ", ".join(f"{e.hw} {e.cost * 1000:.3f}" for e in alts)
+        )
+    lines.append(
+        "pools: "
+        + ", ".join(f"{h} × {n}" for h, n in plan.pools.items())
+        + f"   (${plan.cost_per_hour:.2f}/h)"
+    )
+    lines.append(
+        "stage capacity (trajectories/s): "
+        + ", ".join(f"{k} {v:.2f}" for k, v in plan.stage_traj_per_s.items())
+    )
+    lines.append(
+        f"predicted bottleneck: {plan.bottleneck} → {plan.traj_per_s:.2f} trajectories/s, "
+        f"{plan.traj_per_s * 3600 / max(plan.cost_per_hour, 1e-9):.0f} trajectories per $"
+    )
     for mode, r in plan.simulated.items():
-        lines.append(f"simulated {mode:<5}: {r.traj_per_s:.2f} trajectories/s, step {r.step_s:.1f} s, "
-                     f"aborted {r.aborted}, generation busy {r.gen_busy:.0%}")
+        lines.append(
+            f"simulated {mode:<5}: {r.traj_per_s:.2f} trajectories/s, step {r.step_s:.1f} s, "
+            f"aborted {r.aborted}, generation busy {r.gen_busy:.0%}"
+        )
     return "\n".join(lines)

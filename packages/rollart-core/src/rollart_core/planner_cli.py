@@ -20,10 +20,18 @@ __all__ = ["plan_config", "profile_from_config", "run_plan"]
 def profile_from_config(cfg: RunConfig) -> WorkloadProfile:
     """A default profile from the run config alone: batch sizes, turns and output lengths; prompt
     length and latencies are guesses (pass ``--profile`` for measured ones)."""
-    return WorkloadProfile(tasks=[
-        TaskProfile(name=t.name, trajectories_per_step=t.group_size * t.groups_per_step, group_size=t.group_size,
-                    output_tokens_per_turn=t.sampling.max_tokens, turns=t.max_turns)
-        for t in cfg.tasks])
+    return WorkloadProfile(
+        tasks=[
+            TaskProfile(
+                name=t.name,
+                trajectories_per_step=t.group_size * t.groups_per_step,
+                group_size=t.group_size,
+                output_tokens_per_turn=t.sampling.max_tokens,
+                turns=t.max_turns,
+            )
+            for t in cfg.tasks
+        ]
+    )
 
 
 def _group_name(hw: str) -> str:
@@ -38,9 +46,18 @@ def plan_config(cfg: RunConfig, plan: Plan) -> dict[str, Any]:
     after the classes)."""
     template = cfg.engines[0]
     gpu_classes = {c for t in plan.tasks for c in (t.prefill.hw, t.decode.hw)}
-    engines = [{"name": _group_name(hw), "impl": template.impl, "count": n, "pool": hw,
-                "max_restarts": template.max_restarts, "options": template.options}
-               for hw, n in plan.pools.items() if hw in gpu_classes]
+    engines = [
+        {
+            "name": _group_name(hw),
+            "impl": template.impl,
+            "count": n,
+            "pool": hw,
+            "max_restarts": template.max_restarts,
+            "options": template.options,
+        }
+        for hw, n in plan.pools.items()
+        if hw in gpu_classes
+    ]
     routes = {t.task: t for t in plan.tasks}
     data = cfg.model_dump(mode="json")
     data["engines"] = engines
@@ -73,11 +90,19 @@ def run_plan(cfg: RunConfig, args: argparse.Namespace) -> str:
     if out:
         import yaml
 
-        Path(out).write_text(f"# written by rollart plan from {cfg.name!r}: engine groups and task routes of the plan\n"
-                             + yaml.safe_dump(plan_config(cfg, plan), sort_keys=False))
+        Path(out).write_text(
+            f"# written by rollart plan from {cfg.name!r}: engine groups and task routes of the plan\n"
+            + yaml.safe_dump(plan_config(cfg, plan), sort_keys=False)
+        )
         written = f"wrote the planned config to {out}\n"
     if args.json:
         return json.dumps(dataclasses.asdict(plan), indent=2, default=str)
-    note = "" if args.profile else ("(no --profile: prompt length, model size and latencies are defaults; "
-                                    "measure a run or write a profile)\n")
+    note = (
+        ""
+        if args.profile
+        else (
+            "(no --profile: prompt length, model size and latencies are defaults; "
+            "measure a run or write a profile)\n"
+        )
+    )
     return written + note + render_plan(plan)

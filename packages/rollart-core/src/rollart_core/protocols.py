@@ -341,9 +341,7 @@ class WeightStore(Protocol):
         """Newest committed version, or None if nothing was committed."""
         ...
 
-    def pull(
-        self, version: int, into: Mapping[str, torch.Tensor] | None = None
-    ) -> dict[str, torch.Tensor]:
+    def pull(self, version: int, into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """Read a committed version (bucket by bucket); raises WeightSyncError if it is not
         committed, was deleted by retention, or fails its checksum.
 

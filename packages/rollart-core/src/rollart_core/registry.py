@@ -79,21 +79,36 @@ def validate_options(cls: Any, options: dict[str, Any], where: str) -> BaseModel
 
 
 @overload
-def build(group: str, impl: str, options: dict[str, Any], where: str, *, protocol: type[T], **kwargs: Any) -> T: ...
+def build(
+    group: str, impl: str, options: dict[str, Any], where: str, *, protocol: type[T], **kwargs: Any
+) -> T: ...
 @overload
-def build(group: str, impl: str, options: dict[str, Any], where: str, *, protocol: None = None, **kwargs: Any) -> Any: ...
-def build(group: str, impl: str, options: dict[str, Any], where: str, *, protocol: type[Any] | None = None,
-          **kwargs: Any) -> Any:
+def build(
+    group: str, impl: str, options: dict[str, Any], where: str, *, protocol: None = None, **kwargs: Any
+) -> Any: ...
+def build(
+    group: str,
+    impl: str,
+    options: dict[str, Any],
+    where: str,
+    *,
+    protocol: type[Any] | None = None,
+    **kwargs: Any,
+) -> Any:
     """Resolve ``impl`` in ``group``, validate its options, and construct it. ``protocol`` (a
     runtime-checkable Protocol): the object must implement it (RegistryError naming what is missing)."""
     cls = resolve(group, impl)
     cfg = validate_options(cls, options, where)
     obj = cls(cfg, **kwargs) if cfg is not None else cls(**kwargs)
     if protocol is not None and not isinstance(obj, protocol):
-        wanted = {n for n in vars(protocol) if not n.startswith("_")} | set(getattr(protocol, "__annotations__", {}))
+        wanted = {n for n in vars(protocol) if not n.startswith("_")} | set(
+            getattr(protocol, "__annotations__", {})
+        )
         missing = [m for m in wanted if not hasattr(obj, m)]
-        raise RegistryError(f"{group} {impl!r} ({type(obj).__name__}) does not implement {protocol.__name__}"
-                            + (f" (missing: {', '.join(sorted(missing))})" if missing else ""))
+        raise RegistryError(
+            f"{group} {impl!r} ({type(obj).__name__}) does not implement {protocol.__name__}"
+            + (f" (missing: {', '.join(sorted(missing))})" if missing else "")
+        )
     return obj
 
 

@@ -26,9 +26,24 @@ from rollart_core.timeline import STAGES, merge
 __all__ = ["load_rows", "save_timeline", "write_report"]
 
 log = logging.getLogger(__name__)
-_COLOURS = {"generate": "#1f77b4", "env": "#2ca02c", "reward": "#ff7f0e", "train": "#d62728", "weight_sync": "#9467bd"}
-_PHASES = ("import_s", "model_s", "trainer_start_s", "ray_start_s", "build_local_s", "engines_start_s", "eval0_s",
-           "first_step_s", "wall_s")
+_COLOURS = {
+    "generate": "#1f77b4",
+    "env": "#2ca02c",
+    "reward": "#ff7f0e",
+    "train": "#d62728",
+    "weight_sync": "#9467bd",
+}
+_PHASES = (
+    "import_s",
+    "model_s",
+    "trainer_start_s",
+    "ray_start_s",
+    "build_local_s",
+    "engines_start_s",
+    "eval0_s",
+    "first_step_s",
+    "wall_s",
+)
 
 
 def load_rows(run_dir: Path) -> list[dict[str, Any]]:
@@ -74,7 +89,9 @@ def _per_task(rows: list[dict[str, Any]]) -> dict[str, dict[str, tuple[list[floa
     return out
 
 
-def _plot(path: Path, panels: list[tuple[str, str, list[tuple[str, tuple[list[float], list[float]]]]]]) -> bool:
+def _plot(
+    path: Path, panels: list[tuple[str, str, list[tuple[str, tuple[list[float], list[float]]]]]]
+) -> bool:
     import matplotlib.pyplot as plt
 
     panels = [p for p in panels if any(xs for _, (xs, _) in p[2])]
@@ -116,8 +133,13 @@ def _plot_timeline(intervals: list[list[Any]], path: Path) -> bool:
 
 
 def _table(head: list[str], rows: list[list[str]]) -> str:
-    return ("<table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in head) + "</tr>"
-            + "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows) + "</table>")
+    return (
+        "<table><tr>"
+        + "".join(f"<th>{html.escape(h)}</th>" for h in head)
+        + "</tr>"
+        + "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows)
+        + "</table>"
+    )
 
 
 def _cell(v: Any) -> str:
@@ -148,48 +170,99 @@ def write_report(run_dir: Path, summary: dict[str, Any] | None = None, error: st
     if matplotlib is not None:
         matplotlib.use("Agg")
         plots = {
-            "curves.png": ("Learning curves", [
-                ("reward and success", "", [("train reward", _series(steps, "reward_mean")),
-                                            ("train success", _series(steps, "success_rate")),
-                                            ("held-out success", _series(rows, "eval_success"))]),
-                ("held-out reward", "", [("held-out reward", _series(rows, "eval_reward"))]),
-                ("loss", "", [("loss", _series(steps, "loss"))])]),
-            "throughput.png": ("Throughput", [
-                ("trajectories", "per second", [("finished traj/s", _series(steps, "traj_per_s"))]),
-                ("generated tokens", "per second", [("gen tok/s", _series(steps, "gen_tok_per_s"))]),
-                ("step time", "seconds", [("step", _series(steps, "step_s")), ("wait", _series(steps, "wait_s")),
-                                          ("train", _series(steps, "train_s")), ("sync", _series(steps, "sync_s"))])]),
-            "staleness.png": ("Staleness", [
-                ("policy lag of the trained batch", "versions", [("lag_max", _series(steps, "lag_max")),
-                                                                 ("lag_mean", _series(steps, "lag_mean"))])]),
-            "per_task.png": ("Per task", [
-                (k, "", list(v.items())) for k, v in sorted(_per_task(steps).items())]),
+            "curves.png": (
+                "Learning curves",
+                [
+                    (
+                        "reward and success",
+                        "",
+                        [
+                            ("train reward", _series(steps, "reward_mean")),
+                            ("train success", _series(steps, "success_rate")),
+                            ("held-out success", _series(rows, "eval_success")),
+                        ],
+                    ),
+                    ("held-out reward", "", [("held-out reward", _series(rows, "eval_reward"))]),
+                    ("loss", "", [("loss", _series(steps, "loss"))]),
+                ],
+            ),
+            "throughput.png": (
+                "Throughput",
+                [
+                    ("trajectories", "per second", [("finished traj/s", _series(steps, "traj_per_s"))]),
+                    ("generated tokens", "per second", [("gen tok/s", _series(steps, "gen_tok_per_s"))]),
+                    (
+                        "step time",
+                        "seconds",
+                        [
+                            ("step", _series(steps, "step_s")),
+                            ("wait", _series(steps, "wait_s")),
+                            ("train", _series(steps, "train_s")),
+                            ("sync", _series(steps, "sync_s")),
+                        ],
+                    ),
+                ],
+            ),
+            "staleness.png": (
+                "Staleness",
+                [
+                    (
+                        "policy lag of the trained batch",
+                        "versions",
+                        [("lag_max", _series(steps, "lag_max")), ("lag_mean", _series(steps, "lag_mean"))],
+                    )
+                ],
+            ),
+            "per_task.png": (
+                "Per task",
+                [(k, "", list(v.items())) for k, v in sorted(_per_task(steps).items())],
+            ),
         }
         for name, (title, panels) in plots.items():
             if _plot(run_dir / name, panels):
                 images.append((title, name))
         if _plot_timeline(intervals, run_dir / "timeline.png"):
             images.append(("Per-stage timeline", "timeline.png"))
-    keys = ["step", "reward_mean", "success_rate", "eval_success", "traj_per_s", "gen_tok_per_s", "lag_max",
-            "lag_mean", "loss", "version", "fates"]
+    keys = [
+        "step",
+        "reward_mean",
+        "success_rate",
+        "eval_success",
+        "traj_per_s",
+        "gen_tok_per_s",
+        "lag_max",
+        "lag_mean",
+        "loss",
+        "version",
+        "fates",
+    ]
     step_table = _table(keys, [[_cell(r.get(k)) for k in keys] for r in rows])
     name = (summary or {}).get("name") or run_dir.name
-    page = ["<!doctype html><html><head><meta charset='utf-8'>",
-            f"<title>rollart run {html.escape(str(name))}</title>",
-            "<style>body{font-family:sans-serif;margin:2em}td,th{border:1px solid #ccc;padding:3px 6px;"
-            "font-size:13px}table{border-collapse:collapse}.err{color:#b00;font-weight:bold}</style></head><body>",
-            f"<h1>rollart run {html.escape(str(name))}</h1>",
-            f"<p>{len(steps)} training steps in <code>{html.escape(str(run_dir))}</code></p>"]
+    page = [
+        "<!doctype html><html><head><meta charset='utf-8'>",
+        f"<title>rollart run {html.escape(str(name))}</title>",
+        "<style>body{font-family:sans-serif;margin:2em}td,th{border:1px solid #ccc;padding:3px 6px;"
+        "font-size:13px}table{border-collapse:collapse}.err{color:#b00;font-weight:bold}</style></head><body>",
+        f"<h1>rollart run {html.escape(str(name))}</h1>",
+        f"<p>{len(steps)} training steps in <code>{html.escape(str(run_dir))}</code></p>",
+    ]
     if error:
         page.append(f"<p class='err'>The run stopped early: {html.escape(error)}</p>")
     if summary:
         phases = [[k, _cell(summary[k])] for k in _PHASES if k in summary]
         if phases:
             page += ["<h2>Start-up and wall time (seconds)</h2>", _table(["phase", "s"], phases)]
-        page += ["<h2>Summary</h2>", _table(["key", "value"], [[k, _cell(v)] for k, v in summary.items()
-                                                               if k not in _PHASES and k != "history"])]
+        page += [
+            "<h2>Summary</h2>",
+            _table(
+                ["key", "value"],
+                [[k, _cell(v)] for k, v in summary.items() if k not in _PHASES and k != "history"],
+            ),
+        ]
     for title, img in images:
-        page.append(f"<h2>{html.escape(title)}</h2><img src='{img}' alt='{html.escape(title)}' style='max-width:100%'>")
+        page.append(
+            f"<h2>{html.escape(title)}</h2><img src='{img}' alt='{html.escape(title)}' style='max-width:100%'>"
+        )
     if matplotlib is None:
         page.append("<p>(matplotlib not installed: no plots)</p>")
     page += ["<h2>Steps</h2>", step_table, "</body></html>"]

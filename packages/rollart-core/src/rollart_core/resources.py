@@ -136,12 +136,13 @@ class NodeInfo:
             return None
         if self.labels.get(ACCELERATOR_LABEL):
             return self.labels[ACCELERATOR_LABEL]
-        models = [k[len(_ACCEL_PREFIX):] for k in self.resources if k.startswith(_ACCEL_PREFIX)]
+        models = [k[len(_ACCEL_PREFIX) :] for k in self.resources if k.startswith(_ACCEL_PREFIX)]
         return models[0] if models else None
 
     def custom_resources(self) -> list[str]:
-        return [k for k in self.resources
-                if k not in _STANDARD and not k.startswith(("node:", _ACCEL_PREFIX))]
+        return [
+            k for k in self.resources if k not in _STANDARD and not k.startswith(("node:", _ACCEL_PREFIX))
+        ]
 
 
 @dataclass
@@ -188,7 +189,9 @@ class Pool:
 class ClusterView:
     """Alive nodes and the named pools over them. Build it from Ray or from a node table."""
 
-    def __init__(self, nodes: Iterable[NodeInfo], serverless: Mapping[str, ServerlessPoolConfig] | None = None):
+    def __init__(
+        self, nodes: Iterable[NodeInfo], serverless: Mapping[str, ServerlessPoolConfig] | None = None
+    ):
         self.nodes = list(nodes)
         self.pools: dict[str, Pool] = {}
         for n in self.nodes:
@@ -217,9 +220,16 @@ class ClusterView:
     @classmethod
     def from_node_table(cls, rows: Iterable[Mapping[str, Any]], **kw: Any) -> ClusterView:
         """From ``ray.nodes()`` rows (``NodeID``, ``Alive``, ``Resources``, ``Labels``)."""
-        nodes = [NodeInfo(r["NodeID"], r.get("NodeManagerAddress", ""), dict(r.get("Resources", {})),
-                          dict(r.get("Labels", {}) or {}))
-                 for r in rows if r.get("Alive", True)]
+        nodes = [
+            NodeInfo(
+                r["NodeID"],
+                r.get("NodeManagerAddress", ""),
+                dict(r.get("Resources", {})),
+                dict(r.get("Labels", {}) or {}),
+            )
+            for r in rows
+            if r.get("Alive", True)
+        ]
         return cls(nodes, **kw)
 
     @classmethod
@@ -227,7 +237,9 @@ class ClusterView:
         import ray
 
         if not ray.is_initialized():
-            raise ConfigError("the resource plane reads a running Ray cluster: call ray.init (RayCluster) first")
+            raise ConfigError(
+                "the resource plane reads a running Ray cluster: call ray.init (RayCluster) first"
+            )
         return cls.from_node_table(ray.nodes(), serverless=serverless)
 
     def pool(self, name: str | None) -> Pool:
@@ -272,7 +284,9 @@ def _fmt(d: Mapping[str, float]) -> str:
     return "{" + ", ".join(f"{k}: {_num(v)}" for k, v in d.items()) + "}"
 
 
-def validate_plan(workers: Sequence[WorkerDecl | tuple[str, AffinitySpec]], cluster: ClusterView) -> dict[str, list[str]]:
+def validate_plan(
+    workers: Sequence[WorkerDecl | tuple[str, AffinitySpec]], cluster: ClusterView
+) -> dict[str, list[str]]:
     """Check that the cluster can host every worker; raise :class:`ConfigError` naming the first
     worker that cannot be placed and the resource it lacks. Returns the packing it found
     (worker name → node id per replica; empty for serverless workers)."""
@@ -281,8 +295,10 @@ def validate_plan(workers: Sequence[WorkerDecl | tuple[str, AffinitySpec]], clus
     for w in decls:
         pool_name = w.spec.pool
         if pool_name is not None and pool_name not in cluster.pools:
-            raise ConfigError(f"{w.label} needs pool {pool_name!r}, which the cluster does not have "
-                              f"(pools: {', '.join(sorted(cluster.pools))})")
+            raise ConfigError(
+                f"{w.label} needs pool {pool_name!r}, which the cluster does not have "
+                f"(pools: {', '.join(sorted(cluster.pools))})"
+            )
         pool = cluster.pool(pool_name)
         if w.spec.serverless != (pool.kind == "serverless") and pool_name is not None:
             want = "a serverless" if w.spec.serverless else "a placed"
@@ -290,10 +306,14 @@ def validate_plan(workers: Sequence[WorkerDecl | tuple[str, AffinitySpec]], clus
         if w.spec.colocate_with is not None:
             other = by_name.get(w.spec.colocate_with)
             if other is None:
-                raise ConfigError(f"{w.label} is colocated with {w.spec.colocate_with!r}, which is not in the plan")
+                raise ConfigError(
+                    f"{w.label} is colocated with {w.spec.colocate_with!r}, which is not in the plan"
+                )
             if other.spec.colocate_with is not None:
-                raise ConfigError(f"{w.label}: colocation chains are not supported "
-                                  f"({w.name} → {other.name} → {other.spec.colocate_with})")
+                raise ConfigError(
+                    f"{w.label}: colocation chains are not supported "
+                    f"({w.name} → {other.name} → {other.spec.colocate_with})"
+                )
     placed = [w for w in decls if not w.spec.serverless]
     # 1. pool totals cover the summed demand (the clearest message when a pool is simply too small)
     need: dict[tuple[str, str], float] = defaultdict(float)
@@ -329,14 +349,23 @@ def validate_plan(workers: Sequence[WorkerDecl | tuple[str, AffinitySpec]], clus
             for r, v in cluster.pool(w.spec.pool).demand(w.spec).items():
                 total[r] += v
         candidates = _nodes_for(members, cluster)
-        node = next((n for n in candidates if all(free[n.node_id].get(r, 0) + 1e-9 >= v for r, v in total.items())),
-                    None)
+        node = next(
+            (n for n in candidates if all(free[n.node_id].get(r, 0) + 1e-9 >= v for r, v in total.items())),
+            None,
+        )
         if node is None:
             who = " + ".join(w.label for w in members)
-            sizes = "; ".join(f"{n.node_id[:8]}: {_fmt({r: free[n.node_id].get(r, 0) for r in total})}"
-                              for n in candidates) or "no node matches its pool and labels"
-            raise ConfigError(f"{who}: replica {i} needs {_fmt(total)} on one node, but no node of pool "
-                              f"{group[0].spec.pool or 'cpu'!r} has that free (free: {sizes})")
+            sizes = (
+                "; ".join(
+                    f"{n.node_id[:8]}: {_fmt({r: free[n.node_id].get(r, 0) for r in total})}"
+                    for n in candidates
+                )
+                or "no node matches its pool and labels"
+            )
+            raise ConfigError(
+                f"{who}: replica {i} needs {_fmt(total)} on one node, but no node of pool "
+                f"{group[0].spec.pool or 'cpu'!r} has that free (free: {sizes})"
+            )
         for r, v in total.items():
             free[node.node_id][r] = free[node.node_id].get(r, 0) - v
         for w in members:
@@ -380,8 +409,11 @@ class Placement:
         d = pool.demand(w.spec)
         pg, first = self.groups[name]
         opts: dict[str, Any] = {
-            "num_cpus": d.get("CPU", 0), "num_gpus": d.get("GPU", 0),
-            "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first + index),
+            "num_cpus": d.get("CPU", 0),
+            "num_gpus": d.get("GPU", 0),
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=first + index
+            ),
         }
         if "memory" in d:
             opts["memory"] = d["memory"]
@@ -407,8 +439,13 @@ class Placement:
         self.remove()
 
 
-def place(workers: Sequence[WorkerDecl | tuple[str, AffinitySpec]], cluster: ClusterView | None = None, *,
-          timeout_s: float = 120.0, strategy: str = "PACK") -> Placement:
+def place(
+    workers: Sequence[WorkerDecl | tuple[str, AffinitySpec]],
+    cluster: ClusterView | None = None,
+    *,
+    timeout_s: float = 120.0,
+    strategy: str = "PACK",
+) -> Placement:
     """Validate the plan, then reserve one placement group per worker (``strategy`` for its
     replicas; colocated workers join their root's group under ``STRICT_PACK``), waiting until all
     are ready. Serverless workers get no group. Call :meth:`Placement.remove` when done."""
@@ -430,8 +467,10 @@ def place(workers: Sequence[WorkerDecl | tuple[str, AffinitySpec]], cluster: Clu
                 starts[w.name] = len(bundles)
                 bundles += [pool.demand(w.spec)] * w.spec.count
                 selectors += [pool.label_selector(w.spec)] * w.spec.count
-            kwargs: dict[str, Any] = {"strategy": "STRICT_PACK" if len(group) > 1 else strategy,
-                                      "name": f"rollart-{root.name}"}
+            kwargs: dict[str, Any] = {
+                "strategy": "STRICT_PACK" if len(group) > 1 else strategy,
+                "name": f"rollart-{root.name}",
+            }
             if any(selectors):
                 kwargs["bundle_label_selector"] = selectors
             pg = placement_group(bundles, **kwargs)
@@ -442,8 +481,9 @@ def place(workers: Sequence[WorkerDecl | tuple[str, AffinitySpec]], cluster: Clu
         ready, not_ready = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
         if not_ready:
             names = ", ".join(placement.decls[refs[r]].label for r in not_ready)
-            raise PlacementError(f"placement groups not ready after {timeout_s:g}s for {names} "
-                                 f"(cluster: {cluster.describe()})")
+            raise PlacementError(
+                f"placement groups not ready after {timeout_s:g}s for {names} (cluster: {cluster.describe()})"
+            )
         ray.get(ready)
     except BaseException:
         placement.remove()

@@ -71,8 +71,14 @@ class Rollout:
         self.p.buffer.expect(group_id, n_launch, task.name)
         self._group_finished[group_id] = 0
         for k in range(n_launch):
-            traj = Trajectory(f"{group_id}-{k}", task.name, task.env.impl, group_id, seed,
-                              max(self.clock.served, start_version or 0))
+            traj = Trajectory(
+                f"{group_id}-{k}",
+                task.name,
+                task.env.impl,
+                group_id,
+                seed,
+                max(self.clock.served, start_version or 0),
+            )
             self.inflight[traj.traj_id] = (traj, asyncio.create_task(self._run(traj, task_index)))
             self.launched += 1
         return group_id
@@ -85,7 +91,11 @@ class Rollout:
 
     def launch_step(self) -> list[str]:
         """One training step's worth of groups for every task."""
-        return [self.launch_group(ti) for ti, t in enumerate(self.p.config.tasks) for _ in range(t.groups_per_step)]
+        return [
+            self.launch_group(ti)
+            for ti, t in enumerate(self.p.config.tasks)
+            for _ in range(t.groups_per_step)
+        ]
 
     async def _run(self, traj: Trajectory, task_index: int) -> None:
         p = self.p
@@ -100,11 +110,20 @@ class Rollout:
                 traj.fate, traj.error = Fate.ENV_FAILED, f"no environment: {exc}"
             else:
                 ahead = traj.start_version > self.clock.served
-                await run_trajectory(traj, env=env, generator=p.proxy, chat=p.chat, scorer=p.rewards[task.name],
-                                     sampling=task.sampling, max_turns=task.max_turns, context=task.context,
-                                     env_timeout_s=task.env_timeout_s,
-                                     before_first_turn=functools.partial(self.wait_served, traj.start_version)
-                                     if ahead else None)
+                await run_trajectory(
+                    traj,
+                    env=env,
+                    generator=p.proxy,
+                    chat=p.chat,
+                    scorer=p.rewards[task.name],
+                    sampling=task.sampling,
+                    max_turns=task.max_turns,
+                    context=task.context,
+                    env_timeout_s=task.env_timeout_s,
+                    before_first_turn=functools.partial(self.wait_served, traj.start_version)
+                    if ahead
+                    else None,
+                )
         except asyncio.CancelledError:
             pass  # cancelled by us (stale or shutting down); the fate is already set
         except Exception as exc:  # the runner records every fate itself; this is a bug guard

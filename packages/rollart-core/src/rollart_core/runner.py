@@ -67,16 +67,26 @@ async def run_trajectory(
     An environment that implements :class:`~rollart_core.protocols.SupportsAgentEpisode` runs its
     episode itself: see :func:`run_agent_trajectory` (``context`` and ``max_turns`` do not apply)."""
     if isinstance(env, SupportsAgentEpisode):
-        return await run_agent_trajectory(traj, env=env, generator=generator, chat=chat, scorer=scorer,
-                                          sampling=sampling, on_done=on_done, env_timeout_s=env_timeout_s,
-                                          before_first_turn=before_first_turn)
+        return await run_agent_trajectory(
+            traj,
+            env=env,
+            generator=generator,
+            chat=chat,
+            scorer=scorer,
+            sampling=sampling,
+            on_done=on_done,
+            env_timeout_s=env_timeout_s,
+            before_first_turn=before_first_turn,
+        )
     if context not in ("full", "last_turn"):
         raise ValueError(f"context must be 'full' or 'last_turn', got {context!r}")
     if env_timeout_s is not None and env_timeout_s <= 0:
         raise ValueError(f"env_timeout_s must be > 0, got {env_timeout_s}")
     t_start = time.perf_counter()
     if env.action_vocabulary:
-        sampling = sampling.model_copy(update={"allowed_token_ids": tuple(chat.action_token_ids(env.action_vocabulary))})
+        sampling = sampling.model_copy(
+            update={"allowed_token_ids": tuple(chat.action_token_ids(env.action_vocabulary))}
+        )
     if not sampling.stop_token_ids:
         sampling = sampling.model_copy(update={"stop_token_ids": tuple(chat.stop_token_ids())})
     try:
@@ -91,8 +101,12 @@ async def run_trajectory(
         for k in range(max_turns):
             new_sequence = k > 0 and context == "last_turn"
             history = list(prompt) if new_sequence else history + prompt
-            turn = Turn(context_ids=prompt, allowed_token_ids=sampling.allowed_token_ids,
-                        temperature=sampling.temperature, new_sequence=new_sequence)
+            turn = Turn(
+                context_ids=prompt,
+                allowed_token_ids=sampling.allowed_token_ids,
+                temperature=sampling.temperature,
+                new_sequence=new_sequence,
+            )
             traj.turns.append(turn)
             t0 = time.perf_counter()
             request_id = f"{traj.traj_id}-t{k}"
@@ -105,7 +119,11 @@ async def run_trajectory(
                 await asyncio.shield(_abort_quietly(generator, request_id))
                 raise
             _timed(traj, "generate", t0)
-            turn.output_ids, turn.output_logprobs, turn.output_versions = out.token_ids, out.logprobs, out.versions
+            turn.output_ids, turn.output_logprobs, turn.output_versions = (
+                out.token_ids,
+                out.logprobs,
+                out.versions,
+            )
             turn.finish_reason = out.finish_reason
             history += out.token_ids
             turn.action_text = chat.decode(out.token_ids)
@@ -219,16 +237,24 @@ def assemble_agent_turns(traj: Trajectory, calls: list[AgentCall], chat: ChatFor
     sequence: list[int] = []
     segments = 0
     for k, call in enumerate(calls):
-        extends = k > 0 and call.prompt_ids[:len(sequence)] == sequence
+        extends = k > 0 and call.prompt_ids[: len(sequence)] == sequence
         if extends:
-            context = call.prompt_ids[len(sequence):]
+            context = call.prompt_ids[len(sequence) :]
         else:
             context, sequence, segments = list(call.prompt_ids), [], segments + 1
-        traj.turns.append(Turn(context_ids=context, output_ids=list(call.output_ids),
-                               output_logprobs=list(call.logprobs), output_versions=list(call.versions),
-                               finish_reason=call.finish_reason, action_text=chat.decode(call.output_ids),
-                               temperature=call.temperature, allowed_token_ids=call.allowed_token_ids,
-                               new_sequence=k > 0 and not extends))
+        traj.turns.append(
+            Turn(
+                context_ids=context,
+                output_ids=list(call.output_ids),
+                output_logprobs=list(call.logprobs),
+                output_versions=list(call.versions),
+                finish_reason=call.finish_reason,
+                action_text=chat.decode(call.output_ids),
+                temperature=call.temperature,
+                allowed_token_ids=call.allowed_token_ids,
+                new_sequence=k > 0 and not extends,
+            )
+        )
         sequence += context + list(call.output_ids)
     traj.info["segments"] = segments
 

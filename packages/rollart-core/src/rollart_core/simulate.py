@@ -102,8 +102,17 @@ class _Group:
 
 
 class _Sim:
-    def __init__(self, profile: WorkloadProfile, mode: str, alpha: int, gen_slots: int | None,
-                 env_slots: int | None, reward_slots: int | None, gen_time: GenTime | None, seed: int) -> None:
+    def __init__(
+        self,
+        profile: WorkloadProfile,
+        mode: str,
+        alpha: int,
+        gen_slots: int | None,
+        env_slots: int | None,
+        reward_slots: int | None,
+        gen_time: GenTime | None,
+        seed: int,
+    ) -> None:
         self.p, self.mode, self.alpha = profile, mode, alpha
         self.rng = random.Random(seed)
         self.now, self._seq = 0.0, 0
@@ -129,7 +138,9 @@ class _Sim:
         """Suspend → Update → Resume: in-flight turns keep their state but make no progress."""
         if seconds <= 0:
             return
-        self.events = [(t + seconds, q, fn, tag) if tag == "gen" else (t, q, fn, tag) for t, q, fn, tag in self.events]
+        self.events = [
+            (t + seconds, q, fn, tag) if tag == "gen" else (t, q, fn, tag) for t, q, fn, tag in self.events
+        ]
         heapq.heapify(self.events)
         self.gen.resume_at = self.now + seconds
 
@@ -167,7 +178,9 @@ class _Sim:
         elif task.generate_s is not None:
             t = task.generate_s.sample(self.rng)
         else:
-            raise ConfigError(f"task {task.name!r}: no generation latency (measure one or give a hardware class)")
+            raise ConfigError(
+                f"task {task.name!r}: no generation latency (measure one or give a hardware class)"
+            )
         if self.training and self.p.train.colocated_slowdown:
             t *= 1 + self.p.train.colocated_slowdown
         return t
@@ -218,8 +231,16 @@ def simulate(
         raise ConfigError(f"simulate: mode must be 'sync' or 'async', got {mode!r}")
     if steps <= warmup_steps:
         raise ConfigError("simulate: steps must exceed warmup_steps")
-    sim = _Sim(profile, mode, alpha if mode == "async" else 0, gen_slots or profile.gen_slots, env_slots,
-               reward_slots, gen_time, seed)
+    sim = _Sim(
+        profile,
+        mode,
+        alpha if mode == "async" else 0,
+        gen_slots or profile.gen_slots,
+        env_slots,
+        reward_slots,
+        gen_time,
+        seed,
+    )
     groups_per_task = [(t, max(1, t.trajectories_per_step // t.group_size)) for t in profile.tasks]
     groups_per_step = sum(n for _, n in groups_per_task)
     order = [t for t, n in groups_per_task for _ in range(n)]  # round-robin like the loop's producer
@@ -281,8 +302,16 @@ def simulate(
     t1, f1 = step_ends[-1]
     times = [b[0] - a[0] for a, b in itertools.pairwise(step_ends)]
     busy = sim.gen.busy_time / (sim.gen.slots * t1) if sim.gen.slots and t1 > 0 else 0.0
-    return SimResult(mode, (f1 - f0) / (t1 - t0) if t1 > t0 else 0.0, (t1 - t0) / (steps - warmup_steps), steps,
-                     trained, sim.aborted, min(busy, 1.0), times)
+    return SimResult(
+        mode,
+        (f1 - f0) / (t1 - t0) if t1 > t0 else 0.0,
+        (t1 - t0) / (steps - warmup_steps),
+        steps,
+        trained,
+        sim.aborted,
+        min(busy, 1.0),
+        times,
+    )
 
 
 def _stretch_generation(sim: _Sim, factor: float) -> None:
@@ -290,8 +319,10 @@ def _stretch_generation(sim: _Sim, factor: float) -> None:
     the trainer on shared hardware: > 1 when training starts, its inverse when it ends)."""
     if factor == 1:
         return
-    sim.events = [(sim.now + (t - sim.now) * factor, q, fn, tag) if tag == "gen" and t > sim.now else (t, q, fn, tag)
-                  for t, q, fn, tag in sim.events]
+    sim.events = [
+        (sim.now + (t - sim.now) * factor, q, fn, tag) if tag == "gen" and t > sim.now else (t, q, fn, tag)
+        for t, q, fn, tag in sim.events
+    ]
     heapq.heapify(sim.events)
 
 

@@ -18,8 +18,18 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["STAGES", "CpuMeter", "Timeline", "bottleneck_bound", "mean_concurrency", "merge", "cpu_jiffies", "record", "union_length",
-           "utilisation"]
+__all__ = [
+    "STAGES",
+    "CpuMeter",
+    "Timeline",
+    "bottleneck_bound",
+    "mean_concurrency",
+    "merge",
+    "cpu_jiffies",
+    "record",
+    "union_length",
+    "utilisation",
+]
 
 STAGES = ("generate", "env", "reward", "train", "weight_sync")
 _active: list[Timeline] = []
@@ -49,9 +59,14 @@ class Timeline:
 
     def summary(self, window: tuple[float, float]) -> dict[str, dict[str, float]]:
         """Per stage: busy fraction of ``window`` (union of intervals), mean concurrency, count."""
-        return {st: {"utilisation": utilisation(self.of(st), window),
-                     "mean_concurrency": mean_concurrency(self.of(st), window),
-                     "count": float(len(self.of(st)))} for st in STAGES}
+        return {
+            st: {
+                "utilisation": utilisation(self.of(st), window),
+                "mean_concurrency": mean_concurrency(self.of(st), window),
+                "count": float(len(self.of(st))),
+            }
+            for st in STAGES
+        }
 
 
 def _clip(intervals: Iterable[tuple[float, float]], window: tuple[float, float]) -> list[tuple[float, float]]:
@@ -66,8 +81,9 @@ def _clip(intervals: Iterable[tuple[float, float]], window: tuple[float, float])
     return out
 
 
-def merge(intervals: Iterable[tuple[float, float]],
-          window: tuple[float, float] = (float("-inf"), float("inf"))) -> list[tuple[float, float]]:
+def merge(
+    intervals: Iterable[tuple[float, float]], window: tuple[float, float] = (float("-inf"), float("inf"))
+) -> list[tuple[float, float]]:
     """Sorted, disjoint spans covering the same time as ``intervals`` (clipped to ``window``)."""
     out: list[tuple[float, float]] = []
     for s, e in sorted(_clip(intervals, window)):

@@ -123,8 +123,11 @@ class TaskProfile(_Model):
 
     def mean_context(self) -> float:
         """Average sequence length while decoding (for the KV cache read per step)."""
-        return self.prompt_tokens + (self.turns - 1) / 2 * (self.context_tokens_per_turn + self.output_tokens_per_turn) \
+        return (
+            self.prompt_tokens
+            + (self.turns - 1) / 2 * (self.context_tokens_per_turn + self.output_tokens_per_turn)
             + self.output_tokens_per_turn / 2
+        )
 
     def sample_turns(self, rng: random.Random) -> int:
         if self.turns_samples:
@@ -196,27 +199,37 @@ def profile_from_trajectories(
         later = [len(u.context_ids) for t in ts for u in t.turns[1:]]
         env_calls = [t.timings.get("env", 0.0) / (len(t.turns) + 1) for t in ts]
         gen_turn = [t.timings.get("generate", 0.0) / len(t.turns) for t in ts]
-        tasks.append(TaskProfile(
-            name=name,
-            trajectories_per_step=(trajectories_per_step or {}).get(name, len(ts)),
-            group_size=(group_size or {}).get(name, 1),
-            prompt_tokens=fmean(len(t.turns[0].context_ids) for t in ts),
-            context_tokens_per_turn=fmean(later) if later else 0.0,
-            output_tokens_per_turn=fmean(len(u.output_ids) for t in ts for u in t.turns),
-            turns=fmean(turns), turns_samples=turns[:_MAX_SAMPLES],
-            env_latency_s=LatencyDist.of(env_calls),
-            reward_s=LatencyDist.of([t.timings.get("reward", 0.0) for t in ts]),
-            generate_s=LatencyDist.of(gen_turn),
-        ))
+        tasks.append(
+            TaskProfile(
+                name=name,
+                trajectories_per_step=(trajectories_per_step or {}).get(name, len(ts)),
+                group_size=(group_size or {}).get(name, 1),
+                prompt_tokens=fmean(len(t.turns[0].context_ids) for t in ts),
+                context_tokens_per_turn=fmean(later) if later else 0.0,
+                output_tokens_per_turn=fmean(len(u.output_ids) for t in ts for u in t.turns),
+                turns=fmean(turns),
+                turns_samples=turns[:_MAX_SAMPLES],
+                env_latency_s=LatencyDist.of(env_calls),
+                reward_s=LatencyDist.of([t.timings.get("reward", 0.0) for t in ts]),
+                generate_s=LatencyDist.of(gen_turn),
+            )
+        )
     rows = [m for m in metrics if "train_s" in m]
     rows = rows[skip_steps:] or rows
-    train = TrainProfile(train_s=fmean(r["train_s"] for r in rows) if rows else 0.0,
-                         sync_s=fmean(r.get("sync_s", 0.0) for r in rows) if rows else 0.0)
+    train = TrainProfile(
+        train_s=fmean(r["train_s"] for r in rows) if rows else 0.0,
+        sync_s=fmean(r.get("sync_s", 0.0) for r in rows) if rows else 0.0,
+    )
     measured: dict[str, Any] = {}
     if rows:
-        measured = {k: fmean(r[k] for r in rows) for k in ("traj_per_s", "step_s", "wait_s") if all(k in r for r in rows)}
-    return WorkloadProfile(model=model or ModelProfile(), tasks=tasks, train=train, gen_slots=gen_slots,
-                           measured=measured)
+        measured = {
+            k: fmean(r[k] for r in rows)
+            for k in ("traj_per_s", "step_s", "wait_s")
+            if all(k in r for r in rows)
+        }
+    return WorkloadProfile(
+        model=model or ModelProfile(), tasks=tasks, train=train, gen_slots=gen_slots, measured=measured
+    )
 
 
 def profile_from_run(run_dir: str | Path, trajectories: Iterable[Trajectory], **kw: Any) -> WorkloadProfile:

@@ -120,11 +120,14 @@ class GymnasiumEnv:
             self.wrapper: TextWrapper = _load(config.wrapper, "wrapper")()
         else:
             if not isinstance(self.env.action_space, gym.spaces.Discrete):
-                raise ConfigError(f"{config.env_id}: the default text wrapper needs a Discrete action space, "
-                                  f"got {self.env.action_space}; give a TextWrapper in 'wrapper'")
+                raise ConfigError(
+                    f"{config.env_id}: the default text wrapper needs a Discrete action space, "
+                    f"got {self.env.action_space}; give a TextWrapper in 'wrapper'"
+                )
             if config.action_names is not None and len(config.action_names) != self.env.action_space.n:
-                raise ConfigError(f"action_names has {len(config.action_names)} names for "
-                                  f"{self.env.action_space.n} actions")
+                raise ConfigError(
+                    f"action_names has {len(config.action_names)} names for {self.env.action_space.n} actions"
+                )
             self.wrapper = DiscreteTextWrapper(config.action_names)
         self.action_vocabulary = tuple(config.action_names) if config.action_names else None
         self.system_prompt = config.system_prompt
@@ -145,13 +148,23 @@ class GymnasiumEnv:
         if action is None:
             names = ", ".join(self.config.action_names or [])
             hint = f" reply with one of: {names}" if names else ""
-            return StepResult(f"Invalid action {action_text.strip()[:20]!r};{hint}\n{self._last_text}",
-                              self.config.format_penalty, False, truncated_here, {"invalid": True})
+            return StepResult(
+                f"Invalid action {action_text.strip()[:20]!r};{hint}\n{self._last_text}",
+                self.config.format_penalty,
+                False,
+                truncated_here,
+                {"invalid": True},
+            )
         obs, reward, terminated, truncated, info = await _call(self.config.threaded, self.env.step, action)
         self._last_text = self.wrapper.observation_text(self.env, obs)
         terminated = bool(terminated)
-        return StepResult(self._last_text, float(reward), terminated,
-                          (bool(truncated) or truncated_here) and not terminated, dict(info))
+        return StepResult(
+            self._last_text,
+            float(reward),
+            terminated,
+            (bool(truncated) or truncated_here) and not terminated,
+            dict(info),
+        )
 
     async def close(self) -> None:
         self.env.close()
@@ -198,8 +211,12 @@ class GemEnv:
         return str(obs), dict(info or {})
 
     async def step(self, action_text: str) -> StepResult:
-        obs, reward, terminated, truncated, info = await _call(self.config.threaded, self.env.step, action_text)
-        return StepResult(str(obs), float(reward), bool(terminated), bool(truncated) and not terminated, dict(info or {}))
+        obs, reward, terminated, truncated, info = await _call(
+            self.config.threaded, self.env.step, action_text
+        )
+        return StepResult(
+            str(obs), float(reward), bool(terminated), bool(truncated) and not terminated, dict(info or {})
+        )
 
     async def close(self) -> None:
         close = getattr(self.env, "close", None)

@@ -126,14 +126,22 @@ def _server_for(generator: Any, cfg: AgentEnvConfig) -> Any:
     try:
         from rollart_proxy.server import OpenAIServer
     except ImportError as e:
-        raise ConfigError(f"agent tasks need rollart-proxy's OpenAI endpoint ({e}): "
-                          "pip install 'rollart-proxy[server]'") from None
+        raise ConfigError(
+            f"agent tasks need rollart-proxy's OpenAI endpoint ({e}): pip install 'rollart-proxy[server]'"
+        ) from None
     key = (cfg.model, cfg.served_model_name, cfg.tool_parser, cfg.max_model_len, cfg.default_max_tokens)
     servers = _servers.setdefault(generator, {})
     if key not in servers:
-        servers[key] = OpenAIServer(generator, cfg.model, served_model_name=cfg.served_model_name,
-                                    max_model_len=cfg.max_model_len, default_max_tokens=cfg.default_max_tokens,
-                                    api_key="", admin_key="", tool_parser=cfg.tool_parser)
+        servers[key] = OpenAIServer(
+            generator,
+            cfg.model,
+            served_model_name=cfg.served_model_name,
+            max_model_len=cfg.max_model_len,
+            default_max_tokens=cfg.default_max_tokens,
+            api_key="",
+            admin_key="",
+            tool_parser=cfg.tool_parser,
+        )
     return servers[key]
 
 
@@ -148,10 +156,13 @@ class AgentEnv:
         self.config = config
         self._solve = load_callable(config.entry, "env.options.entry")
         if not inspect.iscoroutinefunction(self._solve):
-            raise ConfigError(f"env.options.entry: {config.entry!r} must be an async function "
-                              "(async def solve(client, task))")
-        self._make_data = load_callable(config.task_data_fn, "env.options.task_data_fn") \
-            if config.task_data_fn else None
+            raise ConfigError(
+                f"env.options.entry: {config.entry!r} must be an async function "
+                "(async def solve(client, task))"
+            )
+        self._make_data = (
+            load_callable(config.task_data_fn, "env.options.task_data_fn") if config.task_data_fn else None
+        )
 
     async def run_episode(self, session: AgentSession) -> AgentEpisode:
         import httpx
@@ -164,41 +175,68 @@ class AgentEnv:
                 data.update(self._make_data(session.seed))
             except Exception as e:
                 raise EnvError(f"task_data_fn failed for seed {session.seed}: {e!r}") from e
-        task = AgentTask(session.seed, session.task, data, cfg.served_model_name,
-                         session.sampling.max_tokens, session.sampling.temperature)
+        task = AgentTask(
+            session.seed,
+            session.task,
+            data,
+            cfg.served_model_name,
+            session.sampling.max_tokens,
+            session.sampling.temperature,
+        )
         server = _server_for(session.generator, cfg)
         token = server.bind_session(session.session_id)
-        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=server.app), base_url="http://rollart-proxy",
-                                 timeout=cfg.episode_timeout_s)
-        client = openai.AsyncOpenAI(base_url="http://rollart-proxy/v1", api_key=token, http_client=http,
-                                    max_retries=0, default_headers={server.session_header: session.session_id,
-                                                                    server.task_header: session.task})
+        http = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=server.app),
+            base_url="http://rollart-proxy",
+            timeout=cfg.episode_timeout_s,
+        )
+        client = openai.AsyncOpenAI(
+            base_url="http://rollart-proxy/v1",
+            api_key=token,
+            http_client=http,
+            max_retries=0,
+            default_headers={server.session_header: session.session_id, server.task_header: session.task},
+        )
         try:
             try:
                 result = await asyncio.wait_for(self._solve(client, task), cfg.episode_timeout_s)
             except TimeoutError:
                 await _abort_quietly(session)
-                raise EnvTimeoutError(f"the agent ran past episode_timeout_s={cfg.episode_timeout_s}") from None
+                raise EnvTimeoutError(
+                    f"the agent ran past episode_timeout_s={cfg.episode_timeout_s}"
+                ) from None
             except Exception as e:
                 refused = server.refused.get(session.session_id, 0)
                 if refused:
-                    raise EnvError(f"the agent called with another session's id ({refused} calls refused): "
-                                   f"{type(e).__name__}: {e}") from e
+                    raise EnvError(
+                        f"the agent called with another session's id ({refused} calls refused): "
+                        f"{type(e).__name__}: {e}"
+                    ) from e
                 raise EnvError(f"the agent raised {type(e).__name__}: {e}") from e
         finally:
             released = server.release_session(token)
             await client.close()
             await http.aclose()
         if released["refused"]:
-            raise EnvError(f"the agent called with another session's id ({released['refused']} calls refused)")
+            raise EnvError(
+                f"the agent called with another session's id ({released['refused']} calls refused)"
+            )
         if isinstance(result, str):
             result = AgentResult(answer=result)
         if not isinstance(result, AgentResult):
             raise EnvError(f"the agent returned {type(result).__name__}, not an AgentResult or a str")
-        calls = [AgentCall(r["prompt_ids"], r["output_ids"], r["logprobs"], r["versions"], r["finish_reason"],
-                           r["temperature"] if r.get("temperature") is not None else 1.0,
-                           tuple(r["allowed_token_ids"]) if r.get("allowed_token_ids") else None)
-                 for r in released["calls"]]
+        calls = [
+            AgentCall(
+                r["prompt_ids"],
+                r["output_ids"],
+                r["logprobs"],
+                r["versions"],
+                r["finish_reason"],
+                r["temperature"] if r.get("temperature") is not None else 1.0,
+                tuple(r["allowed_token_ids"]) if r.get("allowed_token_ids") else None,
+            )
+            for r in released["calls"]
+        ]
         return AgentEpisode(calls, result.answer, result.reward, dict(result.info))
 
     async def close(self) -> None:

@@ -29,7 +29,12 @@ __all__ = ["CalculatorConfig", "CalculatorEnv", "ToolError", "evaluate", "make_p
 
 _CALC = re.compile(r"<calc>(.*?)</calc>", re.S)
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
-_OPS: dict[type, Any] = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+_OPS: dict[type, Any] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+}
 _SYMBOL = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
 
 
@@ -60,7 +65,11 @@ def _count_ops(node: ast.AST) -> int:
 def _eval(node: ast.AST) -> Fraction:
     if isinstance(node, ast.Expression):
         return _eval(node.body)
-    if isinstance(node, ast.Constant) and isinstance(node.value, int | float) and not isinstance(node.value, bool):
+    if (
+        isinstance(node, ast.Constant)
+        and isinstance(node.value, int | float)
+        and not isinstance(node.value, bool)
+    ):
         try:
             return Fraction(str(node.value))
         except (ValueError, OverflowError):
@@ -153,11 +162,21 @@ class CalculatorEnv:
             try:
                 given = evaluate(answer.group(1), max_ops=0)
             except ToolError:
-                return StepResult(f"Answer {answer.group(1).strip()[:20]!r} is not a number.", cfg.wrong_reward,
-                                  True, False, {"success": False, "tool_calls": self.tool_calls, "invalid": True})
+                return StepResult(
+                    f"Answer {answer.group(1).strip()[:20]!r} is not a number.",
+                    cfg.wrong_reward,
+                    True,
+                    False,
+                    {"success": False, "tool_calls": self.tool_calls, "invalid": True},
+                )
             ok = abs(given - self.value) <= Fraction(1, 10**6)
-            return StepResult("Correct." if ok else "Wrong.", cfg.correct_reward if ok else cfg.wrong_reward,
-                              True, False, {"success": ok, "tool_calls": self.tool_calls})
+            return StepResult(
+                "Correct." if ok else "Wrong.",
+                cfg.correct_reward if ok else cfg.wrong_reward,
+                True,
+                False,
+                {"success": ok, "tool_calls": self.tool_calls},
+            )
         self.done = truncated
         if calc is not None:
             self.tool_calls += 1
@@ -170,7 +189,10 @@ class CalculatorEnv:
             return StepResult(out, reward, False, truncated, {"tool_calls": self.tool_calls})
         return StepResult(
             "Format error: reply <calc>A op B</calc> to use the calculator or <answer>N</answer> to answer.",
-            cfg.format_penalty, False, truncated, {"invalid": True},
+            cfg.format_penalty,
+            False,
+            truncated,
+            {"invalid": True},
         )
 
     async def close(self) -> None:

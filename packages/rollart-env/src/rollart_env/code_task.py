@@ -42,7 +42,10 @@ class Problem:
 
 
 def _tests(func: str, ref: Callable[..., Any], inputs: list[tuple[Any, ...]]) -> str:
-    lines = [f"assert {func}({', '.join(map(repr, args))}) == {ref(*args)!r}, {func + repr(args)!r}" for args in inputs]
+    lines = [
+        f"assert {func}({', '.join(map(repr, args))}) == {ref(*args)!r}, {func + repr(args)!r}"
+        for args in inputs
+    ]
     return "\n".join(lines)
 
 
@@ -50,8 +53,13 @@ def _sum_divisible(rng: random.Random) -> Problem:
     k = rng.randint(2, 9)
     inputs = [([rng.randint(-50, 100) for _ in range(rng.randint(0, 12))],) for _ in range(6)]
     ref = f"def sum_div(xs):\n    return sum(x for x in xs if x % {k} == 0)\n"
-    return Problem("sum_div", f"Write `sum_div(xs)` returning the sum of the integers in list `xs` divisible by {k}.",
-                   "sum_div", _tests("sum_div", lambda xs: sum(x for x in xs if x % k == 0), inputs), ref)
+    return Problem(
+        "sum_div",
+        f"Write `sum_div(xs)` returning the sum of the integers in list `xs` divisible by {k}.",
+        "sum_div",
+        _tests("sum_div", lambda xs: sum(x for x in xs if x % k == 0), inputs),
+        ref,
+    )
 
 
 def _fizz(rng: random.Random) -> Problem:
@@ -63,23 +71,36 @@ def _fizz(rng: random.Random) -> Problem:
         return s or str(n)
 
     inputs = [(n,) for n in rng.sample(range(1, 200), 8)] + [(a * b,)]
-    ref = (f"def fizz(n):\n    s = ({words[0]!r} if n % {a} == 0 else '') + ({words[1]!r} if n % {b} == 0 else '')\n"
-           "    return s or str(n)\n")
-    return Problem("fizz", f"Write `fizz(n)`: return {words[0]!r} if n is divisible by {a}, {words[1]!r} if by {b}, "
-                   f"both concatenated in that order if by both, else str(n).", "fizz", _tests("fizz", f, inputs), ref)
+    ref = (
+        f"def fizz(n):\n    s = ({words[0]!r} if n % {a} == 0 else '') + ({words[1]!r} if n % {b} == 0 else '')\n"
+        "    return s or str(n)\n"
+    )
+    return Problem(
+        "fizz",
+        f"Write `fizz(n)`: return {words[0]!r} if n is divisible by {a}, {words[1]!r} if by {b}, "
+        f"both concatenated in that order if by both, else str(n).",
+        "fizz",
+        _tests("fizz", f, inputs),
+        ref,
+    )
 
 
 def _rotate(rng: random.Random) -> Problem:
     k = rng.randint(1, 5)
 
     def f(xs: list[int]) -> list[int]:
-        return xs[-k % len(xs):] + xs[:-k % len(xs)] if xs else []
+        return xs[-k % len(xs) :] + xs[: -k % len(xs)] if xs else []
 
     inputs = [([rng.randint(0, 9) for _ in range(rng.randint(0, 8))],) for _ in range(6)]
     ref = f"def rotate(xs):\n    if not xs:\n        return []\n    s = -{k} % len(xs)\n    return xs[s:] + xs[:s]\n"
-    return Problem("rotate", f"Write `rotate(xs)` returning a new list: `xs` rotated right by {k} positions "
-                   "(the last element moves to the front each position); [] stays [].", "rotate",
-                   _tests("rotate", f, inputs), ref)
+    return Problem(
+        "rotate",
+        f"Write `rotate(xs)` returning a new list: `xs` rotated right by {k} positions "
+        "(the last element moves to the front each position); [] stays [].",
+        "rotate",
+        _tests("rotate", f, inputs),
+        ref,
+    )
 
 
 def _count_vowels(rng: random.Random) -> Problem:
@@ -91,8 +112,14 @@ def _count_vowels(rng: random.Random) -> Problem:
         return sum(ch.lower() in vowels for ch in s)
 
     ref = f"def count_letters(s):\n    return sum(ch.lower() in {vowels!r} for ch in s)\n"
-    return Problem("count_letters", f"Write `count_letters(s)` returning how many characters of `s` are one of "
-                   f"{', '.join(vowels)} (case-insensitive).", "count_letters", _tests("count_letters", f, inputs), ref)
+    return Problem(
+        "count_letters",
+        f"Write `count_letters(s)` returning how many characters of `s` are one of "
+        f"{', '.join(vowels)} (case-insensitive).",
+        "count_letters",
+        _tests("count_letters", f, inputs),
+        ref,
+    )
 
 
 def _running_max(rng: random.Random) -> Problem:
@@ -104,10 +131,17 @@ def _running_max(rng: random.Random) -> Problem:
             out.append(max(out[-1], x) if out else x)
         return out
 
-    ref = ("def running_max(xs):\n    out = []\n    for x in xs:\n"
-           "        out.append(max(out[-1], x) if out else x)\n    return out\n")
-    return Problem("running_max", "Write `running_max(xs)` returning the list whose i-th element is max(xs[:i+1]).",
-                   "running_max", _tests("running_max", f, inputs), ref)
+    ref = (
+        "def running_max(xs):\n    out = []\n    for x in xs:\n"
+        "        out.append(max(out[-1], x) if out else x)\n    return out\n"
+    )
+    return Problem(
+        "running_max",
+        "Write `running_max(xs)` returning the list whose i-th element is max(xs[:i+1]).",
+        "running_max",
+        _tests("running_max", f, inputs),
+        ref,
+    )
 
 
 def _digit_sum(rng: random.Random) -> Problem:
@@ -122,12 +156,23 @@ def _digit_sum(rng: random.Random) -> Problem:
         return s
 
     ref = f"def digit_sum(n):\n    s = 0\n    while n:\n        n, d = divmod(n, {base})\n        s += d\n    return s\n"
-    return Problem("digit_sum", f"Write `digit_sum(n)` returning the sum of the digits of the non-negative integer n "
-                   f"written in base {base}.", "digit_sum", _tests("digit_sum", f, inputs), ref)
+    return Problem(
+        "digit_sum",
+        f"Write `digit_sum(n)` returning the sum of the digits of the non-negative integer n "
+        f"written in base {base}.",
+        "digit_sum",
+        _tests("digit_sum", f, inputs),
+        ref,
+    )
 
 
 PROBLEMS: tuple[Callable[[random.Random], Problem], ...] = (
-    _sum_divisible, _fizz, _rotate, _count_vowels, _running_max, _digit_sum,
+    _sum_divisible,
+    _fizz,
+    _rotate,
+    _count_vowels,
+    _running_max,
+    _digit_sum,
 )
 
 
@@ -142,7 +187,7 @@ def repository_context(rng: random.Random, functions: int) -> str:
     for i in range(functions):
         name, sym = rng.choice(ops)
         k = rng.randint(1, 99)
-        out.append(f"def {name}_{i}(x):\n    \"\"\"Return x {sym} {k}.\"\"\"\n    return x {sym} {k}\n")
+        out.append(f'def {name}_{i}(x):\n    """Return x {sym} {k}."""\n    return x {sym} {k}\n')
     return "\n".join(out)
 
 
@@ -169,8 +214,9 @@ class CodeTaskEnv:
     action_vocabulary = None
     profile = "prefill_heavy"
     """Long prompts (repository context + test feedback), few turns."""
-    system_prompt = ("You are a careful Python programmer. Answer with the complete function in one "
-                     "```python code block.")
+    system_prompt = (
+        "You are a careful Python programmer. Answer with the complete function in one ```python code block."
+    )
 
     def __init__(self, config: CodeTaskConfig | None = None) -> None:
         self.config = config or CodeTaskConfig()
@@ -204,17 +250,29 @@ class CodeTaskEnv:
         m = _FENCE.search(action_text)
         if m is None:
             self.done = truncated
-            return StepResult("Format error: put the whole function in one ```python code block.",
-                              cfg.format_penalty, False, truncated, {"invalid": True})
+            return StepResult(
+                "Format error: put the whole function in one ```python code block.",
+                cfg.format_penalty,
+                False,
+                truncated,
+                {"invalid": True},
+            )
         result = await self._run(m.group(1), self.problem.tests)
-        info = {"passed": result.passed, "killed_reason": result.killed_reason, "attempts": self.attempts,
-                "success": result.passed, "sandbox_s": result.duration_s}
+        info = {
+            "passed": result.passed,
+            "killed_reason": result.killed_reason,
+            "attempts": self.attempts,
+            "success": result.passed,
+            "sandbox_s": result.duration_s,
+        }
         if result.passed:
             self.done = True
             return StepResult("All tests passed.", cfg.pass_reward, True, False, info)
         self.done = truncated
         why = f" (killed: {result.killed_reason})" if result.killed_reason else ""
-        feedback = (result.stderr or result.stdout)[-cfg.max_feedback_chars:] if cfg.max_feedback_chars else ""
+        feedback = (
+            (result.stderr or result.stdout)[-cfg.max_feedback_chars :] if cfg.max_feedback_chars else ""
+        )
         return StepResult(f"Tests failed{why}.\n{feedback}".rstrip(), cfg.fail_reward, False, truncated, info)
 
     async def close(self) -> None:

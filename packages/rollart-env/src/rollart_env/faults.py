@@ -71,7 +71,9 @@ class EpisodePlan:
     """0 = reset, i = the i-th step."""
 
 
-def plan_episode(spec: FaultSpec, episode_seed: int, instance_key: tuple[int, ...] | None = None) -> EpisodePlan:
+def plan_episode(
+    spec: FaultSpec, episode_seed: int, instance_key: tuple[int, ...] | None = None
+) -> EpisodePlan:
     """Which fault (if any) the episode started by ``reset(episode_seed)`` gets, and at which call.
 
     With ``per_instance`` the key is ``instance_key`` = (instance, episode number) instead, or
@@ -114,8 +116,15 @@ class FaultyEnv:
 
     Config = FaultyEnvConfig
 
-    def __init__(self, config: FaultyEnvConfig | None = None, *, inner: Environment | None = None,
-                 spec: FaultSpec | None = None, instance: int | None = None, incarnation: int | None = None) -> None:
+    def __init__(
+        self,
+        config: FaultyEnvConfig | None = None,
+        *,
+        inner: Environment | None = None,
+        spec: FaultSpec | None = None,
+        instance: int | None = None,
+        incarnation: int | None = None,
+    ) -> None:
         if inner is None:
             if config is None:
                 raise EnvError("FaultyEnv needs a config (with the env to wrap) or an inner env")

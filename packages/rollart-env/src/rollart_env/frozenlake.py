@@ -82,7 +82,9 @@ class FrozenLakeEnv:
 
     Config = FrozenLakeConfig
     action_vocabulary = tuple(ACTIONS)
-    system_prompt: str | None = "Move on the frozen lake from S to G without falling into a hole H. Reply with one letter: L, D, R or U."
+    system_prompt: str | None = (
+        "Move on the frozen lake from S to G without falling into a hole H. Reply with one letter: L, D, R or U."
+    )
 
     def __init__(self, config: FrozenLakeConfig | None = None) -> None:
         self.config = config or FrozenLakeConfig()
@@ -122,7 +124,10 @@ class FrozenLakeEnv:
             self.done = truncated
             return StepResult(
                 f"Invalid action {action_text.strip()[:20]!r}; reply with L, D, R or U.\n{self.render()}",
-                self.config.invalid_penalty, False, truncated, {"invalid": True},
+                self.config.invalid_penalty,
+                False,
+                truncated,
+                {"invalid": True},
             )
         if self.config.slippery and self._rng.random() < 1 / 3:
             action = self._rng.choice(list(ACTIONS))
@@ -133,8 +138,13 @@ class FrozenLakeEnv:
         terminated = cell in "HG"
         reward = 1.0 if cell == "G" else 0.0
         self.done = terminated or truncated
-        return StepResult(self.render(), reward, terminated, truncated and not terminated,
-                          {"cell": cell, "success": cell == "G"})
+        return StepResult(
+            self.render(),
+            reward,
+            terminated,
+            truncated and not terminated,
+            {"cell": cell, "success": cell == "G"},
+        )
 
     async def close(self) -> None:
         self.done = True

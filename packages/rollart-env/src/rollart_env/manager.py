@@ -132,8 +132,15 @@ class EnvWorker:
             raise EnvError(f"{self.name}: no environment {env_id!r}")
         return env
 
-    async def create(self, env_id: str, impl: str, options: dict[str, Any], faults: dict[str, Any] | None,
-                     instance: int, replicas: int = 1) -> dict[str, Any]:
+    async def create(
+        self,
+        env_id: str,
+        impl: str,
+        options: dict[str, Any],
+        faults: dict[str, Any] | None,
+        instance: int,
+        replicas: int = 1,
+    ) -> dict[str, Any]:
         """Build (and start) environment ``env_id``; ``replicas > 1``: a :class:`ReplicatedEnv` of
         that many instances (fault-injection instances ``instance * replicas + i``: independent; a
         respawned replica is a new incarnation, with fresh faults)."""
@@ -146,8 +153,12 @@ class EnvWorker:
             if faults is not None:
                 from rollart_env.faults import FaultyEnv
 
-                env = FaultyEnv(inner=env, spec=FaultSpec(**faults), instance=instance * replicas + i,
-                                incarnation=incarnation)
+                env = FaultyEnv(
+                    inner=env,
+                    spec=FaultSpec(**faults),
+                    instance=instance * replicas + i,
+                    incarnation=incarnation,
+                )
             return env
 
         async def start(env: Any) -> Any:
@@ -157,8 +168,13 @@ class EnvWorker:
             return env
 
         parts = [make(i) for i in range(replicas)]
-        env: Any = parts[0] if replicas == 1 else ReplicatedEnv(
-            parts, stats=self.replica_stats, respawn=lambda i: start(make(i, next(rebuilt))))
+        env: Any = (
+            parts[0]
+            if replicas == 1
+            else ReplicatedEnv(
+                parts, stats=self.replica_stats, respawn=lambda i: start(make(i, next(rebuilt)))
+            )
+        )
         self.envs[env_id] = env  # registered before its start: destroy() during a slow start closes it
         await self._tracked(env_id, asyncio.gather(*(start(e) for e in parts)))
         vocab = env.action_vocabulary
@@ -184,8 +200,13 @@ class EnvWorker:
                 log.warning("%s: closing %s failed: %r", self.name, env_id, exc)
 
     async def info(self) -> dict[str, Any]:
-        return {"name": self.name, "envs": len(self.envs), "running": sum(map(len, self._running.values())),
-                "calls": dict(self.calls), "replicas": dict(self.replica_stats)}
+        return {
+            "name": self.name,
+            "envs": len(self.envs),
+            "running": sum(map(len, self._running.values())),
+            "calls": dict(self.calls),
+            "replicas": dict(self.replica_stats),
+        }
 
 
 @dataclass(eq=False)
@@ -231,7 +252,9 @@ class ManagedEnv:
         return obs, {**info, "env_id": self.env_id}
 
     async def step(self, action_text: str) -> StepResult:
-        return await self._manager._call(self, "step", action_text, timeout=self._manager.config.step_timeout_s)
+        return await self._manager._call(
+            self, "step", action_text, timeout=self._manager.config.step_timeout_s
+        )
 
     async def close(self) -> None:
         if not self.closed:
@@ -272,8 +295,10 @@ class EnvManager:
             raise EnvError("EnvManager needs a running Ray cluster (use rollart_core.cluster.RayCluster)")
         pool = self.config.pool
         if pool is not None and ray.cluster_resources().get(pool, 0) < 1:
-            raise ConfigError(f"EnvManager: the Ray cluster has no {pool!r} resource (the CPU pool); start Ray "
-                              f"with resources={{{pool!r}: N}} or set pool: null")
+            raise ConfigError(
+                f"EnvManager: the Ray cluster has no {pool!r} resource (the CPU pool); start Ray "
+                f"with resources={{{pool!r}: N}} or set pool: null"
+            )
         for name, g in self.config.groups.items():  # invalid env options fail here, naming the field
             validate_options(resolve("env", g.impl), g.options, f"groups.{name}.options")
         self._started = True
@@ -347,7 +372,9 @@ class EnvManager:
         g = self.config.groups[slot.group]
         faults = g.faults.model_dump() if g.faults is not None else None
         in_actor = self._replicas(g) if g.replica_scope == "actor" else 1
-        ref = slot.actor.handle.create.remote(slot.env_id, g.impl, dict(g.options), faults, slot.instance, in_actor)
+        ref = slot.actor.handle.create.remote(
+            slot.env_id, g.impl, dict(g.options), faults, slot.instance, in_actor
+        )
         try:
             spec = await asyncio.wait_for(_await_ref(ref), timeout=self.config.start_timeout_s)
         except asyncio.CancelledError:
@@ -435,7 +462,7 @@ class EnvManager:
                 ready.append(slot)
         spare = max(0, len(ready) - self._waiting[group])
         ready.sort(key=lambda s: s.actor is avoid)  # stable: other actors first, queue order kept
-        take = ready[:min(n, spare)]
+        take = ready[: min(n, spare)]
         for slot in ready:
             if slot not in take:
                 q.put_nowait(slot)
@@ -495,7 +522,9 @@ class EnvManager:
             if left <= 0:
                 self.stats["timeouts_episode"] += 1
                 self._retire(slot, reason="timeout")
-                raise EnvTimeoutError(f"{slot.env_id}: episode timeout {self.config.episode_timeout_s}s exceeded")
+                raise EnvTimeoutError(
+                    f"{slot.env_id}: episode timeout {self.config.episode_timeout_s}s exceeded"
+                )
             if left < limit:
                 limit, what = left, f"episode timeout {self.config.episode_timeout_s}s"
         ref = getattr(slot.actor.handle, method).remote(slot.env_id, arg)
@@ -547,7 +576,9 @@ class EnvManager:
 
     # convenience -----------------------------------------------------------------------------
 
-    async def run_trajectory(self, traj: Trajectory, group: str | None = None, **runner_kwargs: Any) -> Trajectory:
+    async def run_trajectory(
+        self, traj: Trajectory, group: str | None = None, **runner_kwargs: Any
+    ) -> Trajectory:
         """Lease an env of ``group`` (default: the trajectory's task) and run ``traj`` with the core runner.
 
         A failure to lease is a fate too (``timed_out`` / ``env_failed``); a cancellation while
@@ -582,8 +613,10 @@ class EnvManager:
         actors``) plus those the live env actors keep for their in-actor replicas (``actor``)."""
         total = Counter({k: v for k, v in self.stats.items() if k.startswith(("hedge", "replicas_"))})
         live = [a for a in self.actors if a.alive]
-        infos = await asyncio.gather(*(asyncio.wait_for(_await_ref(a.handle.info.remote()), timeout)
-                                       for a in live), return_exceptions=True)
+        infos = await asyncio.gather(
+            *(asyncio.wait_for(_await_ref(a.handle.info.remote()), timeout) for a in live),
+            return_exceptions=True,
+        )
         for a, info in zip(live, infos, strict=True):
             if isinstance(info, BaseException):  # a dead actor's counters are gone with it
                 log.warning("env actor %s: no hedging counters (%r)", a.name, info)

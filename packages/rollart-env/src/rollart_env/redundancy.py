@@ -75,8 +75,10 @@ async def run_group(
     aborted and their environments closed before this returns.
     """
     if group_size < 1 or len(trajectories) < group_size:
-        raise ValueError(f"need group_size >= 1 and at least group_size trajectories, got {group_size} "
-                         f"and {len(trajectories)}")
+        raise ValueError(
+            f"need group_size >= 1 and at least group_size trajectories, got {group_size} "
+            f"and {len(trajectories)}"
+        )
     kept: list[Trajectory] = []
     tasks: list[asyncio.Task[Any]] = []
     surplus: list[int] = []

@@ -66,9 +66,16 @@ class EnvServer:
     for this long is closed (None: never; then only ``DELETE`` frees one). ``max_body_bytes``: larger
     request bodies get 413."""
 
-    def __init__(self, factory: Callable[[], Environment], *, host: str = "127.0.0.1", port: int = 0,
-                 max_sessions: int = 256, idle_ttl_s: float | None = 600.0,
-                 max_body_bytes: int = 1 << 20) -> None:
+    def __init__(
+        self,
+        factory: Callable[[], Environment],
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_sessions: int = 256,
+        idle_ttl_s: float | None = 600.0,
+        max_body_bytes: int = 1 << 20,
+    ) -> None:
         if max_sessions < 1:
             raise ValueError("max_sessions must be >= 1")
         if idle_ttl_s is not None and idle_ttl_s <= 0:
@@ -97,13 +104,15 @@ class EnvServer:
     async def start(self) -> str:
         web = require("aiohttp.web", _INSTALL)
         app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._errors_as_json(web)])
-        app.add_routes([
-            web.get("/health", self._health),
-            web.post("/sessions", self._create),
-            web.post("/sessions/{sid}/reset", self._reset),
-            web.post("/sessions/{sid}/step", self._step),
-            web.delete("/sessions/{sid}", self._close),
-        ])
+        app.add_routes(
+            [
+                web.get("/health", self._health),
+                web.post("/sessions", self._create),
+                web.post("/sessions/{sid}/reset", self._reset),
+                web.post("/sessions/{sid}/step", self._step),
+                web.delete("/sessions/{sid}", self._close),
+            ]
+        )
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
@@ -167,6 +176,7 @@ class EnvServer:
 
     def _errors_as_json(self, web: Any) -> Any:
         """Router and body-size refusals (404, 405, 413) in the same JSON shape as the handlers' errors."""
+
         @web.middleware
         async def errors(request: Any, handler: Any) -> Any:
             try:
@@ -178,6 +188,7 @@ class EnvServer:
                 if "Allow" in exc.headers:
                     resp.headers["Allow"] = exc.headers["Allow"]
                 return resp
+
         return errors
 
     @staticmethod
@@ -200,16 +211,24 @@ class EnvServer:
         return value if isinstance(value, kind) and not isinstance(value, bool) else None
 
     async def _health(self, request: Any) -> Any:
-        return self._json({"sessions": len(self._sessions), "created": self.created, "expired": self.expired,
-                           "max_sessions": self.max_sessions, "idle_ttl_s": self.idle_ttl_s})
+        return self._json(
+            {
+                "sessions": len(self._sessions),
+                "created": self.created,
+                "expired": self.expired,
+                "max_sessions": self.max_sessions,
+                "idle_ttl_s": self.idle_ttl_s,
+            }
+        )
 
     async def _create(self, request: Any) -> Any:
         if len(self._sessions) + self._creating >= self.max_sessions:
             await self.expire_idle()  # make room from the expired ones before refusing
         if len(self._sessions) + self._creating >= self.max_sessions:
             retry = max(1, round(self.idle_ttl_s / 4)) if self.idle_ttl_s else 5
-            resp = self._error(429, f"max_sessions={self.max_sessions} reached: close a session (DELETE) or "
-                                    "retry later")
+            resp = self._error(
+                429, f"max_sessions={self.max_sessions} reached: close a session (DELETE) or retry later"
+            )
             resp.headers["Retry-After"] = str(retry)
             return resp
         self._creating += 1  # a slot is held while the environment starts
@@ -228,8 +247,9 @@ class EnvServer:
         vocab = list(env.action_vocabulary) if env.action_vocabulary else None
         return self._json({"session": sid, "action_vocabulary": vocab, "system_prompt": env.system_prompt})
 
-    async def _use(self, request: Any, key: str, kind: type, call: Callable[[Environment, Any], Any],
-                   usage: str) -> Any:
+    async def _use(
+        self, request: Any, key: str, kind: type, call: Callable[[Environment, Any], Any], usage: str
+    ) -> Any:
         """Run ``call(env, body[key])`` on the request's session, which stays alive while it runs."""
         session = self._sessions.get(request.match_info["sid"])
         if session is None:
@@ -251,13 +271,20 @@ class EnvServer:
         async def reset(env: Environment, seed: int) -> dict[str, Any]:
             obs, info = await env.reset(seed)
             return {"observation": obs, "info": info}
+
         return await self._use(request, "seed", int, reset, '{"seed": <int>}')
 
     async def _step(self, request: Any) -> Any:
         async def step(env: Environment, action: str) -> dict[str, Any]:
             r = await env.step(action)
-            return {"observation": r.observation, "reward": r.reward, "terminated": r.terminated,
-                    "truncated": r.truncated, "info": r.info}
+            return {
+                "observation": r.observation,
+                "reward": r.reward,
+                "terminated": r.terminated,
+                "truncated": r.truncated,
+                "info": r.info,
+            }
+
         return await self._use(request, "action", str, step, '{"action": <str>}')
 
     async def _close(self, request: Any) -> Any:
@@ -305,13 +332,19 @@ class RemoteEnv:
         url = self.config.url.rstrip("/") + path
         t0 = time.perf_counter()
         try:
-            async with self._http.request(method, url, data=None if body is None else _dumps(body),
-                                          headers={"Content-Type": "application/json"}) as resp:
+            async with self._http.request(
+                method,
+                url,
+                data=None if body is None else _dumps(body),
+                headers={"Content-Type": "application/json"},
+            ) as resp:
                 data = await resp.json(content_type=None)
                 status = resp.status
         except TimeoutError:
-            raise EnvTimeoutError(f"{method} {url}: no answer within {self.config.timeout_s}s "
-                                  f"(waited {time.perf_counter() - t0:.1f}s)") from None
+            raise EnvTimeoutError(
+                f"{method} {url}: no answer within {self.config.timeout_s}s "
+                f"(waited {time.perf_counter() - t0:.1f}s)"
+            ) from None
         except aiohttp.ClientError as exc:
             raise EnvError(f"{method} {url}: {type(exc).__name__}: {exc}") from exc
         if status != 200:
@@ -337,7 +370,9 @@ class RemoteEnv:
         if self.session_id is None:
             raise EnvError("step() before reset(): no remote session")
         d = await self._request("POST", f"/sessions/{self.session_id}/step", {"action": action_text})
-        return StepResult(d["observation"], float(d["reward"]), bool(d["terminated"]), bool(d["truncated"]), d["info"])
+        return StepResult(
+            d["observation"], float(d["reward"]), bool(d["terminated"]), bool(d["truncated"]), d["info"]
+        )
 
     async def close(self) -> None:
         try:

@@ -98,14 +98,20 @@ class ReplicatedEnv:
 
     Config = ReplicatedEnvConfig
 
-    def __init__(self, replicas: Sequence[Environment] | ReplicatedEnvConfig, stats: Counter[str] | None = None,
-                 respawn: Callable[[int], Awaitable[Environment]] | None = None) -> None:
+    def __init__(
+        self,
+        replicas: Sequence[Environment] | ReplicatedEnvConfig,
+        stats: Counter[str] | None = None,
+        respawn: Callable[[int], Awaitable[Environment]] | None = None,
+    ) -> None:
         if isinstance(replicas, ReplicatedEnvConfig):
             from rollart_core.registry import build
 
             cfg = replicas
-            replicas = [build("env", cfg.env.impl, cfg.env.options, "replicated.env.options")
-                        for _ in range(cfg.replicas)]
+            replicas = [
+                build("env", cfg.env.impl, cfg.env.options, "replicated.env.options")
+                for _ in range(cfg.replicas)
+            ]
         if not replicas:
             raise ValueError("ReplicatedEnv needs at least one replica")
         self._replicas = [_Replica(env) for env in replicas]
@@ -146,11 +152,17 @@ class ReplicatedEnv:
         result: StepResult = await self._call("step", action_text)
         return result
 
-    async def _run(self, r: _Replica, prev: asyncio.Task[Any] | None, expect: Any, method: str, arg: Any) -> Any:
+    async def _run(
+        self, r: _Replica, prev: asyncio.Task[Any] | None, expect: Any, method: str, arg: Any
+    ) -> Any:
         if prev is not None:
             await asyncio.wait([prev])  # in order; does not cancel prev if this is cancelled
-            if (expect is not _ANY and not prev.cancelled() and prev.exception() is None
-                    and _key(prev.result()) != expect):
+            if (
+                expect is not _ANY
+                and not prev.cancelled()
+                and prev.exception() is None
+                and _key(prev.result()) != expect
+            ):
                 self._drop(r, "diverged")
         if not r.alive:
             raise _Dropped
@@ -167,8 +179,10 @@ class ReplicatedEnv:
             r.alive = False
             self.stats[f"replicas_{why}"] += 1
             if why == "diverged":
-                log.warning("replica %s diverged from the winning replica: is the environment deterministic?",
-                            getattr(r.env, "env_id", r.env))
+                log.warning(
+                    "replica %s diverged from the winning replica: is the environment deterministic?",
+                    getattr(r.env, "env_id", r.env),
+                )
 
     async def _call(self, method: str, arg: Any) -> Any:
         if self.closed:

@@ -63,7 +63,9 @@ class Board:
 
     __slots__ = ("boxes", "player", "size", "targets", "walls")
 
-    def __init__(self, size: int, walls: frozenset[Pos], targets: frozenset[Pos], boxes: set[Pos], player: Pos):
+    def __init__(
+        self, size: int, walls: frozenset[Pos], targets: frozenset[Pos], boxes: set[Pos], player: Pos
+    ):
         self.size, self.walls, self.targets, self.boxes, self.player = size, walls, targets, boxes, player
 
     def copy(self) -> Board:
@@ -242,7 +244,10 @@ class SokobanEnv:
         self.board, self.solution = generate_board(self.config, random.Random(seed))
         self.steps = 0
         self.done = False
-        return render(self.board), {"reverse_solution_len": len(self.solution), "num_boxes": self.config.num_boxes}
+        return render(self.board), {
+            "reverse_solution_len": len(self.solution),
+            "num_boxes": self.config.num_boxes,
+        }
 
     async def step(self, action_text: str) -> StepResult:
         if self.done or self.board is None:
@@ -255,13 +260,20 @@ class SokobanEnv:
             self.done = truncated
             return StepResult(
                 f"Invalid action {action_text.strip()[:20]!r}; reply with U, D, L or R.\n{render(self.board)}",
-                cfg.format_penalty, False, truncated, {"invalid": True},
+                cfg.format_penalty,
+                False,
+                truncated,
+                {"invalid": True},
             )
         moved, delta = self.board.push(action)
         solved = self.board.solved()
         reward = cfg.step_penalty + cfg.box_reward * delta + (cfg.success_reward if solved else 0.0)
         self.done = solved or truncated
-        info = {"moved": moved, "boxes_on_target": len(self.board.boxes & self.board.targets), "success": solved}
+        info = {
+            "moved": moved,
+            "boxes_on_target": len(self.board.boxes & self.board.targets),
+            "success": solved,
+        }
         return StepResult(render(self.board), reward, solved, truncated and not solved, info)
 
     async def close(self) -> None:

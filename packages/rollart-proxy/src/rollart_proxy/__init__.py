@@ -20,4 +20,12 @@ from rollart_proxy.errors import WorkerUnavailableError
 from rollart_proxy.pd import PDConfig, PDOutput, PDRouter
 from rollart_proxy.proxy import LLMProxy, WorkerHandle
 
-__all__ = ["ChatMLFormat", "LLMProxy", "PDConfig", "PDOutput", "PDRouter", "WorkerHandle", "WorkerUnavailableError"]
+__all__ = [
+    "ChatMLFormat",
+    "LLMProxy",
+    "PDConfig",
+    "PDOutput",
+    "PDRouter",
+    "WorkerHandle",
+    "WorkerUnavailableError",
+]

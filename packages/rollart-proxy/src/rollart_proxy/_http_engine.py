@@ -70,17 +70,28 @@ class HttpEngineBase:
         self._paused = False
         self._inflight: set[str] = set()
         self._metrics = WorkerMetrics()
-        self.stats: dict[str, Any] = {"requests": 0, "prompt_tokens": 0, "output_tokens": 0, "updates": 0,
-                                      "update_pause_s": 0.0}
+        self.stats: dict[str, Any] = {
+            "requests": 0,
+            "prompt_tokens": 0,
+            "output_tokens": 0,
+            "updates": 0,
+            "update_pause_s": 0.0,
+        }
 
     # lifecycle -------------------------------------------------------------------------------
 
     def client(self) -> httpx.AsyncClient:
         if self._client is None:
-            limits = httpx.Limits(max_connections=self.config.max_connections,
-                                  max_keepalive_connections=self.config.max_connections)
-            self._client = httpx.AsyncClient(base_url=self.base, limits=limits, trust_env=False,
-                                             timeout=httpx.Timeout(self.config.request_timeout_s, connect=10.0))
+            limits = httpx.Limits(
+                max_connections=self.config.max_connections,
+                max_keepalive_connections=self.config.max_connections,
+            )
+            self._client = httpx.AsyncClient(
+                base_url=self.base,
+                limits=limits,
+                trust_env=False,
+                timeout=httpx.Timeout(self.config.request_timeout_s, connect=10.0),
+            )
         return self._client
 
     async def shutdown(self) -> None:
@@ -90,8 +101,9 @@ class HttpEngineBase:
 
     # HTTP ------------------------------------------------------------------------------------
 
-    async def _post(self, path: str, *, json_body: Any = None, params: dict[str, Any] | None = None,
-                    control: bool = True) -> Any:
+    async def _post(
+        self, path: str, *, json_body: Any = None, params: dict[str, Any] | None = None, control: bool = True
+    ) -> Any:
         timeout = self.config.control_timeout_s if control else self.config.request_timeout_s
         try:
             r = await self.client().post(path, json=json_body, params=params, timeout=timeout)
@@ -126,7 +138,9 @@ class HttpEngineBase:
         if c.weights_path_template is not None:
             return c.weights_path_template.format(version=version)
         if self._store is None or c.staging_dir is None:
-            raise WeightSyncError(f"{self.name}: set weights_path_template, or a weight store and staging_dir")
+            raise WeightSyncError(
+                f"{self.name}: set weights_path_template, or a weight store and staging_dir"
+            )
         from safetensors.torch import save_file
 
         tensors = self._store.pull(version)
@@ -158,9 +172,16 @@ class HttpEngineBase:
 
     async def get_stats(self) -> dict[str, Any]:
         m = self._metrics.snapshot(len(self._inflight))
-        return {**self.stats, "inflight": len(self._inflight), "version": self._version, "paused": self._paused,
-                "tokens_per_s": m["tokens_per_s"], "prefill_tokens": m["prefill_tokens"],
-                "decode_tokens": m["decode_tokens"], "suspended_s": m["suspended_s"]}
+        return {
+            **self.stats,
+            "inflight": len(self._inflight),
+            "version": self._version,
+            "paused": self._paused,
+            "tokens_per_s": m["tokens_per_s"],
+            "prefill_tokens": m["prefill_tokens"],
+            "decode_tokens": m["decode_tokens"],
+            "suspended_s": m["suspended_s"],
+        }
 
     def _account(self, prompt: int, cached: int, out: int, finish: str) -> None:
         self.stats["requests"] += 1

@@ -35,7 +35,9 @@ class ChatTemplate:
         if isinstance(template, list):  # named templates: take "default"
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         if not template:
-            raise ConfigError(f"{model_path}: no chat template (chat_template.jinja or tokenizer_config.json)")
+            raise ConfigError(
+                f"{model_path}: no chat template (chat_template.jinja or tokenizer_config.json)"
+            )
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
         self._template = env.from_string(template)
@@ -43,9 +45,15 @@ class ChatTemplate:
         eos = self._special.get("eos_token")
         self.eos_token_id = self._tok.token_to_id(eos) if eos else None
 
-    def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                     **{k: v or "" for k, v in self._special.items()}, **kwargs)
+    def render(
+        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        return self._template.render(
+            messages=list(messages),
+            add_generation_prompt=add_generation_prompt,
+            **{k: v or "" for k, v in self._special.items()},
+            **kwargs,
+        )
 
     def encode_messages(self, messages: Sequence[dict[str, Any]], **kwargs: Any) -> list[int]:
         return self.encode(self.render(messages, **kwargs))

@@ -33,7 +33,9 @@ __all__ = ["GeneratedMessages", "message_key", "splice_encode"]
 def message_key(content: str | None, tool_calls: Sequence[dict[str, Any]] | None) -> str:
     """What identifies an assistant message sent back unchanged: its text and its calls' names and
     arguments (not the call ids, which some clients rewrite)."""
-    calls = [[c.get("function", {}).get("name"), c.get("function", {}).get("arguments")] for c in tool_calls or ()]
+    calls = [
+        [c.get("function", {}).get("name"), c.get("function", {}).get("arguments")] for c in tool_calls or ()
+    ]
     return json.dumps([content or "", calls], ensure_ascii=False)
 
 
@@ -80,12 +82,17 @@ def splice_encode(
         return encode(render(messages)), 0
     nonce = secrets.token_hex(8)
     sentinels = {i: f"\u27e6rollart-{nonce}-{i}\u27e7" for i in splices}
-    msgs = [{"role": m["role"], "content": sentinels[i]} if i in sentinels else m for i, m in enumerate(messages)]
+    msgs = [
+        {"role": m["role"], "content": sentinels[i]} if i in sentinels else m for i, m in enumerate(messages)
+    ]
     text = render(msgs)
     order = sorted(splices)
     positions = [text.find(sentinels[i]) for i in order]
-    if any(p < 0 for p in positions) or positions != sorted(positions) or any(
-            text.count(sentinels[i]) != 1 for i in order):
+    if (
+        any(p < 0 for p in positions)
+        or positions != sorted(positions)
+        or any(text.count(sentinels[i]) != 1 for i in order)
+    ):
         return encode(render(messages)), 0  # the template does not render content verbatim
     ids: list[int] = []
     pos = 0
@@ -94,8 +101,12 @@ def splice_encode(
         sampled = splices[i]
         ids += sampled
         pos = start + len(sentinels[i])
-        if end_of_turn is not None and sampled and sampled[-1] == end_of_turn[0] and text.startswith(
-                end_of_turn[1], pos):
+        if (
+            end_of_turn is not None
+            and sampled
+            and sampled[-1] == end_of_turn[0]
+            and text.startswith(end_of_turn[1], pos)
+        ):
             pos += len(end_of_turn[1])
     if pos < len(text):
         ids += encode(text[pos:])

@@ -108,13 +108,16 @@ class PDConfig(BaseModel):
             if t.prefill_pool is None or t.pool is None:
                 continue
             if pools.setdefault(t.pool, t.prefill_pool) != t.prefill_pool:
-                raise ConfigError(f"task {t.name!r}: pool {t.pool!r} is paired with prefill pool "
-                                  f"{pools[t.pool]!r} by another task, not {t.prefill_pool!r}")
+                raise ConfigError(
+                    f"task {t.name!r}: pool {t.pool!r} is paired with prefill pool "
+                    f"{pools[t.pool]!r} by another task, not {t.prefill_pool!r}"
+                )
         return cls(pools=pools, task_policy=policy, **kw)
 
 
-def shared_storage_kv_args(role: Literal["kv_producer", "kv_consumer", "kv_both"], storage_dir: str | Path
-                           ) -> dict[str, Any]:
+def shared_storage_kv_args(
+    role: Literal["kv_producer", "kv_consumer", "kv_both"], storage_dir: str | Path
+) -> dict[str, Any]:
     """``VllmEngineConfig.engine_args`` for KV through a shared directory (vLLM's ``ExampleConnector``
     made safe for every prompt length, :mod:`rollart_proxy.vllm_kv_connector`; runs on CPU).
     Prefill workers take ``kv_producer``, decode workers ``kv_consumer``.
@@ -122,11 +125,15 @@ def shared_storage_kv_args(role: Literal["kv_producer", "kv_consumer", "kv_both"
     Chunked prefill is off: the connector saves a request's KV in the step that schedules it
     first, so a prompt split over several steps would be saved incomplete.
     """
-    return {"kv_transfer_config": {"kv_connector": "SharedStorageConnector",
-                                   "kv_connector_module_path": "rollart_proxy.vllm_kv_connector",
-                                   "kv_role": role,
-                                   "kv_connector_extra_config": {"shared_storage_path": str(storage_dir)}},
-            "enable_chunked_prefill": False}
+    return {
+        "kv_transfer_config": {
+            "kv_connector": "SharedStorageConnector",
+            "kv_connector_module_path": "rollart_proxy.vllm_kv_connector",
+            "kv_role": role,
+            "kv_connector_extra_config": {"shared_storage_path": str(storage_dir)},
+        },
+        "enable_chunked_prefill": False,
+    }
 
 
 @dataclass(slots=True)
@@ -146,8 +153,9 @@ class PDOutput(GenerateOutput):
         return self.prefill_version is not None and any(v != self.prefill_version for v in self.versions[1:])
 
 
-def choose_path(policy: PDPolicy, *, uncached_tokens: int, max_tokens: int, min_suffix: int,
-                auto_min_ratio: float) -> Literal["pd", "decode_only"]:
+def choose_path(
+    policy: PDPolicy, *, uncached_tokens: int, max_tokens: int, min_suffix: int, auto_min_ratio: float
+) -> Literal["pd", "decode_only"]:
     """The per-turn cost rule. PD costs a KV transfer of the prompt and a second hop; it pays when
     the decode worker would otherwise have to prefill a long suffix (stalling its decode batch)."""
     if policy == "off" or max_tokens < 2 or uncached_tokens < min_suffix:
@@ -186,8 +194,13 @@ class PDRouter:
     engine_args = staticmethod(shared_storage_kv_args)
     """KV-connector engine args for a role (what ``rollart_core.pipeline`` gives each engine group)."""
 
-    def __init__(self, proxy: LLMProxy, config: PDConfig | None = None, *,
-                 profiles: Mapping[str, TaskProfile] | None = None) -> None:
+    def __init__(
+        self,
+        proxy: LLMProxy,
+        config: PDConfig | None = None,
+        *,
+        profiles: Mapping[str, TaskProfile] | None = None,
+    ) -> None:
         self.proxy = proxy
         self.config = cfg = config or PDConfig()
         by_pool: dict[str, list[Any]] = {}
@@ -203,15 +216,21 @@ class PDRouter:
         prefill_pools = set(cfg.pools.values())
         for task, pool in proxy.task_pools.items():
             if pool in prefill_pools:
-                raise ConfigError(f"task {task!r} is routed to {pool!r}, a prefill pool: route it to its decode pool")
+                raise ConfigError(
+                    f"task {task!r} is routed to {pool!r}, a prefill pool: route it to its decode pool"
+                )
         # One routing view per pool over the proxy's own worker handles: separate session maps
         # keep a trajectory's prefill stickiness apart from its decode stickiness.
-        self._views = {p: LLMProxy(ws, max_retries=proxy.max_retries, max_sessions=proxy.max_sessions)
-                       for p, ws in by_pool.items()}
+        self._views = {
+            p: LLMProxy(ws, max_retries=proxy.max_retries, max_sessions=proxy.max_sessions)
+            for p, ws in by_pool.items()
+        }
         for view in self._views.values():
             view._health_owner = proxy  # recovery needs the served version, which the proxy holds
-        self._policy = {t: resolve_policy(p, (profiles or {}).get(t), cfg.auto_min_ratio)
-                        for t, p in cfg.task_policy.items()}
+        self._policy = {
+            t: resolve_policy(p, (profiles or {}).get(t), cfg.auto_min_ratio)
+            for t, p in cfg.task_policy.items()
+        }
         self._held: OrderedDict[str, list[int]] = OrderedDict()
         """Session → tokens its decode worker has seen (last prompt + output): its prefix cache
         (LRU, at most the proxy's ``max_sessions``)."""
@@ -252,9 +271,13 @@ class PDRouter:
         if prefill is None:
             return "decode_only", pool, None
         c = self.config
-        path = choose_path(self.policy_of(request.task), uncached_tokens=self._uncached(request, self._views[pool]),
-                           max_tokens=request.sampling.max_tokens, min_suffix=c.min_pd_suffix_tokens,
-                           auto_min_ratio=c.auto_min_ratio)
+        path = choose_path(
+            self.policy_of(request.task),
+            uncached_tokens=self._uncached(request, self._views[pool]),
+            max_tokens=request.sampling.max_tokens,
+            min_suffix=c.min_pd_suffix_tokens,
+            auto_min_ratio=c.auto_min_ratio,
+        )
         return path, pool, prefill
 
     # generation ------------------------------------------------------------------------------
@@ -280,14 +303,24 @@ class PDRouter:
         try:
             path, pool, prefill = self.route(request)
             if path == "pd" and prefill is not None:
-                first = GenerateRequest(rid, request.prompt_ids, s.model_copy(update={"max_tokens": 1}),
-                                        session_id=f"{sid}{_PREFILL_SESSION}" if sid else None, task=request.task,
-                                        prompt_logprobs=request.prompt_logprobs)
+                first = GenerateRequest(
+                    rid,
+                    request.prompt_ids,
+                    s.model_copy(update={"max_tokens": 1}),
+                    session_id=f"{sid}{_PREFILL_SESSION}" if sid else None,
+                    task=request.task,
+                    prompt_logprobs=request.prompt_logprobs,
+                )
                 try:
                     pre = await self._views[prefill].generate(first)
                 except WorkerUnavailableError as exc:  # every prefill worker failed: prefill where we decode
-                    log.warning("request %s: prefill pool %r unavailable (%s); local prefill on %r",
-                                rid, prefill, exc, pool)
+                    log.warning(
+                        "request %s: prefill pool %r unavailable (%s); local prefill on %r",
+                        rid,
+                        prefill,
+                        exc,
+                        pool,
+                    )
                     path = "local_fallback"
                 else:
                     pre_version = pre.versions[0] if pre.versions else None
@@ -297,17 +330,32 @@ class PDRouter:
                         out = _as_pd(pre, "pd", pre.worker, pre_version)
                     else:
                         if stream:
-                            yield GenerateOutput(rid, pre.token_ids, pre.logprobs, pre.versions, "", pre.worker)
-                        rest = GenerateRequest(rid, [*request.prompt_ids, *pre.token_ids],
-                                               s.model_copy(update={"max_tokens": s.max_tokens - 1}),
-                                               session_id=sid, task=request.task)
+                            yield GenerateOutput(
+                                rid, pre.token_ids, pre.logprobs, pre.versions, "", pre.worker
+                            )
+                        rest = GenerateRequest(
+                            rid,
+                            [*request.prompt_ids, *pre.token_ids],
+                            s.model_copy(update={"max_tokens": s.max_tokens - 1}),
+                            session_id=sid,
+                            task=request.task,
+                        )
                         async for dec in self._sub(pool, rest, stream):
                             if not dec.finish_reason:
                                 yield dec
                                 continue
-                            out = PDOutput(rid, pre.token_ids + dec.token_ids, pre.logprobs + dec.logprobs,
-                                           pre.versions + dec.versions, dec.finish_reason, dec.worker,
-                                           pre.prompt_logprobs, "pd", pre.worker, pre_version)
+                            out = PDOutput(
+                                rid,
+                                pre.token_ids + dec.token_ids,
+                                pre.logprobs + dec.logprobs,
+                                pre.versions + dec.versions,
+                                dec.finish_reason,
+                                dec.worker,
+                                pre.prompt_logprobs,
+                                "pd",
+                                pre.worker,
+                                pre_version,
+                            )
             if out is None:
                 async for o in self._sub(pool, request, stream):
                     if not o.finish_reason:
@@ -322,7 +370,9 @@ class PDRouter:
         self.paths[out.pd_path] += 1
         if out.mixed_versions:
             self.mixed_version_requests += 1
-            log.info("request %s: prefill at version %s, decode at %s", rid, out.prefill_version, out.versions[1:2])
+            log.info(
+                "request %s: prefill at version %s, decode at %s", rid, out.prefill_version, out.versions[1:2]
+            )
         if sid:
             self._held[sid] = [*request.prompt_ids, *out.token_ids]
             self._held.move_to_end(sid)
@@ -395,8 +445,10 @@ class PDRouter:
         versions = await self.proxy.weight_versions()
         off = {n: v for n, v in versions.items() if v != version}
         if off:
-            raise WeightSyncError(f"after the update to version {version} these workers report other versions: "
-                                  f"{off}; generation stays suspended")
+            raise WeightSyncError(
+                f"after the update to version {version} these workers report other versions: "
+                f"{off}; generation stays suspended"
+            )
         self.version = version
         self.clear_kv_store()
         self._held.clear()  # the update reset every prefix cache
@@ -433,7 +485,11 @@ class PDRouter:
 
     def session_counts(self) -> dict[str, int]:
         """Sizes of the per-session tables of the proxy, of each pool's routing view, and of the router."""
-        out = {"held_sessions": len(self._held), "active_requests": len(self._active), **self.proxy.session_counts()}
+        out = {
+            "held_sessions": len(self._held),
+            "active_requests": len(self._active),
+            **self.proxy.session_counts(),
+        }
         for pool, view in self._views.items():
             out.update({f"{pool}.{k}": v for k, v in view.session_counts().items()})
         return out
@@ -444,13 +500,28 @@ class PDRouter:
         prefill = set(self.config.pools.values())
         for m in out.values():
             m["pd_role"] = "prefill" if m["pool"] in prefill else "decode"
-        out["pd"] = {"paths": dict(self.paths), "mixed_version_requests": self.mixed_version_requests,
-                     "kv_store_clears": self.kv_store_clears, "version": self.version,
-                     "policies": {t: self.policy_of(t) for t in self._policy}}
+        out["pd"] = {
+            "paths": dict(self.paths),
+            "mixed_version_requests": self.mixed_version_requests,
+            "kv_store_clears": self.kv_store_clears,
+            "version": self.version,
+            "policies": {t: self.policy_of(t) for t in self._policy},
+        }
         return out
 
 
-def _as_pd(out: GenerateOutput, path: PDPath, prefill_worker: str | None = None,
-           prefill_version: int | None = None) -> PDOutput:
-    return PDOutput(out.request_id, out.token_ids, out.logprobs, out.versions, out.finish_reason, out.worker,
-                    out.prompt_logprobs, path, prefill_worker, prefill_version)
+def _as_pd(
+    out: GenerateOutput, path: PDPath, prefill_worker: str | None = None, prefill_version: int | None = None
+) -> PDOutput:
+    return PDOutput(
+        out.request_id,
+        out.token_ids,
+        out.logprobs,
+        out.versions,
+        out.finish_reason,
+        out.worker,
+        out.prompt_logprobs,
+        path,
+        prefill_worker,
+        prefill_version,
+    )

@@ -156,8 +156,10 @@ class LLMProxy:
         created with ``max_restarts`` are recovered onto the served weights (see the module doc)."""
         from rollart_proxy.ray_engine import RayActorEngine
 
-        handles = [WorkerHandle(name, RayActorEngine(h, name), pool, max_inflight, max_queued)
-                   for name, h, pool in actors]
+        handles = [
+            WorkerHandle(name, RayActorEngine(h, name), pool, max_inflight, max_queued)
+            for name, h, pool in actors
+        ]
         return cls(handles, task_pools=task_pools, **kwargs)
 
     # routing ---------------------------------------------------------------------------------
@@ -180,7 +182,8 @@ class LLMProxy:
         if not open_:
             raise ProxyOverloadedError(
                 f"request {request.request_id}: every worker's queue is full "
-                f"({', '.join(f'{w.name}: {w.inflight} in flight, {w.metrics.queued} queued' for w in cands)})")
+                f"({', '.join(f'{w.name}: {w.inflight} in flight, {w.metrics.queued} queued' for w in cands)})"
+            )
         cands = open_
         sticky = self._session.get(request.session_id) if request.session_id else None
         for w in cands:
@@ -217,8 +220,9 @@ class LLMProxy:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
 
-    async def _dispatch(self, request: GenerateRequest, on_delta: Callable[[GenerateOutput], None] | None
-                        ) -> GenerateOutput:
+    async def _dispatch(
+        self, request: GenerateRequest, on_delta: Callable[[GenerateOutput], None] | None
+    ) -> GenerateOutput:
         tried: set[str] = set()
         sid = request.session_id
         if sid:
@@ -269,9 +273,13 @@ class LLMProxy:
         while len(self._session) > self.max_sessions:
             self._session.popitem(last=False)  # the least recently served trajectory
 
-    async def _run_on(self, w: WorkerHandle, request: GenerateRequest,
-                      on_delta: Callable[[GenerateOutput], None] | None = None,
-                      streamed: list[int] | None = None) -> GenerateOutput:
+    async def _run_on(
+        self,
+        w: WorkerHandle,
+        request: GenerateRequest,
+        on_delta: Callable[[GenerateOutput], None] | None = None,
+        streamed: list[int] | None = None,
+    ) -> GenerateOutput:
         self._request_worker[request.request_id] = w.name  # abortable while queued, too
         w.metrics.queued += 1
         try:
@@ -304,8 +312,12 @@ class LLMProxy:
             self._request_worker.pop(request.request_id, None)
 
     @staticmethod
-    async def _stream_from(engine: SupportsStream, request: GenerateRequest,
-                           on_delta: Callable[[GenerateOutput], None], streamed: list[int] | None) -> GenerateOutput:
+    async def _stream_from(
+        engine: SupportsStream,
+        request: GenerateRequest,
+        on_delta: Callable[[GenerateOutput], None],
+        streamed: list[int] | None,
+    ) -> GenerateOutput:
         it = engine.generate_stream(request)
         try:
             async for part in it:
@@ -341,7 +353,11 @@ class LLMProxy:
         Aborted requests return with ``finish_reason == "abort"`` and the tokens generated so far.
         Returns how many requests were aborted.
         """
-        ids = [request_id] if request_id in self._request_worker else sorted(self._session_requests.get(request_id, ()))
+        ids = (
+            [request_id]
+            if request_id in self._request_worker
+            else sorted(self._session_requests.get(request_id, ()))
+        )
         for rid in ids:
             self._aborted.add(rid)
             name = self._request_worker.get(rid)
@@ -356,8 +372,11 @@ class LLMProxy:
 
     def session_counts(self) -> dict[str, int]:
         """Sizes of the per-session tables (bounded: see ``max_sessions``)."""
-        return {"sessions": len(self._session), "sessions_in_flight": len(self._session_requests),
-                "requests_in_flight": len(self._request_worker)}
+        return {
+            "sessions": len(self._session),
+            "sessions_in_flight": len(self._session_requests),
+            "requests_in_flight": len(self._request_worker),
+        }
 
     def session_worker(self, session_id: str) -> str | None:
         return self._session.get(session_id)
@@ -367,8 +386,9 @@ class LLMProxy:
     def _engines_with(self, method: str) -> list[WorkerHandle]:
         return [w for w in self.workers.values() if w.healthy and hasattr(w.engine, method)]
 
-    async def _fan_out(self, ws: list[WorkerHandle], call: Callable[[WorkerHandle], Awaitable[Any]]
-                       ) -> list[tuple[WorkerHandle, Any]]:
+    async def _fan_out(
+        self, ws: list[WorkerHandle], call: Callable[[WorkerHandle], Awaitable[Any]]
+    ) -> list[tuple[WorkerHandle, Any]]:
         """``call`` on every worker of ``ws`` at once. A worker found dead is marked unhealthy and left
         out (recovery brings it back to the current state); any other error is raised."""
         results = await asyncio.gather(*(call(w) for w in ws), return_exceptions=True)
@@ -452,7 +472,9 @@ class LLMProxy:
                 log.warning("worker %s was restarted (engine not started): starting it", w.name)
                 start = getattr(w.engine, "start", None)
                 if start is None:
-                    raise WorkerUnavailableError(f"{w.name}: restarted, and its engine has no start()") from None
+                    raise WorkerUnavailableError(
+                        f"{w.name}: restarted, and its engine has no start()"
+                    ) from None
                 await asyncio.wait_for(start(), self.start_timeout_s)
             async with self._update_lock:
                 target = await self._served_version(w, timeout)
@@ -460,7 +482,9 @@ class LLMProxy:
                 if target is not None and have < target:
                     update = getattr(w.engine, "update_weights", None)
                     if update is None:
-                        raise WeightSyncError(f"{w.name} serves version {have}, not {target}, and cannot update")
+                        raise WeightSyncError(
+                            f"{w.name} serves version {have}, not {target}, and cannot update"
+                        )
                     log.info("worker %s: bringing it from version %d to %d", w.name, have, target)
                     await asyncio.wait_for(update(target), self.update_timeout_s)
                     have = int(await asyncio.wait_for(w.engine.weight_version(), timeout))
@@ -482,8 +506,9 @@ class LLMProxy:
     async def _served_version(self, exclude: WorkerHandle, timeout: float) -> int | None:
         """What a recovering worker must serve: the proxy's version, or the newest a healthy worker reports."""
         others = [w for w in self.workers.values() if w.healthy and w is not exclude]
-        vs = await asyncio.gather(*(asyncio.wait_for(w.engine.weight_version(), timeout) for w in others),
-                                  return_exceptions=True)
+        vs = await asyncio.gather(
+            *(asyncio.wait_for(w.engine.weight_version(), timeout) for w in others), return_exceptions=True
+        )
         known = [int(v) for v in vs if not isinstance(v, BaseException)]
         if self.version is not None:
             known.append(self.version)
@@ -494,8 +519,9 @@ class LLMProxy:
         Returns how many were marked. A slow answer is not a death: only logged."""
         t = self.probe_timeout_s if timeout is None else timeout
         ws = [w for w in self.workers.values() if w.healthy and w.name not in self._recovering]
-        rs = await asyncio.gather(*(asyncio.wait_for(w.engine.weight_version(), t) for w in ws),
-                                  return_exceptions=True)
+        rs = await asyncio.gather(
+            *(asyncio.wait_for(w.engine.weight_version(), t) for w in ws), return_exceptions=True
+        )
         n = 0
         for w, r in zip(ws, rs, strict=True):
             if isinstance(r, WorkerUnavailableError):
@@ -534,8 +560,13 @@ class LLMProxy:
         """Per worker: pool, health, queue depth, tokens/s, prefill/decode tokens, time suspended."""
         out: dict[str, dict[str, Any]] = {}
         for w in self.workers.values():
-            m = {"pool": w.pool, "healthy": w.healthy, "max_inflight": w.max_inflight, "max_queued": w.max_queued,
-                 **w.metrics.snapshot(w.inflight)}
+            m = {
+                "pool": w.pool,
+                "healthy": w.healthy,
+                "max_inflight": w.max_inflight,
+                "max_queued": w.max_queued,
+                **w.metrics.snapshot(w.inflight),
+            }
             get_stats = getattr(w.engine, "get_stats", None)
             if engine_stats and w.healthy and get_stats is not None:
                 try:

@@ -30,8 +30,9 @@ class RayActorEngine:
             _reraise_engine_error(exc)
             raise
         except (RayActorError, WorkerCrashedError) as exc:
-            raise WorkerUnavailableError(f"worker {self.name}: actor unavailable during {method}: "
-                                         f"{type(exc).__name__}") from exc
+            raise WorkerUnavailableError(
+                f"worker {self.name}: actor unavailable during {method}: {type(exc).__name__}"
+            ) from exc
 
     async def start(self) -> str:
         return await self._call("start")  # type: ignore[no-any-return]
@@ -59,8 +60,9 @@ class RayActorEngine:
             _reraise_engine_error(exc)
             raise
         except (RayActorError, WorkerCrashedError) as exc:
-            raise WorkerUnavailableError(f"worker {self.name}: actor unavailable mid-stream: "
-                                         f"{type(exc).__name__}") from exc
+            raise WorkerUnavailableError(
+                f"worker {self.name}: actor unavailable mid-stream: {type(exc).__name__}"
+            ) from exc
 
     async def abort(self, request_id: str) -> None:
         await self._call("abort", request_id)

@@ -85,12 +85,15 @@ _BOUND = "session:"
 
 
 class _ApiError(Exception):
-    def __init__(self, status: int, message: str, code: str = "invalid_request_error", param: str | None = None):
+    def __init__(
+        self, status: int, message: str, code: str = "invalid_request_error", param: str | None = None
+    ):
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
 
 
 # request bodies --------------------------------------------------------------------------------
+
 
 class _Common(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -124,8 +127,10 @@ class _Common(BaseModel):
     @classmethod
     def _n(cls, v: int) -> int:
         if v != 1:
-            raise ValueError("n > 1 is not supported: one call is one turn of one trajectory; make n calls, "
-                             "each with its own session (X-Session-Id header)")
+            raise ValueError(
+                "n > 1 is not supported: one call is one turn of one trajectory; make n calls, "
+                "each with its own session (X-Session-Id header)"
+            )
         return v
 
     def stops(self) -> tuple[str, ...]:
@@ -200,6 +205,7 @@ class ChatBody(_Common):
 
 # session records -------------------------------------------------------------------------------
 
+
 class UpdateWeightsBody(BaseModel):
     """``POST /admin/update_weights``. At module level: with postponed annotations FastAPI resolves the
     handler's annotation in the module's namespace (a class local to ``_build`` made the route's body
@@ -241,20 +247,36 @@ class SessionRecorder:
     def sizes(self) -> dict[str, int]:
         return {"recorded_sessions": len(self._calls), "owned_sessions": len(self._owners)}
 
-    def record(self, session_id: str, endpoint: str, prompt_ids: list[int], out: GenerateOutput,
-               sampling: SamplingParams | None = None) -> None:
+    def record(
+        self,
+        session_id: str,
+        endpoint: str,
+        prompt_ids: list[int],
+        out: GenerateOutput,
+        sampling: SamplingParams | None = None,
+    ) -> None:
         if session_id not in self._calls and len(self._calls) >= self.max_sessions:
             self._calls.pop(next(iter(self._calls)))  # oldest session first
         calls = self._calls.setdefault(session_id, [])
         if len(calls) >= self.max_calls_per_session:
             calls.pop(0)  # a session nobody drains keeps only its latest calls
-        calls.append({
-            "request_id": out.request_id, "endpoint": endpoint, "prompt_ids": list(prompt_ids),
-            "output_ids": list(out.token_ids), "logprobs": list(out.logprobs), "versions": list(out.versions),
-            "finish_reason": out.finish_reason, "worker": out.worker, "time": time.time(),
-            "temperature": sampling.temperature if sampling is not None else None,
-            "allowed_token_ids": list(sampling.allowed_token_ids) if sampling and sampling.allowed_token_ids else None,
-        })
+        calls.append(
+            {
+                "request_id": out.request_id,
+                "endpoint": endpoint,
+                "prompt_ids": list(prompt_ids),
+                "output_ids": list(out.token_ids),
+                "logprobs": list(out.logprobs),
+                "versions": list(out.versions),
+                "finish_reason": out.finish_reason,
+                "worker": out.worker,
+                "time": time.time(),
+                "temperature": sampling.temperature if sampling is not None else None,
+                "allowed_token_ids": list(sampling.allowed_token_ids)
+                if sampling and sampling.allowed_token_ids
+                else None,
+            }
+        )
 
     def get(self, session_id: str) -> list[dict[str, Any]]:
         return list(self._calls.get(session_id, ()))
@@ -264,6 +286,7 @@ class SessionRecorder:
 
 
 # the server ------------------------------------------------------------------------------------
+
 
 class OpenAIServer:
     """``OpenAIServer(proxy, model_path).app`` is the FastAPI app; :meth:`start` serves it in the
@@ -295,11 +318,15 @@ class OpenAIServer:
         if api_key is None:
             api_key = os.environ.get(API_KEY_ENV, "")
         keys = [k.strip() for k in api_key.split(",")] if isinstance(api_key, str) else list(api_key)
-        self._api_keys = [(k.encode(), "key-" + hashlib.sha256(k.encode()).hexdigest()[:16]) for k in keys if k]
+        self._api_keys = [
+            (k.encode(), "key-" + hashlib.sha256(k.encode()).hexdigest()[:16]) for k in keys if k
+        ]
         if admin_key is None:
             admin_key = os.environ.get(ADMIN_KEY_ENV, "")
         self._admin_key = admin_key.encode() if admin_key else None
-        if self._admin_key is not None and any(hmac.compare_digest(k, self._admin_key) for k, _ in self._api_keys):
+        if self._admin_key is not None and any(
+            hmac.compare_digest(k, self._admin_key) for k, _ in self._api_keys
+        ):
             raise ConfigError("the admin key must differ from every API key")
         self.enable_admin = enable_admin
         if max_body_bytes < 1:
@@ -362,11 +389,17 @@ class OpenAIServer:
 
         loopback = _is_loopback(host)
         if self.enable_admin and self._admin_key is None and not loopback:
-            raise ConfigError(f"admin endpoints without an admin key are only served on loopback, not on {host!r}: "
-                              f"set an admin key (--admin-key / {ADMIN_KEY_ENV})")
+            raise ConfigError(
+                f"admin endpoints without an admin key are only served on loopback, not on {host!r}: "
+                f"set an admin key (--admin-key / {ADMIN_KEY_ENV})"
+            )
         if not loopback and not self._api_keys:
-            log.warning("rollart-proxy binds %s (beyond loopback) without an API key: anyone who reaches it can "
-                        "generate and read sessions; set --api-key / %s", host, API_KEY_ENV)
+            log.warning(
+                "rollart-proxy binds %s (beyond loopback) without an API key: anyone who reaches it can "
+                "generate and read sessions; set --api-key / %s",
+                host,
+                API_KEY_ENV,
+            )
 
         # Bind here: a bind error is a plain OSError (uvicorn would sys.exit inside the serving task,
         # which escapes the host's event loop).
@@ -412,7 +445,9 @@ class OpenAIServer:
 
         @app.exception_handler(RequestValidationError)
         async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
-            msgs = "; ".join(f"{'.'.join(str(x) for x in err.get('loc', ()))}: {err.get('msg')}" for err in e.errors())
+            msgs = "; ".join(
+                f"{'.'.join(str(x) for x in err.get('loc', ()))}: {err.get('msg')}" for err in e.errors()
+            )
             return _error(400, f"invalid request: {msgs}")
 
         @app.exception_handler(ProxyOverloadedError)
@@ -438,8 +473,17 @@ class OpenAIServer:
 
         @app.get("/v1/models")
         async def models() -> dict[str, Any]:
-            return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "rollart",
-                                                "max_model_len": self.max_model_len}]}
+            return {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.model_name,
+                        "object": "model",
+                        "owned_by": "rollart",
+                        "max_model_len": self.max_model_len,
+                    }
+                ],
+            }
 
         @app.post("/v1/completions")
         async def completions(body: CompletionBody, request: Request) -> Any:
@@ -472,14 +516,23 @@ class OpenAIServer:
                         ids = self.generated.lookup(session, message_key(m["content"], m.get("tool_calls")))
                         if ids is not None:
                             splices[i] = ids
-            kwargs: dict[str, Any] = {"tools": body.tools} if body.tools and body.tool_choice != "none" else {}
+            kwargs: dict[str, Any] = (
+                {"tools": body.tools} if body.tools and body.tool_choice != "none" else {}
+            )
             try:
                 prompt_ids, _ = await asyncio.to_thread(
-                    splice_encode, lambda ms: self.template.render(template_messages(ms), **kwargs),
-                    self.template.encode, msgs, splices, self._eot)
+                    splice_encode,
+                    lambda ms: self.template.render(template_messages(ms), **kwargs),
+                    self.template.encode,
+                    msgs,
+                    splices,
+                    self._eot,
+                )
             except Exception as e:  # the model's template refused these messages (raise_exception, bad roles)
                 raise _ApiError(400, f"chat template: {e}", param="messages") from None
-            return await self._serve("chat", body, prompt_ids, body.max_completion_tokens or body.max_tokens, request)
+            return await self._serve(
+                "chat", body, prompt_ids, body.max_completion_tokens or body.max_tokens, request
+            )
 
         @app.get("/v1/sessions/{session_id}")
         async def session(session_id: str, request: Request) -> dict[str, Any]:
@@ -536,16 +589,23 @@ class OpenAIServer:
             scheme, _, value = authorization.partition(" ")
             if scheme.lower() == "bearer" and value.strip():
                 token = value.strip().encode()
-        is_admin = token is not None and self._admin_key is not None and hmac.compare_digest(token, self._admin_key)
+        is_admin = (
+            token is not None and self._admin_key is not None and hmac.compare_digest(token, self._admin_key)
+        )
         if path == "/admin" or path.startswith("/admin/"):
             if self._admin_key is not None:
                 if is_admin:
                     return _ADMIN, None
-                return None, (401 if token is None else 403, "admin endpoints need the admin token "
-                              "(Authorization: Bearer <admin key>)")
+                return None, (
+                    401 if token is None else 403,
+                    "admin endpoints need the admin token (Authorization: Bearer <admin key>)",
+                )
             if not self.enable_admin:
-                return None, (403, f"admin endpoints are disabled: start the server with an admin key (--admin-key "
-                                   f"or {ADMIN_KEY_ENV}), or with --enable-admin on a loopback address")
+                return None, (
+                    403,
+                    f"admin endpoints are disabled: start the server with an admin key (--admin-key "
+                    f"or {ADMIN_KEY_ENV}), or with --enable-admin on a loopback address",
+                )
         if is_admin:
             return _ADMIN, None
         if token is not None and token in self._bound:
@@ -574,48 +634,68 @@ class OpenAIServer:
             check_tool_choice(body.tool_choice, body.tools)
             if body.tools_active():
                 if self.tool_parser is None:
-                    raise ToolsError("this server has no tool parser (tool_parser=None): tools are not served",
-                                     "tools")
+                    raise ToolsError(
+                        "this server has no tool parser (tool_parser=None): tools are not served", "tools"
+                    )
                 await asyncio.to_thread(self.tool_parser.load)
         except ToolsError as e:
             raise _ApiError(400, str(e), param=e.param) from None
 
     def _check_model(self, model: str) -> None:
         if model not in self._model_aliases:
-            raise _ApiError(404, f"The model {model!r} does not exist (served: {self.model_name!r})",
-                            "model_not_found", "model")
+            raise _ApiError(
+                404,
+                f"The model {model!r} does not exist (served: {self.model_name!r})",
+                "model_not_found",
+                "model",
+            )
 
-    async def _serve(self, endpoint: str, body: _Common, prompt_ids: list[int], max_tokens: int | None,
-                     request: Request) -> Any:
+    async def _serve(
+        self, endpoint: str, body: _Common, prompt_ids: list[int], max_tokens: int | None, request: Request
+    ) -> Any:
         if not prompt_ids:
             raise _ApiError(400, "empty prompt", param="prompt")
         if self.max_model_len is not None and len(prompt_ids) >= self.max_model_len:
-            raise _ApiError(400, f"prompt of {len(prompt_ids)} tokens exceeds the context of {self.max_model_len}",
-                            "context_length_exceeded", "prompt")
+            raise _ApiError(
+                400,
+                f"prompt of {len(prompt_ids)} tokens exceeds the context of {self.max_model_len}",
+                "context_length_exceeded",
+                "prompt",
+            )
         if max_tokens is None:
             room = (self.max_model_len - len(prompt_ids)) if self.max_model_len else self.default_max_tokens
             max_tokens = max(1, min(self.default_max_tokens, room))
         try:
             sampling = SamplingParams(
-                max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                stop=body.stops(), stop_token_ids=tuple(body.stop_token_ids or ()),
-                allowed_token_ids=tuple(body.allowed_token_ids) if body.allowed_token_ids is not None else None,
+                max_tokens=max_tokens,
+                temperature=body.temperature,
+                top_p=body.top_p,
+                top_k=body.top_k,
+                stop=body.stops(),
+                stop_token_ids=tuple(body.stop_token_ids or ()),
+                allowed_token_ids=tuple(body.allowed_token_ids)
+                if body.allowed_token_ids is not None
+                else None,
                 seed=body.seed,
             )
         except ValidationError as e:
             raise _ApiError(400, f"invalid sampling parameters: {e.errors()[0].get('msg')}") from None
         session = request.headers.get(self.session_header) or None
         principal = self._principal(request)
-        if principal is not None and principal.startswith(_BOUND) and session != principal[len(_BOUND):]:
-            bound = principal[len(_BOUND):]
+        if principal is not None and principal.startswith(_BOUND) and session != principal[len(_BOUND) :]:
+            bound = principal[len(_BOUND) :]
             self.refused[bound] = self.refused.get(bound, 0) + 1
-            raise _ApiError(403, f"this client is bound to session {bound!r}; it may not call session {session!r}",
-                            "permission_denied")
+            raise _ApiError(
+                403,
+                f"this client is bound to session {bound!r}; it may not call session {session!r}",
+                "permission_denied",
+            )
         if session is not None and not self.recorder.claim(session, principal):
             raise _ApiError(403, f"session {session!r} belongs to another API key", "permission_denied")
         rid = f"{session or 'anon'}-{uuid.uuid4().hex[:12]}"
-        req = GenerateRequest(rid, prompt_ids, sampling, session_id=session,
-                              task=request.headers.get(self.task_header) or None)
+        req = GenerateRequest(
+            rid, prompt_ids, sampling, session_id=session, task=request.headers.get(self.task_header) or None
+        )
         if body.stream:
             # Validate and route before the 200 goes out: errors up to the first token stay 4xx/503.
             parts = self.proxy.generate_stream(req)
@@ -624,8 +704,10 @@ class OpenAIServer:
             except BaseException:
                 await parts.aclose()  # type: ignore[attr-defined]
                 raise
-            return StreamingResponse(self._sse(endpoint, body, first, parts, prompt_ids, session, sampling),
-                                     media_type="text/event-stream")
+            return StreamingResponse(
+                self._sse(endpoint, body, first, parts, prompt_ids, session, sampling),
+                media_type="text/event-stream",
+            )
         out = await self.proxy.generate(req)
         self._record(session, endpoint, prompt_ids, out, sampling)
         reply = await asyncio.to_thread(self._response, endpoint, body, out, prompt_ids)  # detokenises
@@ -634,20 +716,33 @@ class OpenAIServer:
             self._remember(session, message.get("content"), message.get("tool_calls"), out)
         return reply
 
-    def _record(self, session: str | None, endpoint: str, prompt_ids: list[int], out: GenerateOutput,
-                sampling: SamplingParams | None = None) -> None:
+    def _record(
+        self,
+        session: str | None,
+        endpoint: str,
+        prompt_ids: list[int],
+        out: GenerateOutput,
+        sampling: SamplingParams | None = None,
+    ) -> None:
         if session:
             self.recorder.record(session, endpoint, prompt_ids, out, sampling)
 
-    def _remember(self, session: str | None, content: str | None, tool_calls: list[dict[str, Any]] | None,
-                  out: GenerateOutput) -> None:
+    def _remember(
+        self,
+        session: str | None,
+        content: str | None,
+        tool_calls: list[dict[str, Any]] | None,
+        out: GenerateOutput,
+    ) -> None:
         """Keep the reply's sampled ids: the client may send this assistant message back."""
         if session:
             self.generated.remember(session, message_key(content, tool_calls), out.token_ids)
 
     def _tool_reply(self, body: ChatBody, text: str) -> tuple[str | None, list[dict[str, Any]], str | None]:
         assert self.tool_parser is not None and body.tools  # checked by _check_tools
-        return self.tool_parser.parse(text, body.tools, body.tool_choice, body.parallel_tool_calls is not False)
+        return self.tool_parser.parse(
+            text, body.tools, body.tool_choice, body.parallel_tool_calls is not False
+        )
 
     def _text(self, out: GenerateOutput, stops: tuple[str, ...]) -> tuple[str, str]:
         text = self.template.decode(out.token_ids)
@@ -659,21 +754,40 @@ class OpenAIServer:
         return text, finish
 
     def _extra(self, out: GenerateOutput, prompt_ids: list[int]) -> dict[str, Any]:
-        return {"prompt_token_ids": prompt_ids, "token_ids": out.token_ids, "versions": out.versions,
-                "worker": out.worker, "engine_finish_reason": out.finish_reason}
+        return {
+            "prompt_token_ids": prompt_ids,
+            "token_ids": out.token_ids,
+            "versions": out.versions,
+            "worker": out.worker,
+            "engine_finish_reason": out.finish_reason,
+        }
 
-    def _response(self, endpoint: str, body: _Common, out: GenerateOutput, prompt_ids: list[int]) -> dict[str, Any]:
+    def _response(
+        self, endpoint: str, body: _Common, out: GenerateOutput, prompt_ids: list[int]
+    ) -> dict[str, Any]:
         text, finish = self._text(out, body.stops())
-        usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(out.token_ids),
-                 "total_tokens": len(prompt_ids) + len(out.token_ids)}
-        base = {"id": out.request_id, "created": int(time.time()), "model": self.model_name, "usage": usage,
-                "rollart": self._extra(out, prompt_ids)}
+        usage = {
+            "prompt_tokens": len(prompt_ids),
+            "completion_tokens": len(out.token_ids),
+            "total_tokens": len(prompt_ids) + len(out.token_ids),
+        }
+        base = {
+            "id": out.request_id,
+            "created": int(time.time()),
+            "model": self.model_name,
+            "usage": usage,
+            "rollart": self._extra(out, prompt_ids),
+        }
         toks = [self.template.token_str(t) for t in out.token_ids]
         if endpoint == "chat":
             lp = None
             if getattr(body, "logprobs", False):
-                lp = {"content": [{"token": t, "logprob": p, "bytes": list(t.encode()), "top_logprobs": []}
-                                  for t, p in zip(toks, out.logprobs, strict=True)]}
+                lp = {
+                    "content": [
+                        {"token": t, "logprob": p, "bytes": list(t.encode()), "top_logprobs": []}
+                        for t, p in zip(toks, out.logprobs, strict=True)
+                    ]
+                }
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if isinstance(body, ChatBody) and body.tools_active():
                 content, calls, error = self._tool_reply(body, text)
@@ -683,17 +797,30 @@ class OpenAIServer:
                     finish = "tool_calls" if finish == "stop" else finish
                 if error:
                     base["rollart"]["tool_call_error"] = error
-            return {**base, "object": "chat.completion", "choices": [{
-                "index": 0, "message": message, "logprobs": lp, "finish_reason": finish}]}
+            return {
+                **base,
+                "object": "chat.completion",
+                "choices": [{"index": 0, "message": message, "logprobs": lp, "finish_reason": finish}],
+            }
         lp = None
         if getattr(body, "logprobs", None) is not None:
             lp = {"tokens": toks, "token_logprobs": out.logprobs, "top_logprobs": None, "text_offset": None}
-        return {**base, "object": "text_completion",
-                "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}]}
+        return {
+            **base,
+            "object": "text_completion",
+            "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}],
+        }
 
-    async def _sse(self, endpoint: str, body: _Common, first: GenerateOutput, parts: AsyncIterator[GenerateOutput],
-                   prompt_ids: list[int], session: str | None,
-                   sampling: SamplingParams | None = None) -> AsyncIterator[str]:
+    async def _sse(
+        self,
+        endpoint: str,
+        body: _Common,
+        first: GenerateOutput,
+        parts: AsyncIterator[GenerateOutput],
+        prompt_ids: list[int],
+        session: str | None,
+        sampling: SamplingParams | None = None,
+    ) -> AsyncIterator[str]:
         """Server-sent events: one chunk per token delta, text detokenised incrementally.
 
         Text that could still turn out to be the start of a stop string (or half a UTF-8
@@ -707,7 +834,11 @@ class OpenAIServer:
             hold = 1 << 62
         head = {"id": first.request_id, "created": int(time.time()), "model": self.model_name}
         obj = "chat.completion.chunk" if endpoint == "chat" else "text_completion"
-        want_lp = bool(getattr(body, "logprobs", False)) if endpoint == "chat" else getattr(body, "logprobs", None) is not None
+        want_lp = (
+            bool(getattr(body, "logprobs", False))
+            if endpoint == "chat"
+            else getattr(body, "logprobs", None) is not None
+        )
         ids: list[int] = []
         lps: list[float] = []
         sent_text = 0
@@ -719,9 +850,21 @@ class OpenAIServer:
             lp: dict[str, Any] | None = None
             if want_lp and new_ids:
                 toks = [self.template.token_str(t) for t in new_ids]
-                lp = ({"content": [{"token": t, "logprob": p, "bytes": list(t.encode()), "top_logprobs": []}
-                                   for t, p in zip(toks, new_lps, strict=True)]} if endpoint == "chat"
-                      else {"tokens": toks, "token_logprobs": new_lps, "top_logprobs": None, "text_offset": None})
+                lp = (
+                    {
+                        "content": [
+                            {"token": t, "logprob": p, "bytes": list(t.encode()), "top_logprobs": []}
+                            for t, p in zip(toks, new_lps, strict=True)
+                        ]
+                    }
+                    if endpoint == "chat"
+                    else {
+                        "tokens": toks,
+                        "token_logprobs": new_lps,
+                        "top_logprobs": None,
+                        "text_offset": None,
+                    }
+                )
             if endpoint == "chat":
                 delta: dict[str, Any] = {"content": text} if text or finish is None else {}
                 if not role_sent:
@@ -741,7 +884,9 @@ class OpenAIServer:
                 while safe > sent_text and text[safe - 1] == "\ufffd":  # an incomplete UTF-8 sequence
                     safe -= 1
                 if safe > sent_text or not role_sent:
-                    yield chunk(text[sent_text:max(safe, sent_text)], ids[sent_tokens:], lps[sent_tokens:], None)
+                    yield chunk(
+                        text[sent_text : max(safe, sent_text)], ids[sent_tokens:], lps[sent_tokens:], None
+                    )
                     sent_text = max(safe, sent_text)
                     sent_tokens = len(ids)
                 part = await anext(parts, None)
@@ -771,8 +916,11 @@ class OpenAIServer:
             yield f"data: {json.dumps({**head, 'object': obj, 'choices': [], 'rollart': {'tool_call_error': error}})}\n\n"
         yield chunk("", [], [], finish)
         if (body.stream_options or {}).get("include_usage"):
-            usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(out.token_ids),
-                     "total_tokens": len(prompt_ids) + len(out.token_ids)}
+            usage = {
+                "prompt_tokens": len(prompt_ids),
+                "completion_tokens": len(out.token_ids),
+                "total_tokens": len(prompt_ids) + len(out.token_ids),
+            }
             yield f"data: {json.dumps({**head, 'object': obj, 'choices': [], 'usage': usage, 'rollart': self._extra(out, prompt_ids)})}\n\n"
         yield "data: [DONE]\n\n"
 
@@ -826,8 +974,12 @@ class _Guard:
                 await _send_error(send, 400, "invalid Content-Length header")
                 return
             if int(declared) > limit:
-                await _send_error(send, 413, f"request body of {declared} bytes exceeds the limit of {limit}",
-                                  "request_too_large")
+                await _send_error(
+                    send,
+                    413,
+                    f"request body of {declared} bytes exceeds the limit of {limit}",
+                    "request_too_large",
+                )
                 return
         body = bytearray()
         while True:
@@ -836,7 +988,9 @@ class _Guard:
                 return
             body += message.get("body", b"")
             if len(body) > limit:
-                await _send_error(send, 413, f"request body exceeds the limit of {limit} bytes", "request_too_large")
+                await _send_error(
+                    send, 413, f"request body exceeds the limit of {limit} bytes", "request_too_large"
+                )
                 return
             if not message.get("more_body", False):
                 break
@@ -852,15 +1006,28 @@ class _Guard:
         await self.app(scope, replay, send)
 
 
-async def _send_error(send: Any, status: int, message: str, code: str = "invalid_request_error",
-                      extra_headers: dict[str, str] | None = None) -> None:
-    payload = json.dumps({"error": {"message": message, "type": code, "param": None, "code": status}}).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
-               *((k.encode(), v.encode()) for k, v in (extra_headers or {}).items())]
+async def _send_error(
+    send: Any,
+    status: int,
+    message: str,
+    code: str = "invalid_request_error",
+    extra_headers: dict[str, str] | None = None,
+) -> None:
+    payload = json.dumps(
+        {"error": {"message": message, "type": code, "param": None, "code": status}}
+    ).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(payload)).encode()),
+        *((k.encode(), v.encode()) for k, v in (extra_headers or {}).items()),
+    ]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": payload})
 
 
-def _error(status: int, message: str, code: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": code, "param": param, "code": status}},
-                        status_code=status)
+def _error(
+    status: int, message: str, code: str = "invalid_request_error", param: str | None = None
+) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"message": message, "type": code, "param": param, "code": status}}, status_code=status
+    )

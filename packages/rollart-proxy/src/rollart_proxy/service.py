@@ -100,15 +100,28 @@ async def build_proxy(cfg: ServiceConfig) -> LLMProxy:
     handles = []
     for w in cfg.workers:
         cls = VllmServerEngine if w.kind == "vllm" else SglangServerEngine
-        engine = cls(cls.Config(url=w.url, weights_path_template=w.weights_path_template,
-                                request_timeout_s=w.request_timeout_s), name=w.name or w.url)
+        engine = cls(
+            cls.Config(
+                url=w.url,
+                weights_path_template=w.weights_path_template,
+                request_timeout_s=w.request_timeout_s,
+            ),
+            name=w.name or w.url,
+        )
         await engine.start()
         handles.append(WorkerHandle(w.name or w.url, engine, w.pool, w.max_inflight, cfg.max_queued))
-    return LLMProxy(handles, task_pools=cfg.task_pools, max_retries=cfg.max_retries, max_sessions=cfg.max_sessions)
+    return LLMProxy(
+        handles, task_pools=cfg.task_pools, max_retries=cfg.max_retries, max_sessions=cfg.max_sessions
+    )
 
 
-async def run_service(cfg: ServiceConfig, *, api_keys: list[str] | None = None, admin_key: str | None = None,
-                      enable_admin: bool | None = None) -> None:
+async def run_service(
+    cfg: ServiceConfig,
+    *,
+    api_keys: list[str] | None = None,
+    admin_key: str | None = None,
+    enable_admin: bool | None = None,
+) -> None:
     """Serve until SIGINT/SIGTERM. ``api_keys`` / ``admin_key``: None reads the environment (see
     :class:`~rollart_proxy.server.OpenAIServer`); ``enable_admin``: None takes the config's."""
     from rollart_proxy.server import OpenAIServer
@@ -116,21 +129,38 @@ async def run_service(cfg: ServiceConfig, *, api_keys: list[str] | None = None, 
     proxy = await build_proxy(cfg)
     max_len = cfg.max_model_len
     if max_len is None:
-        max_len = next((getattr(w.engine, "max_model_len", None) for w in proxy.workers.values()
-                        if getattr(w.engine, "max_model_len", None)), None)
-    server = OpenAIServer(proxy, str(cfg.model), served_model_name=cfg.served_model_name, max_model_len=max_len,
-                          default_max_tokens=cfg.default_max_tokens, session_header=cfg.session_header,
-                          api_key=api_keys, admin_key=admin_key,
-                          enable_admin=cfg.enable_admin if enable_admin is None else enable_admin,
-                          max_body_bytes=cfg.max_body_bytes, max_sessions=cfg.max_sessions)
+        max_len = next(
+            (
+                getattr(w.engine, "max_model_len", None)
+                for w in proxy.workers.values()
+                if getattr(w.engine, "max_model_len", None)
+            ),
+            None,
+        )
+    server = OpenAIServer(
+        proxy,
+        str(cfg.model),
+        served_model_name=cfg.served_model_name,
+        max_model_len=max_len,
+        default_max_tokens=cfg.default_max_tokens,
+        session_header=cfg.session_header,
+        api_key=api_keys,
+        admin_key=admin_key,
+        enable_admin=cfg.enable_admin if enable_admin is None else enable_admin,
+        max_body_bytes=cfg.max_body_bytes,
+        max_sessions=cfg.max_sessions,
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     proxy.start_health_loop()  # dead servers that come back are brought to the served version first
     port = await server.start(cfg.host, cfg.port)
-    print(f"rollart-proxy serving {server.model_name!r} on http://{cfg.host}:{port} "
-          f"over {len(proxy.workers)} worker(s)", flush=True)
+    print(
+        f"rollart-proxy serving {server.model_name!r} on http://{cfg.host}:{port} "
+        f"over {len(proxy.workers)} worker(s)",
+        flush=True,
+    )
     try:
         await stop.wait()
     finally:

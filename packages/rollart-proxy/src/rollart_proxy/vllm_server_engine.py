@@ -76,10 +76,16 @@ class VllmServerEngine(HttpEngineBase):
     def _sampling(self, request: GenerateRequest) -> dict[str, Any]:
         s = request.sampling
         if any(not isinstance(x, str) or not x for x in s.stop):
-            raise EngineError(f"invalid sampling parameters: stop strings must be non-empty, got {list(s.stop)}")
+            raise EngineError(
+                f"invalid sampling parameters: stop strings must be non-empty, got {list(s.stop)}"
+            )
         sp: dict[str, Any] = {
-            "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
-            "logprobs": 0, "detokenize": bool(s.stop),
+            "max_tokens": s.max_tokens,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "top_k": s.top_k,
+            "logprobs": 0,
+            "detokenize": bool(s.stop),
         }
         if s.stop:
             sp["stop"] = list(s.stop)
@@ -97,9 +103,16 @@ class VllmServerEngine(HttpEngineBase):
         if not request.prompt_ids:
             raise EngineError("empty prompt")
         if self.max_model_len is not None and len(request.prompt_ids) + 1 > self.max_model_len:
-            raise EngineError(f"prompt of {len(request.prompt_ids)} tokens exceeds max_model_len {self.max_model_len}")
-        body = {"request_id": request.request_id, "token_ids": list(request.prompt_ids),
-                "sampling_params": self._sampling(request), "model": self.config.model, "stream": stream}
+            raise EngineError(
+                f"prompt of {len(request.prompt_ids)} tokens exceeds max_model_len {self.max_model_len}"
+            )
+        body = {
+            "request_id": request.request_id,
+            "token_ids": list(request.prompt_ids),
+            "sampling_params": self._sampling(request),
+            "model": self.config.model,
+            "stream": stream,
+        }
         if stream:
             body["stream_options"] = {"include_usage": True}
         return body
@@ -130,16 +143,22 @@ class VllmServerEngine(HttpEngineBase):
                         usage = chunk.get("usage") or usage
                         for c in chunk.get("choices") or []:
                             new = list(c.get("token_ids") or [])
-                            new_lps = [float(x["logprob"]) for x in ((c.get("logprobs") or {}).get("content") or [])]
+                            new_lps = [
+                                float(x["logprob"]) for x in ((c.get("logprobs") or {}).get("content") or [])
+                            ]
                             if len(new_lps) != len(new):
-                                raise EngineError(f"{self.name}: chunk of {len(new)} tokens with {len(new_lps)} logprobs")
+                                raise EngineError(
+                                    f"{self.name}: chunk of {len(new)} tokens with {len(new_lps)} logprobs"
+                                )
                             ids += new
                             lps += new_lps
                             # vLLM sends the spans once, on the finishing chunk, over the whole output
                             spans = c.get("weight_versions") or spans
                             finish = c.get("finish_reason") or finish
                             if new and not finish:
-                                yield GenerateOutput(rid, new, new_lps, [self._version] * len(new), "", self.name)
+                                yield GenerateOutput(
+                                    rid, new, new_lps, [self._version] * len(new), "", self.name
+                                )
             except httpx.HTTPError as exc:
                 raise WorkerUnavailableError(f"{self.name}: stream of {rid} failed: {exc!r}") from None
         except BaseException:
@@ -174,8 +193,10 @@ class VllmServerEngine(HttpEngineBase):
         vers = _versions_from_spans(choice.get("weight_versions"), len(ids)) or [self._version] * len(ids)
         prompt_lps = None
         if request.prompt_logprobs and resp.get("prompt_logprobs") is not None:
-            prompt_lps = [None if d is None else float(d[str(t)]["logprob"])
-                          for d, t in zip(resp["prompt_logprobs"], request.prompt_ids, strict=True)]
+            prompt_lps = [
+                None if d is None else float(d[str(t)]["logprob"])
+                for d, t in zip(resp["prompt_logprobs"], request.prompt_ids, strict=True)
+            ]
         finish = choice.get("finish_reason") or "stop"
         usage = resp.get("usage") or {}
         cached = int(((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0)
@@ -193,8 +214,10 @@ class VllmServerEngine(HttpEngineBase):
 
     async def _abort(self, request_ids: list[str]) -> None:
         # The server prefixes the ids of token-in requests (``generate-tokens-<id>``).
-        await self._post("/inference/v1/abort_requests",
-                         json_body={"request_ids": [x for r in request_ids for x in (f"generate-tokens-{r}", r)]})
+        await self._post(
+            "/inference/v1/abort_requests",
+            json_body={"request_ids": [x for r in request_ids for x in (f"generate-tokens-{r}", r)]},
+        )
 
     async def _unfreeze(self) -> None:
         """Resume the server's scheduler, then deliver the aborts that arrived while it was paused."""
@@ -237,8 +260,9 @@ class VllmServerEngine(HttpEngineBase):
             self._frozen = True
             await self._post("/pause", params={"mode": "keep", "clear_cache": "false"})
         try:
-            await self._post("/collective_rpc", json_body={"method": "reload_weights",
-                                                           "kwargs": {"weights_path": path}})
+            await self._post(
+                "/collective_rpc", json_body={"method": "reload_weights", "kwargs": {"weights_path": path}}
+            )
             await self._post("/reset_prefix_cache", params={"reset_running_requests": "true"})
             await self._post("/update_weight_version", json_body={"new_version": str(version)})
             self._version = version

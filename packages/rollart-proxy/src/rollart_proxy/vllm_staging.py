@@ -51,10 +51,14 @@ def _clone_tree(module: torch.nn.Module, memo: dict[int, Any]) -> torch.nn.Modul
             q.__dict__.update(p.__dict__)  # weight_loader, output_dim, … (rebound by vLLM on reload)
             memo[id(p)] = q
             new._parameters[name] = q
-    new._buffers = {name: (None if b is None else memo.setdefault(id(b), b.clone()))
-                    for name, b in module._buffers.items()}
+    new._buffers = {
+        name: (None if b is None else memo.setdefault(id(b), b.clone()))
+        for name, b in module._buffers.items()
+    }
     new._non_persistent_buffers_set = set(module._non_persistent_buffers_set)
-    new._modules = {name: (None if m is None else _clone_tree(m, memo)) for name, m in module._modules.items()}
+    new._modules = {
+        name: (None if m is None else _clone_tree(m, memo)) for name, m in module._modules.items()
+    }
     return new
 
 
@@ -75,7 +79,9 @@ def stage(vllm_config: Any, shadow: torch.nn.Module, weights: Iterable[tuple[str
     from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
     with torch.no_grad():
-        reload_weights(vllm_config, shadow, weights_iterator=weights, weights_path=None, is_checkpoint_format=True)
+        reload_weights(
+            vllm_config, shadow, weights_iterator=weights, weights_path=None, is_checkpoint_format=True
+        )
 
 
 def commit(model: torch.nn.Module, shadow: torch.nn.Module) -> int:
@@ -95,8 +101,10 @@ def commit(model: torch.nn.Module, shadow: torch.nn.Module) -> int:
                     continue
                 seen.add(id(t))
                 if t.shape != u.shape or t.dtype != u.dtype:
-                    raise RuntimeError(f"staged {type(live).__name__}.{name} is {tuple(u.shape)} {u.dtype}, "
-                                       f"live is {tuple(t.shape)} {t.dtype}")
+                    raise RuntimeError(
+                        f"staged {type(live).__name__}.{name} is {tuple(u.shape)} {u.dtype}, "
+                        f"live is {tuple(t.shape)} {t.dtype}"
+                    )
                 pairs.append((t, u))
         kernels += [(live, sh, a) for a in DERIVED_ATTRS if a in live.__dict__ and a in sh.__dict__]
     with torch.no_grad():
@@ -118,7 +126,9 @@ class WeightStager:
         self._error: BaseException | None = None
         self.stage_s = 0.0
 
-    def start(self, vllm_config: Any, model: torch.nn.Module, weights: list[tuple[str, torch.Tensor]], tag: Any) -> None:
+    def start(
+        self, vllm_config: Any, model: torch.nn.Module, weights: list[tuple[str, torch.Tensor]], tag: Any
+    ) -> None:
         """Begin staging ``weights`` under ``tag`` in a background thread; returns at once."""
         if self._thread is not None and self._thread.is_alive():
             self._thread.join()  # a newer version supersedes: the older one finishes first (shadow is single)

@@ -19,7 +19,14 @@ def pack_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, l
     out = []
     for name, t in named:
         t = t.detach().to("cpu").contiguous()
-        out.append((name, list(t.shape), str(t.dtype).removeprefix("torch."), t.reshape(-1).view(torch.uint8).numpy().tobytes()))
+        out.append(
+            (
+                name,
+                list(t.shape),
+                str(t.dtype).removeprefix("torch."),
+                t.reshape(-1).view(torch.uint8).numpy().tobytes(),
+            )
+        )
     return out
 
 

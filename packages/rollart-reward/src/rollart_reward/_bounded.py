@@ -54,8 +54,9 @@ class _Worker:
     def __init__(self) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, WORKER_MEMORY_BYTES), daemon=True,
-                                name="rollart-reward-bounded")
+        self.proc = ctx.Process(
+            target=_serve, args=(child, WORKER_MEMORY_BYTES), daemon=True, name="rollart-reward-bounded"
+        )
         self.proc.start()
         child.close()
 

@@ -184,9 +184,16 @@ class _Worker:
         else:
             argv += [os.path.abspath(__file__)]
         argv += ["worker", str(w), cfg["solution"], mode]
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, pass_fds=(w,), cwd=cfg["workdir"],
-                                     env=cfg["env"], start_new_session=False)
+        self.proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            pass_fds=(w,),
+            cwd=cfg["workdir"],
+            env=cfg["env"],
+            start_new_session=False,
+        )
         os.close(w)
         self.threads = [cap.drain(self.proc.stdout, "stdout"), cap.drain(self.proc.stderr, "stderr")]
         self.buf = b""
@@ -256,8 +263,15 @@ def _run_calls(cfg, cases, cap, deadline, results, log):
                 reason = f"import failed: {str(reply.get('error'))[:500]}"
         if reason is None:
             for i, case in enumerate(cases):
-                worker.send({"op": "call", "i": i, "call": case["call"], "args": case["args"],
-                             "kwargs": case["kwargs"]})
+                worker.send(
+                    {
+                        "op": "call",
+                        "i": i,
+                        "call": case["call"],
+                        "args": case["args"],
+                        "kwargs": case["kwargs"],
+                    }
+                )
                 reply, reason = worker.recv(deadline)
                 if reply is None:
                     break
@@ -315,16 +329,26 @@ def _run_io(cfg, case, deadline, results, log):
         results.append({"passed": False, "why": "timeout"})
         return "timeout"
     try:
-        p = subprocess.run([sys.executable, "-I", "-B", cfg["solution"]], input=case["stdin"].encode(),
-                           capture_output=True, timeout=left, cwd=cfg["workdir"], env=cfg["env"])
+        p = subprocess.run(
+            [sys.executable, "-I", "-B", cfg["solution"]],
+            input=case["stdin"].encode(),
+            capture_output=True,
+            timeout=left,
+            cwd=cfg["workdir"],
+            env=cfg["env"],
+        )
     except subprocess.TimeoutExpired:
         results.append({"passed": False, "why": "timeout"})
         return "timeout"
     out = p.stdout[: cfg["max_output"]].decode("utf-8", "replace")
     ok = p.returncode == 0 and _norm_out(out) == _norm_out(case["stdout"])
     n = len(results) + 1
-    log.append(f"test {n}: ok" if ok else f"AssertionError: test {n}: wrong output (status {p.returncode})"
-               + ("\n" + p.stderr[-300:].decode("utf-8", "replace") if p.stderr else ""))
+    log.append(
+        f"test {n}: ok"
+        if ok
+        else f"AssertionError: test {n}: wrong output (status {p.returncode})"
+        + ("\n" + p.stderr[-300:].decode("utf-8", "replace") if p.stderr else "")
+    )
     results.append({"passed": ok} if ok else {"passed": False, "why": "wrong output"})
     return None
 
@@ -354,18 +378,27 @@ def harness():
             killed = _run_io(cfg, case, deadline, results, log) or killed
     if cap.over.is_set():
         killed = "output_limit"
-    if killed and killed not in ("timeout", "output_limit", "cpu_time", "memory") \
-            and not killed.startswith("signal:"):
+    if (
+        killed
+        and killed not in ("timeout", "output_limit", "cpu_time", "memory")
+        and not killed.startswith("signal:")
+    ):
         log.append(killed)
         killed = "memory" if "MemoryError" in killed else None
     with cap.lock:
         out = cap.parts["stdout"].decode("utf-8", "replace")
         err = cap.parts["stderr"].decode("utf-8", "replace")
-    report = {"nonce": cfg["nonce"], "results": results, "killed": killed, "stdout": out, "stderr": err,
-              "log": log}
+    report = {
+        "nonce": cfg["nonce"],
+        "results": results,
+        "killed": killed,
+        "stdout": out,
+        "stderr": err,
+        "log": log,
+    }
     data = json.dumps(report).encode()
     while data:
-        data = data[os.write(report_fd, data):]
+        data = data[os.write(report_fd, data) :]
     os.close(report_fd)
 
 

@@ -20,7 +20,15 @@ from typing import Any
 from rollart_core.types import RewardResult
 from rollart_reward.wire import result_from_dict
 
-__all__ = ["Adapter", "FcAdapter", "FunctionFailed", "JsonAdapter", "LambdaAdapter", "Retryable", "make_adapter"]
+__all__ = [
+    "Adapter",
+    "FcAdapter",
+    "FunctionFailed",
+    "JsonAdapter",
+    "LambdaAdapter",
+    "Retryable",
+    "make_adapter",
+]
 
 COLD_START_HEADER = "X-Rollart-Cold-Start"
 
@@ -118,9 +126,12 @@ class JsonAdapter(Adapter):
 
 class LambdaAdapter(Adapter):
     def request(self, key: str, trajectory: dict[str, Any]) -> Call:
-        return Call("POST", f"/2015-03-31/functions/{self.function}/invocations",
-                    {"X-Amz-Invocation-Type": "RequestResponse", "Idempotency-Key": key},
-                    {"key": key, "trajectory": trajectory})
+        return Call(
+            "POST",
+            f"/2015-03-31/functions/{self.function}/invocations",
+            {"X-Amz-Invocation-Type": "RequestResponse", "Idempotency-Key": key},
+            {"key": key, "trajectory": trajectory},
+        )
 
     def response(self, status: int, text: str, headers: Any) -> RewardResult:
         check_status(status, text, headers)
@@ -136,8 +147,12 @@ class FcAdapter(Adapter):
         return f"/2023-03-30/functions/{self.function}/invocations"
 
     def request(self, key: str, trajectory: dict[str, Any]) -> Call:
-        return Call("POST", self._path(), {"x-fc-invocation-type": "Sync", "Idempotency-Key": key},
-                    {"key": key, "trajectory": trajectory})
+        return Call(
+            "POST",
+            self._path(),
+            {"x-fc-invocation-type": "Sync", "Idempotency-Key": key},
+            {"key": key, "trajectory": trajectory},
+        )
 
     def response(self, status: int, text: str, headers: Any) -> RewardResult:
         check_status(status, text, headers)
@@ -146,8 +161,12 @@ class FcAdapter(Adapter):
         return parse_result(parse_json(text), text)
 
     def submit(self, key: str, task_id: str, trajectory: dict[str, Any]) -> Call:
-        return Call("POST", self._path(), {"x-fc-invocation-type": "Async", "x-fc-async-task-id": task_id,
-                                           "Idempotency-Key": key}, {"key": key, "trajectory": trajectory})
+        return Call(
+            "POST",
+            self._path(),
+            {"x-fc-invocation-type": "Async", "x-fc-async-task-id": task_id, "Idempotency-Key": key},
+            {"key": key, "trajectory": trajectory},
+        )
 
     def poll(self, task_id: str) -> Call:
         return Call("GET", f"/2023-03-30/functions/{self.function}/async-tasks/{task_id}", {})

@@ -21,25 +21,34 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rollart-reward", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve", help="serve a reward function over HTTP with autoscaling")
-    s.add_argument("--function", required=True, help="reward name (rollart.reward entry point) or module:Class")
+    s.add_argument(
+        "--function", required=True, help="reward name (rollart.reward entry point) or module:Class"
+    )
     s.add_argument("--options", default="{}", help="the function's config as JSON")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=0, help="0 picks a free port")
     s.add_argument("--min-workers", type=int, default=0)
     s.add_argument("--max-workers", type=int, default=8)
     s.add_argument("--idle-timeout", type=float, default=2.0, help="seconds before an idle worker stops")
-    s.add_argument("--idle-policy", choices=("fixed", "ski_rental", "learned"), default="learned",
-                   help="keep-alive of idle workers: exactly --idle-timeout, at least a cold start's cost, "
-                        "or learned from recent idle periods (at most the ski-rental value)")
+    s.add_argument(
+        "--idle-policy",
+        choices=("fixed", "ski_rental", "learned"),
+        default="learned",
+        help="keep-alive of idle workers: exactly --idle-timeout, at least a cold start's cost, "
+        "or learned from recent idle periods (at most the ski-rental value)",
+    )
     s.add_argument("--call-timeout", type=float, default=60.0)
     s.add_argument("--max-queue", type=int, default=10_000, help="waiting calls beyond this get 429")
     s.add_argument("--cache-size", type=int, default=100_000, help="idempotency cache entries")
     s.add_argument("--max-body-bytes", type=int, default=16 << 20, help="larger request bodies get 413")
     s.add_argument("--max-batch", type=int, default=1024, help="most items in one batch request")
     s.add_argument("--max-async-tasks", type=int, default=10_000, help="async calls held at once")
-    s.add_argument("--api-key", default=None,
-                   help="bearer token every request must carry (default: $ROLLART_REWARD_API_KEY; "
-                        "prefer the variable, a command line is visible to every user of the machine)")
+    s.add_argument(
+        "--api-key",
+        default=None,
+        help="bearer token every request must carry (default: $ROLLART_REWARD_API_KEY; "
+        "prefer the variable, a command line is visible to every user of the machine)",
+    )
     s.add_argument("--admin", action="store_true", help="enable /admin/* (fault knobs, stats reset)")
     s.add_argument("--faults", default="{}", help="fault injection config as JSON (tests)")
     s.add_argument("--log-level", default="WARNING")
@@ -53,13 +62,25 @@ async def _serve(args: argparse.Namespace) -> None:
 
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     try:
-        cfg = RuntimeConfig(function=args.function, options=json.loads(args.options), host=args.host,
-                            port=args.port, min_workers=args.min_workers, max_workers=args.max_workers,
-                            idle_timeout_s=args.idle_timeout, idle_policy=args.idle_policy,
-                            call_timeout_s=args.call_timeout, max_queue=args.max_queue,
-                            cache_size=args.cache_size, max_body_bytes=args.max_body_bytes,
-                            max_batch=args.max_batch, max_async_tasks=args.max_async_tasks, api_key=api_key,
-                            admin=args.admin, faults=FaultConfig.model_validate(json.loads(args.faults)))
+        cfg = RuntimeConfig(
+            function=args.function,
+            options=json.loads(args.options),
+            host=args.host,
+            port=args.port,
+            min_workers=args.min_workers,
+            max_workers=args.max_workers,
+            idle_timeout_s=args.idle_timeout,
+            idle_policy=args.idle_policy,
+            call_timeout_s=args.call_timeout,
+            max_queue=args.max_queue,
+            cache_size=args.cache_size,
+            max_body_bytes=args.max_body_bytes,
+            max_batch=args.max_batch,
+            max_async_tasks=args.max_async_tasks,
+            api_key=api_key,
+            admin=args.admin,
+            faults=FaultConfig.model_validate(json.loads(args.faults)),
+        )
     except (ValueError, json.JSONDecodeError) as exc:
         raise ConfigError(f"rollart-reward serve: {exc}") from None
     from rollart_core.registry import resolve

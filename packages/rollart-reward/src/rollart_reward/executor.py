@@ -27,9 +27,14 @@ log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 60.0
 
 
-async def score_with_retries(fn: RewardFunction, trajectory: Trajectory, retries: int,
-                             meter: UtilisationMeter, queue_s: float = 0.0,
-                             timeout_s: float | None = DEFAULT_TIMEOUT_S) -> RewardResult:
+async def score_with_retries(
+    fn: RewardFunction,
+    trajectory: Trajectory,
+    retries: int,
+    meter: UtilisationMeter,
+    queue_s: float = 0.0,
+    timeout_s: float | None = DEFAULT_TIMEOUT_S,
+) -> RewardResult:
     """``fn.score`` with ``retries`` extra attempts, each at most ``timeout_s``; :class:`RewardError` after
     the last attempt or on a timeout."""
     last: Exception | None = None
@@ -39,20 +44,25 @@ async def score_with_retries(fn: RewardFunction, trajectory: Trajectory, retries
             result = await asyncio.wait_for(fn.score(trajectory), timeout_s)
         except TimeoutError:
             meter.record(busy_s=time.perf_counter() - t0, queue_s=queue_s, ok=False)
-            raise RewardError(f"reward {type(fn).__name__} for {trajectory.traj_id} timed out after "
-                              f"{timeout_s:g} s (executor timeout_s)") from None
+            raise RewardError(
+                f"reward {type(fn).__name__} for {trajectory.traj_id} timed out after "
+                f"{timeout_s:g} s (executor timeout_s)"
+            ) from None
         except Exception as exc:
             last = exc
             meter.record(busy_s=time.perf_counter() - t0, queue_s=queue_s, ok=False)
             if attempt < retries:
                 meter.retries += 1
-            log.warning("reward for %s failed (attempt %d/%d): %r", trajectory.traj_id, attempt + 1,
-                        retries + 1, exc)
+            log.warning(
+                "reward for %s failed (attempt %d/%d): %r", trajectory.traj_id, attempt + 1, retries + 1, exc
+            )
             queue_s = 0.0
             continue
         meter.record(busy_s=time.perf_counter() - t0, queue_s=queue_s)
         return result
-    raise RewardError(f"reward for {trajectory.traj_id} failed after {retries + 1} attempts: {last!r}") from last
+    raise RewardError(
+        f"reward for {trajectory.traj_id} failed after {retries + 1} attempts: {last!r}"
+    ) from last
 
 
 class InlineExecutorConfig(BaseModel):
@@ -71,16 +81,25 @@ class InlineExecutor:
 
     Config = InlineExecutorConfig
 
-    def __init__(self, fn_or_config: RewardFunction | InlineExecutorConfig | None = None, /, *,
-                 fn: RewardFunction | None = None, retries: int | None = None,
-                 timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        fn_or_config: RewardFunction | InlineExecutorConfig | None = None,
+        /,
+        *,
+        fn: RewardFunction | None = None,
+        retries: int | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
         config = fn_or_config if isinstance(fn_or_config, InlineExecutorConfig) else None
         fn = fn if config is not None or fn_or_config is None else fn_or_config  # type: ignore[assignment]
         if fn is None:
-            raise TypeError("InlineExecutor needs a reward function: InlineExecutor(fn) or InlineExecutor(config, fn=fn)")
+            raise TypeError(
+                "InlineExecutor needs a reward function: InlineExecutor(fn) or InlineExecutor(config, fn=fn)"
+            )
         overrides = {k: v for k, v in (("retries", retries), ("timeout_s", timeout_s)) if v is not None}
-        self.config = InlineExecutorConfig.model_validate({**(config or InlineExecutorConfig()).model_dump(),
-                                                           **overrides})
+        self.config = InlineExecutorConfig.model_validate(
+            {**(config or InlineExecutorConfig()).model_dump(), **overrides}
+        )
         self.fn = fn
         self.retries = self.config.retries
         self.meter = UtilisationMeter(slots=1)
@@ -101,8 +120,9 @@ class InlineExecutor:
     async def score(self, trajectory: Trajectory) -> RewardResult:
         self.meter.enter()
         try:
-            return await score_with_retries(self.fn, trajectory, self.retries, self.meter,
-                                            timeout_s=self.config.timeout_s)
+            return await score_with_retries(
+                self.fn, trajectory, self.retries, self.meter, timeout_s=self.config.timeout_s
+            )
         finally:
             self.meter.leave()
 
@@ -137,9 +157,14 @@ class PoolExecutor:
         async with self._sem:
             self.meter.enter()
             try:
-                return await score_with_retries(self.fn, trajectory, self.config.retries, self.meter,
-                                                queue_s=time.perf_counter() - t0,
-                                                timeout_s=self.config.timeout_s)
+                return await score_with_retries(
+                    self.fn,
+                    trajectory,
+                    self.config.retries,
+                    self.meter,
+                    queue_s=time.perf_counter() - t0,
+                    timeout_s=self.config.timeout_s,
+                )
             finally:
                 self.meter.leave()
 

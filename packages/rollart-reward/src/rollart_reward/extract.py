@@ -13,8 +13,16 @@ import re
 import unicodedata
 from fractions import Fraction
 
-__all__ = ["MAX_ANSWER_CHARS", "MAX_DIGITS", "MAX_EXPONENT", "MAX_TEXT_CHARS", "extract_answer", "last_boxed",
-           "normalize_answer", "parse_number"]
+__all__ = [
+    "MAX_ANSWER_CHARS",
+    "MAX_DIGITS",
+    "MAX_EXPONENT",
+    "MAX_TEXT_CHARS",
+    "extract_answer",
+    "last_boxed",
+    "normalize_answer",
+    "parse_number",
+]
 
 MAX_TEXT_CHARS = 100_000
 """Extraction reads only this many characters from the end of a response (the answer comes last)."""
@@ -69,7 +77,7 @@ def normalize_answer(text: str) -> str:
     """NFKC-normalised (fullwidth digits become ASCII), invisible format characters (RTL marks,
     zero-width spaces) and NULs dropped, case-folded, whitespace-collapsed, surrounding
     ``$``/punctuation/``\\text{}`` removed."""
-    t = unicodedata.normalize("NFKC", text[:MAX_ANSWER_CHARS * 2])
+    t = unicodedata.normalize("NFKC", text[: MAX_ANSWER_CHARS * 2])
     t = "".join(ch for ch in t if ch != "\0" and unicodedata.category(ch) != "Cf")
     t = t.strip().strip("$").strip()
     t = re.sub(r"\\text\{([^}]*)\}", r"\1", t)

@@ -119,8 +119,13 @@ class HttpExecutor:
 
     Config = HttpExecutorConfig
 
-    def __init__(self, config: HttpExecutorConfig, *, fn: RewardFunction | None = None,
-                 fallback: RewardExecutor | None = None) -> None:
+    def __init__(
+        self,
+        config: HttpExecutorConfig,
+        *,
+        fn: RewardFunction | None = None,
+        fallback: RewardExecutor | None = None,
+    ) -> None:
         self.config = config
         if config.invocation == "async" and config.adapter != "fc":
             raise RewardError("http executor: invocation='async' needs adapter='fc'")
@@ -147,8 +152,10 @@ class HttpExecutor:
             n = self.config.max_concurrency
             token = self.config.api_key or os.environ.get("ROLLART_REWARD_API_KEY") or None
             self._client = httpx.AsyncClient(
-                base_url=self.config.url, headers={"Authorization": f"Bearer {token}"} if token else None,
-                limits=httpx.Limits(max_connections=n, max_keepalive_connections=n))
+                base_url=self.config.url,
+                headers={"Authorization": f"Bearer {token}"} if token else None,
+                limits=httpx.Limits(max_connections=n, max_keepalive_connections=n),
+            )
             if self._sem is None:
                 self._sem = asyncio.Semaphore(n)
         return self._client
@@ -184,8 +191,9 @@ class HttpExecutor:
 
         self.counters["http_attempts"] += 1
         try:
-            r = await self._http().request(call.method, call.path, json=call.body, headers=call.headers,
-                                           timeout=timeout)
+            r = await self._http().request(
+                call.method, call.path, json=call.body, headers=call.headers, timeout=timeout
+            )
         except httpx.TimeoutException as exc:
             raise Retryable(f"timed out after {timeout:.1f}s: {type(exc).__name__}") from None
         except httpx.TransportError as exc:
@@ -197,7 +205,7 @@ class HttpExecutor:
 
     def _backoff(self, attempt: int, retry_after: float | None) -> float:
         c = self.config
-        delay = self._rng.uniform(0, min(c.backoff_max_s, c.backoff_base_s * 2 ** attempt))
+        delay = self._rng.uniform(0, min(c.backoff_max_s, c.backoff_base_s * 2**attempt))
         return max(delay, retry_after or 0.0)
 
     # ---------------------------------------------------------------- one attempt
@@ -278,8 +286,14 @@ class HttpExecutor:
                 self.breaker.success()
                 self._last_ok = time.monotonic()
                 return result
-            log.warning("reward call %s (key %s) attempt %d/%d failed: %s", traj_id, key, attempt + 1,
-                        c.retries + 1, last)
+            log.warning(
+                "reward call %s (key %s) attempt %d/%d failed: %s",
+                traj_id,
+                key,
+                attempt + 1,
+                c.retries + 1,
+                last,
+            )
             if attempt < c.retries:
                 self.meter.retries += 1
                 if isinstance(last, Retryable):
@@ -312,7 +326,9 @@ class HttpExecutor:
             task = asyncio.create_task(self._send_batch(items))
             task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
 
-    async def _send_batch(self, items: list[tuple[str, dict[str, Any], asyncio.Future[RewardResult]]]) -> None:
+    async def _send_batch(
+        self, items: list[tuple[str, dict[str, Any], asyncio.Future[RewardResult]]]
+    ) -> None:
         assert isinstance(self.adapter, JsonAdapter)
         self._http()
         assert self._sem is not None

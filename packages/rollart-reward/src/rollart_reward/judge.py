@@ -30,7 +30,9 @@ class LLMJudgeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     system: str = "You are a strict grader. Reply with Y if the response is correct, otherwise N."
-    template: str = "Question:\n{question}\n\nReference answer:\n{reference}\n\nResponse:\n{response}\n\nCorrect?"
+    template: str = (
+        "Question:\n{question}\n\nReference answer:\n{reference}\n\nResponse:\n{response}\n\nCorrect?"
+    )
     """Fields: ``question`` (``info['question']``), ``reference`` (``info[answer_key]``), ``response``."""
     answer_key: str = "answer"
     yes: str = "Y"
@@ -50,7 +52,9 @@ class LLMJudgeReward:
     Config = LLMJudgeConfig
     stateless = False
 
-    def __init__(self, config: LLMJudgeConfig | None = None, *, generator: _Generator, chat: ChatFormat) -> None:
+    def __init__(
+        self, config: LLMJudgeConfig | None = None, *, generator: _Generator, chat: ChatFormat
+    ) -> None:
         self.config = config or LLMJudgeConfig()
         self.generator = generator
         self.chat = chat
@@ -59,21 +63,28 @@ class LLMJudgeReward:
 
     async def score(self, trajectory: Trajectory) -> RewardResult:
         c = self.config
-        prompt = c.template.format(question=trajectory.info.get("question", ""),
-                                   reference=trajectory.info.get(c.answer_key, ""),
-                                   response=response_text(trajectory))
-        ids = self.chat.first_turn(c.system, prompt)[-c.max_prompt_tokens:]
+        prompt = c.template.format(
+            question=trajectory.info.get("question", ""),
+            reference=trajectory.info.get(c.answer_key, ""),
+            response=response_text(trajectory),
+        )
+        ids = self.chat.first_turn(c.system, prompt)[-c.max_prompt_tokens :]
         req = GenerateRequest(
             request_id=f"judge-{trajectory.traj_id}-{next(self._ids)}-{uuid.uuid4().hex[:6]}",
             prompt_ids=ids,
-            sampling=SamplingParams(max_tokens=1, temperature=0.0, allowed_token_ids=(self._yes, self._no),
-                                    seed=c.seed),
+            sampling=SamplingParams(
+                max_tokens=1, temperature=0.0, allowed_token_ids=(self._yes, self._no), seed=c.seed
+            ),
             task=c.task,
         )
         out = await self.generator.generate(req)
         if not out.token_ids or out.token_ids[0] not in (self._yes, self._no):
             raise RewardError(f"judge returned {out.token_ids!r}, expected one of the verdict tokens")
         yes = out.token_ids[0] == self._yes
-        return RewardResult(c.correct if yes else c.wrong, {
-            "verdict": c.yes if yes else c.no, "logprob": out.logprobs[0] if out.logprobs else None,
-        })
+        return RewardResult(
+            c.correct if yes else c.wrong,
+            {
+                "verdict": c.yes if yes else c.no,
+                "logprob": out.logprobs[0] if out.logprobs else None,
+            },
+        )

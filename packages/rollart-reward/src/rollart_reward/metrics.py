@@ -44,8 +44,15 @@ class UtilisationMeter:
     def leave(self) -> None:
         self.in_flight -= 1
 
-    def record(self, *, busy_s: float, queue_s: float = 0.0, ok: bool = True, cold: bool = False,
-               billed_s: float = 0.0) -> None:
+    def record(
+        self,
+        *,
+        busy_s: float,
+        queue_s: float = 0.0,
+        ok: bool = True,
+        cold: bool = False,
+        billed_s: float = 0.0,
+    ) -> None:
         self.calls += 1
         self.failures += 0 if ok else 1
         self.busy_s += busy_s

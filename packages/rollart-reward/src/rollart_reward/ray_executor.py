@@ -72,8 +72,9 @@ class RayExecutor:
         if self._remote is None:
             ray = require("ray", "pip install 'rollart-reward[ray]'")
             c = self.config
-            self._remote = ray.remote(num_cpus=c.num_cpus, max_retries=1,
-                                      resources={c.pool: 0.001} if c.pool else None)(_score_task)
+            self._remote = ray.remote(
+                num_cpus=c.num_cpus, max_retries=1, resources={c.pool: 0.001} if c.pool else None
+            )(_score_task)
         return self._remote
 
     async def score(self, trajectory: Trajectory) -> RewardResult:

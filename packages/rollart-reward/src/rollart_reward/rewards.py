@@ -106,11 +106,15 @@ class NumberMatchReward:
         pred = extract_answer(response_text(trajectory, c.response_from))
         ref = parse_number(str(_reference(trajectory, c.answer_key)))
         if ref is None:
-            raise RewardError(f"trajectory {trajectory.traj_id}: reference {trajectory.info[c.answer_key]!r} "
-                              "is not a number")
+            raise RewardError(
+                f"trajectory {trajectory.traj_id}: reference {trajectory.info[c.answer_key]!r} "
+                "is not a number"
+            )
         got = parse_number(pred) if pred is not None else None
         # exact rational arithmetic: a float() of a large answer (1e400) would overflow
-        ok = got is not None and (got == ref or abs(got - ref) <= Fraction(c.rel_tol) * max(abs(ref), Fraction(1, 10**12)))
+        ok = got is not None and (
+            got == ref or abs(got - ref) <= Fraction(c.rel_tol) * max(abs(ref), Fraction(1, 10**12))
+        )
         return RewardResult(c.correct if ok else c.wrong, {"extracted": pred, "correct": ok})
 
 
@@ -144,12 +148,18 @@ class MathVerifyReward:
     async def score(self, trajectory: Trajectory) -> RewardResult:
         c = self.config
         text = response_text(trajectory, c.response_from)
-        pred = extract_answer(text, last_number=False) or text[-MAX_ANSWER_CHARS - 1:].strip()
+        pred = extract_answer(text, last_number=False) or text[-MAX_ANSWER_CHARS - 1 :].strip()
         ref = str(_reference(trajectory, c.answer_key))
         if len(pred) > MAX_ANSWER_CHARS:
             return RewardResult(c.wrong, {"extracted": None, "correct": False, "error": "answer too long"})
-        ok = await _bounded.call("rollart_reward.rewards:math_equivalent", pred, ref, c.timeout_s,
-                                 timeout_s=c.hard_timeout_s, what=f"math_verify (hard_timeout_s={c.hard_timeout_s:g})")
+        ok = await _bounded.call(
+            "rollart_reward.rewards:math_equivalent",
+            pred,
+            ref,
+            c.timeout_s,
+            timeout_s=c.hard_timeout_s,
+            what=f"math_verify (hard_timeout_s={c.hard_timeout_s:g})",
+        )
         return RewardResult(c.correct if ok else c.wrong, {"extracted": pred, "correct": ok})
 
 
@@ -205,22 +215,43 @@ class CodeTestsReward:
         blocks = _FENCE.findall(text) if len(text) <= MAX_CODE_CHARS else []
         code = blocks[-1] if blocks else text
         if len(code) > MAX_CODE_CHARS:
-            return RewardResult(c.wrong, {"passed": False, "error": f"code longer than {MAX_CODE_CHARS} chars",
-                                          "tests_passed": 0, "tests_total": 0})
+            return RewardResult(
+                c.wrong,
+                {
+                    "passed": False,
+                    "error": f"code longer than {MAX_CODE_CHARS} chars",
+                    "tests_passed": 0,
+                    "tests_total": 0,
+                },
+            )
         tests = _reference(trajectory, c.answer_key)
         if not isinstance(tests, str | list):
             tests = str(tests)
-        r = await run_python_async(code, tests, timeout_s=c.timeout_s, memory_mb=c.memory_mb,
-                                   max_output_bytes=c.max_output_bytes, isolation=c.isolation)
+        r = await run_python_async(
+            code,
+            tests,
+            timeout_s=c.timeout_s,
+            memory_mb=c.memory_mb,
+            max_output_bytes=c.max_output_bytes,
+            isolation=c.isolation,
+        )
         if c.partial_credit and r.tests_total and r.killed_reason is None:
             score = c.wrong + (c.correct - c.wrong) * r.tests_passed / r.tests_total
         else:
             score = c.correct if r.passed else c.wrong
-        return RewardResult(score, {
-            "passed": r.passed, "returncode": r.returncode, "killed_reason": r.killed_reason,
-            "tests_passed": r.tests_passed, "tests_total": r.tests_total, "isolation": r.isolation,
-            "stderr_tail": r.stderr[-500:], "duration_s": r.duration_s,
-        })
+        return RewardResult(
+            score,
+            {
+                "passed": r.passed,
+                "returncode": r.returncode,
+                "killed_reason": r.killed_reason,
+                "tests_passed": r.tests_passed,
+                "tests_total": r.tests_total,
+                "isolation": r.isolation,
+                "stderr_tail": r.stderr[-500:],
+                "duration_s": r.duration_s,
+            },
+        )
 
 
 class FormatConfig(BaseModel):
@@ -241,7 +272,9 @@ class FormatConfig(BaseModel):
 def format_check(pattern: str, tags: list[str], text: str) -> tuple[bool, list[str]]:
     """``(fullmatch?, tags not present exactly once)``."""
     regex_ok = re.fullmatch(pattern, text) is not None
-    missing = [t for t in tags if len(re.findall(f"<{re.escape(t)}>.*?</{re.escape(t)}>", text, re.DOTALL)) != 1]
+    missing = [
+        t for t in tags if len(re.findall(f"<{re.escape(t)}>.*?</{re.escape(t)}>", text, re.DOTALL)) != 1
+    ]
     return regex_ok, missing
 
 
@@ -261,9 +294,14 @@ class FormatReward:
     async def score(self, trajectory: Trajectory) -> RewardResult:
         c = self.config
         text = response_text(trajectory, c.response_from)
-        regex_ok, missing = await _bounded.call("rollart_reward.rewards:format_check", c.pattern,
-                                                    c.required_tags, text, timeout_s=c.timeout_s,
-                                                    what=f"format (timeout_s={c.timeout_s:g})")
+        regex_ok, missing = await _bounded.call(
+            "rollart_reward.rewards:format_check",
+            c.pattern,
+            c.required_tags,
+            text,
+            timeout_s=c.timeout_s,
+            what=f"format (timeout_s={c.timeout_s:g})",
+        )
         ok = regex_ok and not missing
         return RewardResult(c.correct if ok else c.wrong, {"regex_ok": regex_ok, "missing_tags": missing})
 

@@ -155,8 +155,9 @@ def learned_keep_alive(gaps: list[float], cold_s: float, ceiling: float) -> floa
 
 
 class _Worker:
-    def __init__(self, pid: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 spawned: float) -> None:
+    def __init__(
+        self, pid: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, spawned: float
+    ) -> None:
         self.pid, self.reader, self.writer = pid, reader, writer
         self.spawned = spawned
         self.init_s = 0.0  # cold start: fork requested -> worker ready
@@ -209,7 +210,8 @@ class FunctionRuntime:
         self._async_tasks: dict[str, tuple[str, asyncio.Task[Any]]] = {}
         """Running async calls by task id -> (digest, task); moved to ``_async_done`` when they finish."""
         self._async_done: collections.OrderedDict[str, tuple[str, tuple[int, dict[str, Any], bool]]] = (
-            collections.OrderedDict())
+            collections.OrderedDict()
+        )
         self.counters = collections.Counter[str]()
         self.peak_workers = 0
         self.cold_start_s: list[float] = []
@@ -232,8 +234,12 @@ class FunctionRuntime:
 
         c = self.config
         if not is_loopback(c.host) and c.api_key is None:
-            log.warning("function runtime: bound to %s without an API key: anyone who reaches this address "
-                        "can call the function (set --api-key or %s)", c.host, API_KEY_ENV)
+            log.warning(
+                "function runtime: bound to %s without an API key: anyone who reaches this address "
+                "can call the function (set --api-key or %s)",
+                c.host,
+                API_KEY_ENV,
+            )
         app = web.Application(client_max_size=c.max_body_bytes, middlewares=[self._guard()])
         r = app.router
         r.add_post("/invoke", self._h_invoke)
@@ -290,8 +296,11 @@ class FunctionRuntime:
                 got = request.headers.get("Authorization", "").encode()
                 if not hmac.compare_digest(got, expected):
                     self.counters["unauthorized"] += 1
-                    return web.json_response({"error": "missing or wrong bearer token (Authorization: Bearer ...)"},
-                                             status=401, headers={"WWW-Authenticate": "Bearer"})
+                    return web.json_response(
+                        {"error": "missing or wrong bearer token (Authorization: Bearer ...)"},
+                        status=401,
+                        headers={"WWW-Authenticate": "Bearer"},
+                    )
             try:
                 return await handler(request)
             except BadRequest as exc:
@@ -308,8 +317,14 @@ class FunctionRuntime:
         self._unix = await asyncio.start_unix_server(self._on_worker, path, limit=64 << 20)
         t0 = time.monotonic()
         self._template = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "rollart_reward._worker", c.function, json.dumps(c.options), path,
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            sys.executable,
+            "-m",
+            "rollart_reward._worker",
+            c.function,
+            json.dumps(c.options),
+            path,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
         )
         assert self._template.stdout is not None
         line = await asyncio.wait_for(self._template.stdout.readline(), 120)
@@ -369,7 +384,9 @@ class FunctionRuntime:
         self.peak_workers = max(self.peak_workers, len(self._workers))
         self.meter.cold_starts += 1
         self.cold_start_s.append(time.monotonic() - t0)
-        self._cold_ewma = 0.8 * self._cold_ewma + 0.2 * self.cold_start_s[-1] if self._cold_ewma else self.cold_start_s[-1]
+        self._cold_ewma = (
+            0.8 * self._cold_ewma + 0.2 * self.cold_start_s[-1] if self._cold_ewma else self.cold_start_s[-1]
+        )
         self._release(w)
 
     def _release(self, w: _Worker) -> None:
@@ -434,8 +451,9 @@ class FunctionRuntime:
                     await self._retire(w)
 
     # ---------------------------------------------------------------- execution
-    async def execute(self, key: str | None, trajectory: dict[str, Any],
-                      digest: str | None = None) -> tuple[dict[str, Any], bool]:
+    async def execute(
+        self, key: str | None, trajectory: dict[str, Any], digest: str | None = None
+    ) -> tuple[dict[str, Any], bool]:
         """Run (or join, or replay) one call → (result dict, served by a fresh worker).
 
         A key's cached result (and a running call under it) is bound to ``digest``, the hash of the
@@ -495,8 +513,13 @@ class FunctionRuntime:
                 reply = await w.call(trajectory, self.config.call_timeout_s)
             except BaseException:
                 busy = time.monotonic() - t0
-                self.meter.record(busy_s=busy, queue_s=queue_s, ok=False, cold=False,
-                                  billed_s=math.ceil(busy * 1000) / 1000 + (w.init_s if cold else 0.0))
+                self.meter.record(
+                    busy_s=busy,
+                    queue_s=queue_s,
+                    ok=False,
+                    cold=False,
+                    billed_s=math.ceil(busy * 1000) / 1000 + (w.init_s if cold else 0.0),
+                )
                 await self._retire(w)
                 raise
             busy = float(reply.get("busy_s", time.monotonic() - t0))
@@ -513,8 +536,12 @@ class FunctionRuntime:
     def _draw(self) -> str | None:
         f = self.faults
         x = self._rng.random()
-        for name, rate in (("error_before", f.error_before), ("error_after", f.error_after),
-                           ("delay", f.delay), ("malformed", f.malformed)):
+        for name, rate in (
+            ("error_before", f.error_before),
+            ("error_after", f.error_after),
+            ("delay", f.delay),
+            ("malformed", f.malformed),
+        ):
             if x < rate:
                 self.counters[f"fault_{name}"] += 1
                 return name
@@ -528,7 +555,9 @@ class FunctionRuntime:
 
         limit = self.config.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
-            raise BadRequest(413, f"request body of {request.content_length} bytes exceeds the limit of {limit}")
+            raise BadRequest(
+                413, f"request body of {request.content_length} bytes exceeds the limit of {limit}"
+            )
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
@@ -538,18 +567,23 @@ class FunctionRuntime:
         except (ValueError, RecursionError) as exc:
             raise BadRequest(400, f"request body is not JSON: {str(exc)[:200]}") from None
 
-    def _call(self, body: Any, request: Any, where: str = "request body") -> tuple[str | None, dict[str, Any], str]:
+    def _call(
+        self, body: Any, request: Any, where: str = "request body"
+    ) -> tuple[str | None, dict[str, Any], str]:
         """``(key, trajectory, digest)`` of one call ``{"key"?, "trajectory"}``, or :class:`BadRequest`."""
         if not isinstance(body, dict):
-            raise BadRequest(400, f"{where}: expected a JSON object {{'key', 'trajectory'}}, got {_kind(body)}")
+            raise BadRequest(
+                400, f"{where}: expected a JSON object {{'key', 'trajectory'}}, got {_kind(body)}"
+            )
         if "trajectory" not in body:
             raise BadRequest(400, f"{where}: missing 'trajectory'")
         key = body.get("key")
         if key is None or key == "":
             key = request.headers.get("Idempotency-Key") or None
         if key is not None and (not isinstance(key, str) or len(key) > _MAX_KEY):
-            raise BadRequest(400, f"{where}: 'key' must be a string of at most {_MAX_KEY} characters, "
-                                  f"got {_kind(key)}")
+            raise BadRequest(
+                400, f"{where}: 'key' must be a string of at most {_MAX_KEY} characters, got {_kind(key)}"
+            )
         trajectory = body["trajectory"]
         try:
             trajectory_from_dict(trajectory)
@@ -562,7 +596,9 @@ class FunctionRuntime:
         return key, trajectory, digest
 
     # ---------------------------------------------------------------- handlers
-    async def _invoke_one(self, key: str | None, traj: Any, digest: str | None = None) -> tuple[int, dict[str, Any], bool]:
+    async def _invoke_one(
+        self, key: str | None, traj: Any, digest: str | None = None
+    ) -> tuple[int, dict[str, Any], bool]:
         try:
             result, cold = await self.execute(key, traj, digest)
             return 200, {"key": key, "result": result, "cold_start": cold}, cold
@@ -571,7 +607,11 @@ class FunctionRuntime:
             return 500, {"key": key, "error": str(exc)}, False
         except KeyConflict:
             self.counters["key_conflicts"] += 1
-            return 409, {"key": key, "error": "idempotency key already used with a different trajectory"}, False
+            return (
+                409,
+                {"key": key, "error": "idempotency key already used with a different trajectory"},
+                False,
+            )
         except _Overloaded:
             self.counters["throttled"] += 1
             return 429, {"key": key, "error": "too many queued calls"}, False
@@ -580,8 +620,14 @@ class FunctionRuntime:
         except (RuntimeError, ValueError, KeyError) as exc:
             return 502, {"key": key, "error": f"worker failure: {exc}"}, False
 
-    async def _respond(self, status: int, body: dict[str, Any], cold: bool, fault: str | None,
-                       headers: dict[str, str] | None = None) -> Any:
+    async def _respond(
+        self,
+        status: int,
+        body: dict[str, Any],
+        cold: bool,
+        fault: str | None,
+        headers: dict[str, str] | None = None,
+    ) -> Any:
         from aiohttp import web
 
         headers = {**(headers or {}), **_status_headers(status)}
@@ -592,8 +638,9 @@ class FunctionRuntime:
         if fault == "delay":
             await asyncio.sleep(self.faults.delay_s)
         if fault == "malformed" and status == 200:
-            return web.Response(text='{"result": {"score": 1.0, "det', content_type="application/json",
-                                headers=headers)
+            return web.Response(
+                text='{"result": {"score": 1.0, "det', content_type="application/json", headers=headers
+            )
         return web.json_response(body, status=status, headers=headers)
 
     async def _h_invoke(self, request: Any) -> Any:
@@ -627,7 +674,9 @@ class FunctionRuntime:
         key, trajectory, digest = self._call(await self._read_json(request), request)
         invocation = request.headers.get("X-Amz-Invocation-Type", "RequestResponse")
         if invocation not in ("RequestResponse", "Event"):
-            raise BadRequest(400, f"X-Amz-Invocation-Type must be RequestResponse or Event, got {invocation!r}")
+            raise BadRequest(
+                400, f"X-Amz-Invocation-Type must be RequestResponse or Event, got {invocation!r}"
+            )
         fault = self._draw()
         if fault == "error_before":
             return web.json_response({"Type": "Service", "message": "injected fault"}, status=503)
@@ -636,15 +685,21 @@ class FunctionRuntime:
                 return web.json_response({"message": "Event invocations need a key"}, status=400)
             status = self._submit_async(f"event:{key}", key, trajectory, digest)
             if status != 202:
-                return web.json_response({"message": _ASYNC_REFUSED[status]}, status=status,
-                                         headers=_status_headers(status))
+                return web.json_response(
+                    {"message": _ASYNC_REFUSED[status]}, status=status, headers=_status_headers(status)
+                )
             return web.Response(status=202)
         status, out, cold = await self._invoke_one(key, trajectory, digest)
         if status == 500:
-            return web.json_response({"errorMessage": out["error"], "errorType": "Unhandled"}, status=200,
-                                     headers={"X-Amz-Function-Error": "Unhandled"})
+            return web.json_response(
+                {"errorMessage": out["error"], "errorType": "Unhandled"},
+                status=200,
+                headers={"X-Amz-Function-Error": "Unhandled"},
+            )
         if status != 200:
-            return web.json_response({"message": out["error"]}, status=status, headers=_status_headers(status))
+            return web.json_response(
+                {"message": out["error"]}, status=status, headers=_status_headers(status)
+            )
         return await self._respond(200, out["result"], cold, fault)
 
     async def _h_fc(self, request: Any) -> Any:
@@ -657,8 +712,10 @@ class FunctionRuntime:
             raise BadRequest(400, f"x-fc-invocation-type must be Sync or Async, got {invocation!r}")
         task_id = request.headers.get("x-fc-async-task-id")
         if invocation == "Async" and (not task_id or len(task_id) > _MAX_KEY):
-            return web.json_response({"Code": "MissingTaskId",
-                                      "Message": f"x-fc-async-task-id (1 to {_MAX_KEY} characters)"}, status=400)
+            return web.json_response(
+                {"Code": "MissingTaskId", "Message": f"x-fc-async-task-id (1 to {_MAX_KEY} characters)"},
+                status=400,
+            )
         fault = self._draw()
         if fault == "error_before":
             return web.json_response({"Code": "ServiceUnavailable", "Message": "injected fault"}, status=503)
@@ -667,15 +724,21 @@ class FunctionRuntime:
             # re-submitting a task id with the same body is a no-op (idempotent); another body is a 409
             status = self._submit_async(task_id, key or task_id, trajectory, digest)
             if status != 202:
-                return web.json_response({"Code": "Refused", "Message": _ASYNC_REFUSED[status]}, status=status,
-                                         headers=_status_headers(status))
+                return web.json_response(
+                    {"Code": "Refused", "Message": _ASYNC_REFUSED[status]},
+                    status=status,
+                    headers=_status_headers(status),
+                )
             return web.Response(status=202, headers={"x-fc-async-task-id": task_id})
         status, out, cold = await self._invoke_one(key, trajectory, digest)
         if status != 200:
-            return web.json_response({"Code": "FunctionError", "Message": out["error"]},
-                                     status=status if status != 500 else 200,
-                                     headers={"x-fc-error-type": "UnhandledInvocationError"} if status == 500
-                                     else _status_headers(status))
+            return web.json_response(
+                {"Code": "FunctionError", "Message": out["error"]},
+                status=status if status != 500 else 200,
+                headers={"x-fc-error-type": "UnhandledInvocationError"}
+                if status == 500
+                else _status_headers(status),
+            )
         return await self._respond(200, out["result"], cold, fault)
 
     def _submit_async(self, task_id: str, key: str, trajectory: dict[str, Any], digest: str) -> int:
@@ -699,11 +762,17 @@ class FunctionRuntime:
         exc = task.exception()
         if exc is not None:  # _invoke_one maps every failure it expects; anything else is a bug: say so
             log.error("function runtime: async task %s failed: %r", task_id, exc)
-            out: tuple[int, dict[str, Any], bool] = (502, {"key": task_id, "error": f"runtime failure: {exc!r}"}, False)
+            out: tuple[int, dict[str, Any], bool] = (
+                502,
+                {"key": task_id, "error": f"runtime failure: {exc!r}"},
+                False,
+            )
         else:
             out = task.result()
         self._async_done[task_id] = (digest, out)
-        while len(self._async_done) + len(self._async_tasks) > self.config.max_async_tasks and self._async_done:
+        while (
+            len(self._async_done) + len(self._async_tasks) > self.config.max_async_tasks and self._async_done
+        ):
             self._async_done.popitem(last=False)
 
     async def _h_fc_poll(self, request: Any) -> Any:
@@ -717,8 +786,14 @@ class FunctionRuntime:
             return web.json_response({"Code": "AsyncTaskNotFound", "Message": task_id}, status=404)
         status, out, cold = done[1]
         if status == 200:
-            return web.json_response({"taskId": task_id, "status": "Succeeded",
-                                      "returnPayload": json.dumps(out["result"]), "coldStart": cold})
+            return web.json_response(
+                {
+                    "taskId": task_id,
+                    "status": "Succeeded",
+                    "returnPayload": json.dumps(out["result"]),
+                    "coldStart": cold,
+                }
+            )
         return web.json_response({"taskId": task_id, "status": "Failed", "errorMessage": out["error"]})
 
     def stats(self) -> dict[str, Any]:
@@ -726,20 +801,31 @@ class FunctionRuntime:
         live = sum(now - max(w.spawned, self.meter.t0) for w in self._workers)
         s: dict[str, Any] = self.meter.stats(provisioned_extra=live)
         execs = list(self._executions.values())
-        s.update({
-            "workers": len(self._workers), "idle_workers": len(self._idle), "starting": self._starting,
-            "peak_workers": self.peak_workers, "queued": sum(1 for f in self._waiters if not f.done()),
-            "template_load_s": getattr(self, "template_load_s", 0.0),
-            "cold_start_s_mean": sum(self.cold_start_s) / len(self.cold_start_s) if self.cold_start_s else 0.0,
-            "max_executions_per_key": max(execs, default=0),
-            "keep_alive_s": self._keep_alive(), "idle_policy": self.config.idle_policy,
-            "keys_executed_more_than_once": sum(1 for n in execs if n > 1),
-            "async_tasks_running": len(self._async_tasks), "async_tasks_held": len(self._async_done),
-            "cache_entries": len(self._cache),
-            "pids": {"template": self._template.pid if self._template is not None else None,
-                     "workers": [w.pid for w in self._workers]},
-            **dict(self.counters),
-        })
+        s.update(
+            {
+                "workers": len(self._workers),
+                "idle_workers": len(self._idle),
+                "starting": self._starting,
+                "peak_workers": self.peak_workers,
+                "queued": sum(1 for f in self._waiters if not f.done()),
+                "template_load_s": getattr(self, "template_load_s", 0.0),
+                "cold_start_s_mean": sum(self.cold_start_s) / len(self.cold_start_s)
+                if self.cold_start_s
+                else 0.0,
+                "max_executions_per_key": max(execs, default=0),
+                "keep_alive_s": self._keep_alive(),
+                "idle_policy": self.config.idle_policy,
+                "keys_executed_more_than_once": sum(1 for n in execs if n > 1),
+                "async_tasks_running": len(self._async_tasks),
+                "async_tasks_held": len(self._async_done),
+                "cache_entries": len(self._cache),
+                "pids": {
+                    "template": self._template.pid if self._template is not None else None,
+                    "workers": [w.pid for w in self._workers],
+                },
+                **dict(self.counters),
+            }
+        )
         return s
 
     async def _h_stats(self, request: Any) -> Any:

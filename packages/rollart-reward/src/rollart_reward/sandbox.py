@@ -51,8 +51,16 @@ from typing import Any, Literal
 from rollart_core.errors import RewardError
 from rollart_reward import _harness
 
-__all__ = ["Isolation", "SandboxError", "SandboxResult", "isolation", "parse_tests", "probe_isolation",
-           "run_python", "run_python_async"]
+__all__ = [
+    "Isolation",
+    "SandboxError",
+    "SandboxResult",
+    "isolation",
+    "parse_tests",
+    "probe_isolation",
+    "run_python",
+    "run_python_async",
+]
 
 log = logging.getLogger(__name__)
 
@@ -148,8 +156,9 @@ def parse_tests(tests: str | list[dict[str, Any]] | None) -> list[dict[str, Any]
             return [_call_case(c, i) for i, c in enumerate(cases)]  # type: ignore[arg-type]
         return [{"kind": "script", "script": tests}]
     if not isinstance(tests, list | tuple) or not tests:
-        raise SandboxError(f"tests must be a string of test code or a non-empty list of cases, got "
-                           f"{type(tests).__name__}")
+        raise SandboxError(
+            f"tests must be a string of test code or a non-empty list of cases, got {type(tests).__name__}"
+        )
     if len(tests) > MAX_CASES:
         raise SandboxError(f"{len(tests)} test cases, more than the limit of {MAX_CASES}")
     out = []
@@ -163,23 +172,39 @@ def parse_tests(tests: str | list[dict[str, Any]] | None) -> list[dict[str, Any]
                 raise SandboxError(f"test case {i}: 'stdin' and 'stdout' must be strings")
             out.append({"kind": "io", "stdin": case.get("stdin", ""), "stdout": case["stdout"]})
         else:
-            raise SandboxError(f"test case {i}: needs 'call' + 'expected' or 'stdin' + 'stdout', got "
-                               f"keys {sorted(case)}")
+            raise SandboxError(
+                f"test case {i}: needs 'call' + 'expected' or 'stdin' + 'stdout', got keys {sorted(case)}"
+            )
     return out
 
 
 def _call_case(case: dict[str, Any], i: int) -> dict[str, Any]:
     unknown = set(case) - {"call", "args", "kwargs", "expected"}
-    if unknown or "expected" not in case or not isinstance(case["call"], str) or not case["call"].isidentifier():
-        raise SandboxError(f"test case {i}: a call case is {{'call': name, 'args': [...], 'kwargs': {{...}}, "
-                           f"'expected': value}}, got {case!r:.200}")
+    if (
+        unknown
+        or "expected" not in case
+        or not isinstance(case["call"], str)
+        or not case["call"].isidentifier()
+    ):
+        raise SandboxError(
+            f"test case {i}: a call case is {{'call': name, 'args': [...], 'kwargs': {{...}}, "
+            f"'expected': value}}, got {case!r:.200}"
+        )
     args, kwargs = case.get("args", []), case.get("kwargs", {})
-    if not isinstance(args, list | tuple) or not isinstance(kwargs, dict) or \
-            not all(isinstance(k, str) for k in kwargs):
+    if (
+        not isinstance(args, list | tuple)
+        or not isinstance(kwargs, dict)
+        or not all(isinstance(k, str) for k in kwargs)
+    ):
         raise SandboxError(f"test case {i}: 'args' must be a list and 'kwargs' a dict with string keys")
     try:
-        return {"kind": "call", "call": case["call"], "args": _harness.encode(tuple(args)),
-                "kwargs": _harness.encode(dict(kwargs)), "expected": _harness.encode(case["expected"])}
+        return {
+            "kind": "call",
+            "call": case["call"],
+            "args": _harness.encode(tuple(args)),
+            "kwargs": _harness.encode(dict(kwargs)),
+            "expected": _harness.encode(case["expected"]),
+        }
     except _harness._Unsupported as exc:
         raise SandboxError(f"test case {i}: {exc}") from None
 
@@ -235,8 +260,24 @@ def _bwrap_argv(bwrap: str, python: str, rundir: str, as_root: bool) -> list[str
     prefix = os.path.dirname(os.path.dirname(python))
     if not (prefix + "/").startswith("/usr/"):
         argv += ["--ro-bind", prefix, prefix]
-    argv += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--ro-bind", rundir, "/sandbox",
-             "--chdir", "/tmp", "--", python, "-I", "-B", "/sandbox/_harness.py"]
+    argv += [
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        "--tmpfs",
+        "/tmp",
+        "--ro-bind",
+        rundir,
+        "/sandbox",
+        "--chdir",
+        "/tmp",
+        "--",
+        python,
+        "-I",
+        "-B",
+        "/sandbox/_harness.py",
+    ]
     return argv
 
 
@@ -311,10 +352,15 @@ def _probe_bwrap(is_root: bool) -> tuple[bool, str]:
         os.chmod(os.path.join(rundir, "_harness.py"), 0o644)
         argv = _bwrap_argv(bwrap, python, rundir, as_root=False)
         argv[-3:] = ["-I", "-c", "import os; assert os.getpid() == 2 or os.getpid() < 10"]
-        cfg = {"mode": "bwrap", "uid": _UID_BASE + _UID_SPAN if is_root else None, "argv": argv,
-               "env": {"PATH": "/usr/bin:/bin"}}
-        p = subprocess.run([sys.executable, "-I", "-S", "-c", _LAUNCHER, json.dumps(cfg)], capture_output=True,
-                           timeout=20)
+        cfg = {
+            "mode": "bwrap",
+            "uid": _UID_BASE + _UID_SPAN if is_root else None,
+            "argv": argv,
+            "env": {"PATH": "/usr/bin:/bin"},
+        }
+        p = subprocess.run(
+            [sys.executable, "-I", "-S", "-c", _LAUNCHER, json.dumps(cfg)], capture_output=True, timeout=20
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return False, f"bwrap probe failed: {exc}"
     finally:
@@ -394,9 +440,15 @@ def _limits(timeout_s: float, memory_mb: int) -> dict[str, list[int]]:
     }
 
 
-async def run_python_async(code: str, tests: str | list[dict[str, Any]] | None = "", *, timeout_s: float = 5.0,
-                           memory_mb: int = 512, max_output_bytes: int = 65536,
-                           isolation: Isolation = "require") -> SandboxResult:
+async def run_python_async(
+    code: str,
+    tests: str | list[dict[str, Any]] | None = "",
+    *,
+    timeout_s: float = 5.0,
+    memory_mb: int = 512,
+    max_output_bytes: int = 65536,
+    isolation: Isolation = "require",
+) -> SandboxResult:
     """Run ``code`` against ``tests`` (see :func:`parse_tests`) in the sandbox without blocking the loop.
 
     Raises :class:`SandboxError` for malformed tests, or when ``isolation="require"`` and no real
@@ -408,8 +460,10 @@ async def run_python_async(code: str, tests: str | list[dict[str, Any]] | None =
     cases = parse_tests(tests)
     level, why = await asyncio.to_thread(probe_isolation)
     if level is None and isolation == "require":
-        raise SandboxError(f"sandbox: no real isolation on this host: {why}; install bubblewrap, or set "
-                           "isolation='best_effort' to run with rlimits only")
+        raise SandboxError(
+            f"sandbox: no real isolation on this host: {why}; install bubblewrap, or set "
+            "isolation='best_effort' to run with rlimits only"
+        )
     is_root = os.geteuid() == 0
     uid = _UID_BASE + (os.getpid() * 7919 + next(_uid_counter)) % _UID_SPAN if is_root else None
     python = _interpreter(is_root)
@@ -437,15 +491,29 @@ async def run_python_async(code: str, tests: str | list[dict[str, Any]] | None =
         env = {"PATH": "/usr/bin:/bin", "HOME": inner_workdir, "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8"}
         nonce = secrets.token_hex(16)
         harness_cfg = {
-            "nonce": nonce, "cases": cases, "limits": _limits(timeout_s, memory_mb), "timeout_s": timeout_s,
-            "max_output": max_output_bytes, "solution": inner_solution, "workdir": inner_workdir, "env": env,
+            "nonce": nonce,
+            "cases": cases,
+            "limits": _limits(timeout_s, memory_mb),
+            "timeout_s": timeout_s,
+            "max_output": max_output_bytes,
+            "solution": inner_solution,
+            "workdir": inner_workdir,
+            "env": env,
             "report_fd": report_w,
         }
         launch = {"mode": "bwrap" if level == "bwrap" else "fallback", "uid": uid, "argv": argv, "env": env}
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-I", "-S", "-c", _LAUNCHER, json.dumps(launch),
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            start_new_session=True, pass_fds=(report_w,),
+            sys.executable,
+            "-I",
+            "-S",
+            "-c",
+            _LAUNCHER,
+            json.dumps(launch),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+            pass_fds=(report_w,),
         )
         os.close(report_w)
         report_w = -1
@@ -461,9 +529,16 @@ async def run_python_async(code: str, tests: str | list[dict[str, Any]] | None =
             shutil.rmtree(workdir, ignore_errors=True)
 
 
-async def _supervise(proc: asyncio.subprocess.Process, report_r: int, harness_cfg: dict[str, Any],
-                     timeout_s: float, max_output_bytes: int, uid: int | None, level: str | None,
-                     t0: float) -> SandboxResult:
+async def _supervise(
+    proc: asyncio.subprocess.Process,
+    report_r: int,
+    harness_cfg: dict[str, Any],
+    timeout_s: float,
+    max_output_bytes: int,
+    uid: int | None,
+    level: str | None,
+    t0: float,
+) -> SandboxResult:
     loop = asyncio.get_running_loop()
     report = bytearray()
     report_done = loop.create_future()
@@ -483,8 +558,10 @@ async def _supervise(proc: asyncio.subprocess.Process, report_r: int, harness_cf
 
     loop.add_reader(report_r, on_report)
     out, err = bytearray(), bytearray()
-    readers = asyncio.gather(_read_capped(proc.stdout, out, max_output_bytes),  # type: ignore[arg-type]
-                             _read_capped(proc.stderr, err, max_output_bytes))  # type: ignore[arg-type]
+    readers = asyncio.gather(
+        _read_capped(proc.stdout, out, max_output_bytes),  # type: ignore[arg-type]
+        _read_capped(proc.stderr, err, max_output_bytes),
+    )  # type: ignore[arg-type]
     killed: str | None = None
     try:
         try:
@@ -524,8 +601,15 @@ async def _supervise(proc: asyncio.subprocess.Process, report_r: int, harness_cf
     return _judge(bytes(report), harness_cfg, proc.returncode, killed, stderr_host, ran, t0)
 
 
-def _judge(report_bytes: bytes, cfg: dict[str, Any], rc: int | None, killed: str | None, stderr_host: str,
-           level: str, t0: float) -> SandboxResult:
+def _judge(
+    report_bytes: bytes,
+    cfg: dict[str, Any],
+    rc: int | None,
+    killed: str | None,
+    stderr_host: str,
+    level: str,
+    t0: float,
+) -> SandboxResult:
     total = len(cfg["cases"])
     report: Any = None
     try:
@@ -533,17 +617,30 @@ def _judge(report_bytes: bytes, cfg: dict[str, Any], rc: int | None, killed: str
     except ValueError:
         report = None
     results = report.get("results") if isinstance(report, dict) else None
-    valid = (isinstance(report, dict) and secrets.compare_digest(str(report.get("nonce", "")), cfg["nonce"])
-             and isinstance(results, list) and len(results) == total
-             and all(isinstance(r, dict) and type(r.get("passed")) is bool for r in results))
+    valid = (
+        isinstance(report, dict)
+        and secrets.compare_digest(str(report.get("nonce", "")), cfg["nonce"])
+        and isinstance(results, list)
+        and len(results) == total
+        and all(isinstance(r, dict) and type(r.get("passed")) is bool for r in results)
+    )
     duration = time.perf_counter() - t0
     if not valid:
         if killed is None and rc is not None and rc < 0:
             sig = signal.Signals(-rc)
             killed = "cpu_time" if sig in (signal.SIGXCPU, signal.SIGKILL) else f"signal:{sig.name}"
         why = "no report from the harness" if report is None else "invalid report (wrong nonce or results)"
-        return SandboxResult(False, rc, "", f"{stderr_host[-2000:]}\n{why}".strip(), killed or "no_report",
-                             duration, 0, total, level)
+        return SandboxResult(
+            False,
+            rc,
+            "",
+            f"{stderr_host[-2000:]}\n{why}".strip(),
+            killed or "no_report",
+            duration,
+            0,
+            total,
+            level,
+        )
     assert isinstance(report, dict) and isinstance(results, list)  # narrowed by ``valid`` (our own data)
     passed = sum(r["passed"] for r in results)
     killed = killed or (report.get("killed") if isinstance(report.get("killed"), str) else None)
@@ -551,19 +648,40 @@ def _judge(report_bytes: bytes, cfg: dict[str, Any], rc: int | None, killed: str
     stderr = str(report.get("stderr", ""))
     if failures:
         stderr = f"{stderr}\n{failures}".lstrip("\n")
-    return SandboxResult(passed == total and total > 0 and killed is None, rc, str(report.get("stdout", "")),
-                         stderr, killed, duration, passed, total, level)
+    return SandboxResult(
+        passed == total and total > 0 and killed is None,
+        rc,
+        str(report.get("stdout", "")),
+        stderr,
+        killed,
+        duration,
+        passed,
+        total,
+        level,
+    )
 
 
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
 
 
-def run_python(code: str, tests: str | list[dict[str, Any]] | None = "", *, timeout_s: float = 5.0,
-               memory_mb: int = 512, max_output_bytes: int = 65536,
-               isolation: Isolation = "require") -> SandboxResult:
+def run_python(
+    code: str,
+    tests: str | list[dict[str, Any]] | None = "",
+    *,
+    timeout_s: float = 5.0,
+    memory_mb: int = 512,
+    max_output_bytes: int = 65536,
+    isolation: Isolation = "require",
+) -> SandboxResult:
     """Blocking form of :func:`run_python_async` (safe to call from inside a running event loop's thread)."""
-    coro = run_python_async(code, tests, timeout_s=timeout_s, memory_mb=memory_mb,
-                            max_output_bytes=max_output_bytes, isolation=isolation)
+    coro = run_python_async(
+        code,
+        tests,
+        timeout_s=timeout_s,
+        memory_mb=memory_mb,
+        max_output_bytes=max_output_bytes,
+        isolation=isolation,
+    )
     try:
         asyncio.get_running_loop()
     except RuntimeError:

@@ -58,13 +58,31 @@ __all__ = ["RewardRef", "ServerlessExecutor", "ServerlessExecutorConfig", "serve
 
 log = logging.getLogger(__name__)
 
-_OWN_RUNTIME_OPTIONS = frozenset({"reward", "host", "pool", "num_cpus", "launch", "runtime", "restarts",
-                                  "start_timeout_s", "stop_timeout_s"})
+_OWN_RUNTIME_OPTIONS = frozenset(
+    {
+        "reward",
+        "host",
+        "pool",
+        "num_cpus",
+        "launch",
+        "runtime",
+        "restarts",
+        "start_timeout_s",
+        "stop_timeout_s",
+    }
+)
 _FLAGS = {  # ScalingConfig field -> ``rollart-reward serve`` flag
-    "min_workers": "--min-workers", "max_workers": "--max-workers", "idle_timeout_s": "--idle-timeout",
-    "idle_policy": "--idle-policy", "call_timeout_s": "--call-timeout", "max_queue": "--max-queue",
-    "cache_size": "--cache-size", "max_body_bytes": "--max-body-bytes", "max_batch": "--max-batch",
-    "max_async_tasks": "--max-async-tasks", "faults": "--faults",
+    "min_workers": "--min-workers",
+    "max_workers": "--max-workers",
+    "idle_timeout_s": "--idle-timeout",
+    "idle_policy": "--idle-policy",
+    "call_timeout_s": "--call-timeout",
+    "max_queue": "--max-queue",
+    "cache_size": "--cache-size",
+    "max_body_bytes": "--max-body-bytes",
+    "max_batch": "--max-batch",
+    "max_async_tasks": "--max-async-tasks",
+    "faults": "--faults",
 }
 
 
@@ -113,20 +131,31 @@ class ServerlessExecutorConfig(BaseModel):
     def _url_or_own_runtime(self) -> ServerlessExecutorConfig:
         own = sorted(self.model_fields_set & _OWN_RUNTIME_OPTIONS)
         if self.url is not None and own:
-            raise ValueError(f"url is set, but {own} describe a runtime the executor starts itself: give one or "
-                             "the other")
+            raise ValueError(
+                f"url is set, but {own} describe a runtime the executor starts itself: give one or the other"
+            )
         return self
 
 
-def serve_command(function: str, options: dict[str, Any], host: str, port: int,
-                  scaling: ScalingConfig) -> list[str]:
+def serve_command(
+    function: str, options: dict[str, Any], host: str, port: int, scaling: ScalingConfig
+) -> list[str]:
     """``rollart-reward serve ...`` for this function and scaling (the token travels in the environment)."""
     import json
 
     exe = shutil.which("rollart-reward", path=os.path.dirname(sys.executable))
     argv = [exe] if exe else [sys.executable, "-m", "rollart_reward.cli"]
-    argv += ["serve", "--function", function, "--options", json.dumps(options), "--host", host,
-             "--port", str(port)]
+    argv += [
+        "serve",
+        "--function",
+        function,
+        "--options",
+        json.dumps(options),
+        "--host",
+        host,
+        "--port",
+        str(port),
+    ]
     for name, value in scaling.model_dump().items():
         argv += [_FLAGS[name], json.dumps(value) if isinstance(value, dict) else str(value)]
     return argv
@@ -146,9 +175,14 @@ class ServeProcess:
     def __init__(self, argv: list[str], api_key: str) -> None:
         self.argv = argv
         self.url = ""
-        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     env={**os.environ, API_KEY_ENV: api_key}, start_new_session=True,
-                                     preexec_fn=_die_with_parent)
+        self.proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            env={**os.environ, API_KEY_ENV: api_key},
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
         self._api_key = api_key
 
     @property
@@ -166,14 +200,20 @@ class ServeProcess:
             if not chunk:
                 self.kill()
                 why = "timed out" if left <= 0 or not ready else f"exited with {self.proc.returncode}"
-                raise RewardError(f"reward stage: the function runtime did not start ({why} after "
-                                  f"{timeout - max(left, 0):.1f}s; see its stderr): {' '.join(self.argv[:6])} ...")
+                raise RewardError(
+                    f"reward stage: the function runtime did not start ({why} after "
+                    f"{timeout - max(left, 0):.1f}s; see its stderr): {' '.join(self.argv[:6])} ..."
+                )
             buf += chunk
         line = buf.split(b"\n", 1)[0].decode(errors="replace")
         if not line.startswith("serving ") or " on http" not in line:
             self.kill()
-            raise RewardError(f"reward stage: unexpected first line from the function runtime: {line[:300]!r}")
-        threading.Thread(target=self._drain, args=(fd,), daemon=True, name=f"rollart-serve-{self.pid}").start()
+            raise RewardError(
+                f"reward stage: unexpected first line from the function runtime: {line[:300]!r}"
+            )
+        threading.Thread(
+            target=self._drain, args=(fd,), daemon=True, name=f"rollart-serve-{self.pid}"
+        ).start()
         self.url = line.rsplit(" ", 1)[-1]
         return self.url
 
@@ -200,7 +240,9 @@ class ServeProcess:
         if not self.url or not self.alive():
             return []
         try:
-            r = httpx.get(f"{self.url}/stats", headers={"Authorization": f"Bearer {self._api_key}"}, timeout=2)
+            r = httpx.get(
+                f"{self.url}/stats", headers={"Authorization": f"Bearer {self._api_key}"}, timeout=2
+            )
             pids = r.json()["pids"]
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             log.warning("reward runtime %d: could not read its worker PIDs: %r", self.pid, exc)
@@ -219,7 +261,9 @@ class ServeProcess:
         if self.alive():
             self.proc.terminate()
             if not self.wait_exit(grace):
-                log.warning("reward runtime %d did not stop within %.1fs: killing its process group", self.pid, grace)
+                log.warning(
+                    "reward runtime %d did not stop within %.1fs: killing its process group", self.pid, grace
+                )
         self.kill()
         deadline = time.monotonic() + grace
         for pid in stragglers:
@@ -249,13 +293,26 @@ class RuntimeHost:
     def __init__(self) -> None:
         self.serve: ServeProcess | None = None
 
-    def start(self, function: str, options: dict[str, Any], host: str, port: int, scaling: dict[str, Any],
-              api_key: str, timeout: float) -> dict[str, Any]:
+    def start(
+        self,
+        function: str,
+        options: dict[str, Any],
+        host: str,
+        port: int,
+        scaling: dict[str, Any],
+        api_key: str,
+        timeout: float,
+    ) -> dict[str, Any]:
         import ray
 
         node_ip = ray.util.get_node_ip_address()
-        argv = serve_command(function, options, node_ip if host == "node" else host, port,
-                             ScalingConfig.model_validate(scaling))
+        argv = serve_command(
+            function,
+            options,
+            node_ip if host == "node" else host,
+            port,
+            ScalingConfig.model_validate(scaling),
+        )
         self.serve = ServeProcess(argv, api_key)
         return {"url": self.serve.read_url(timeout), "pid": self.serve.pid, "node_ip": node_ip}
 
@@ -278,7 +335,9 @@ class _LocalHandle:
 
     where = "local process"
 
-    def __init__(self, c: ServerlessExecutorConfig, function: str, options: dict[str, Any], api_key: str) -> None:
+    def __init__(
+        self, c: ServerlessExecutorConfig, function: str, options: dict[str, Any], api_key: str
+    ) -> None:
         if c.host == "node":
             raise ConfigError("serverless executor: host 'node' needs Ray (the runtime runs in a Ray actor)")
         self.c, self.function, self.options, self.api_key = c, function, options, api_key
@@ -286,7 +345,9 @@ class _LocalHandle:
 
     async def start(self, port: int) -> dict[str, Any]:
         c = self.c
-        self.serve = ServeProcess(serve_command(self.function, self.options, c.host, port, c.runtime), self.api_key)
+        self.serve = ServeProcess(
+            serve_command(self.function, self.options, c.host, port, c.runtime), self.api_key
+        )
         url = await asyncio.to_thread(self.serve.read_url, c.start_timeout_s)
         return {"url": url, "pid": self.serve.pid}
 
@@ -323,7 +384,9 @@ class _RayHandle:
 
     where = "Ray actor"
 
-    def __init__(self, c: ServerlessExecutorConfig, function: str, options: dict[str, Any], api_key: str) -> None:
+    def __init__(
+        self, c: ServerlessExecutorConfig, function: str, options: dict[str, Any], api_key: str
+    ) -> None:
         import ray
 
         self.ray = ray
@@ -337,19 +400,31 @@ class _RayHandle:
         c = self.c
         try:
             info = await asyncio.wait_for(
-                self.actor.start.remote(self.function, self.options, c.host, port, c.runtime.model_dump(),
-                                        self.api_key, c.start_timeout_s),
-                c.start_timeout_s + 60)  # + placement of the actor itself
+                self.actor.start.remote(
+                    self.function,
+                    self.options,
+                    c.host,
+                    port,
+                    c.runtime.model_dump(),
+                    self.api_key,
+                    c.start_timeout_s,
+                ),
+                c.start_timeout_s + 60,
+            )  # + placement of the actor itself
         except Exception as exc:  # the actor could not be placed, or died: say so with the stage
             cause = getattr(exc, "cause", None)  # a RayTaskError carries what the actor raised
             if isinstance(cause, RewardError):
                 raise cause from None
-            raise RewardError(f"reward stage: the function runtime's Ray actor failed to start it: {exc!r}") from exc
+            raise RewardError(
+                f"reward stage: the function runtime's Ray actor failed to start it: {exc!r}"
+            ) from exc
         here = self.ray.util.get_node_ip_address()
         if is_loopback(c.host) and info["node_ip"] != here:
             self.stop_sync()
-            raise RewardError(f"reward stage: the function runtime was placed on node {info['node_ip']} but binds "
-                              f"{c.host}, which this node ({here}) cannot reach: set host: node")
+            raise RewardError(
+                f"reward stage: the function runtime was placed on node {info['node_ip']} but binds "
+                f"{c.host}, which this node ({here}) cannot reach: set host: node"
+            )
         return info
 
     async def wait_exit(self) -> None:
@@ -369,21 +444,35 @@ class _RayHandle:
 
     def stop_sync(self) -> None:
         try:
-            self.ray.get(self.actor.stop.remote(self.c.stop_timeout_s), timeout=self.c.stop_timeout_s * 2 + 10)
+            self.ray.get(
+                self.actor.stop.remote(self.c.stop_timeout_s), timeout=self.c.stop_timeout_s * 2 + 10
+            )
         except Exception as exc:
             log.warning("reward runtime's Ray actor did not stop cleanly (killing it): %r", exc)
         self.ray.kill(self.actor)
 
     async def stop(self) -> None:
         try:
-            await asyncio.wait_for(self.actor.stop.remote(self.c.stop_timeout_s), self.c.stop_timeout_s * 2 + 10)
+            await asyncio.wait_for(
+                self.actor.stop.remote(self.c.stop_timeout_s), self.c.stop_timeout_s * 2 + 10
+            )
         except Exception as exc:
             log.warning("reward runtime's Ray actor did not stop cleanly (killing it): %r", exc)
         self.ray.kill(self.actor)
 
 
-_ADDITIVE = ("calls", "failures", "busy_s", "provisioned_s", "billed_s", "cold_starts", "executions",
-             "cache_hits", "throttled", "function_errors")
+_ADDITIVE = (
+    "calls",
+    "failures",
+    "busy_s",
+    "provisioned_s",
+    "billed_s",
+    "cold_starts",
+    "executions",
+    "cache_hits",
+    "throttled",
+    "function_errors",
+)
 
 
 class ServerlessExecutor:
@@ -391,14 +480,20 @@ class ServerlessExecutor:
 
     Config = ServerlessExecutorConfig
 
-    def __init__(self, config: ServerlessExecutorConfig | None = None, *, fn: RewardFunction | None = None) -> None:
+    def __init__(
+        self, config: ServerlessExecutorConfig | None = None, *, fn: RewardFunction | None = None
+    ) -> None:
         self.config = c = config or ServerlessExecutorConfig()
         if c.url is None:
             self.function, self.options = reward_of(c.reward, fn)
         self._api_key = c.http.api_key or (secrets.token_urlsafe(24) if c.url is None else None)
         self.url = c.url or ""
-        self._http = HttpExecutor(HttpExecutorConfig(**{**c.http.model_dump(), "api_key": self._api_key,
-                                                        "url": c.url or "http://127.0.0.1:1"}), fn=fn)
+        self._http = HttpExecutor(
+            HttpExecutorConfig(
+                **{**c.http.model_dump(), "api_key": self._api_key, "url": c.url or "http://127.0.0.1:1"}
+            ),
+            fn=fn,
+        )
         self._lock = asyncio.Lock()
         self._ready = asyncio.Event()
         self._handle: _LocalHandle | _RayHandle | None = None
@@ -458,8 +553,13 @@ class ServerlessExecutor:
         self._http.retarget(self.url)
         self._http.breaker.success()  # failures of the dead runtime say nothing about this one
         self._ready.set()
-        log.info("reward runtime for %s started as a %s at %s (pid %s)", self.function, handle.where, self.url,
-                 self.pid)
+        log.info(
+            "reward runtime for %s started as a %s at %s (pid %s)",
+            self.function,
+            handle.where,
+            self.url,
+            self.pid,
+        )
 
     async def _watch(self) -> None:
         """Restart the runtime whenever it exits unasked, within the ``restarts`` budget."""
@@ -475,20 +575,31 @@ class ServerlessExecutor:
             url, port = self.url, int(self.url.rsplit(":", 1)[-1])
             await handle.stop()
             if self.restarts >= self.config.restarts:
-                self._fail(f"reward stage: the function runtime at {url} died and its restart budget "
-                           f"({self.config.restarts}) is spent")
+                self._fail(
+                    f"reward stage: the function runtime at {url} died and its restart budget "
+                    f"({self.config.restarts}) is spent"
+                )
                 return
             self.restarts += 1
-            log.warning("reward runtime at %s (pid %s) exited: restart %d of %d", url, self.pid, self.restarts,
-                        self.config.restarts)
+            log.warning(
+                "reward runtime at %s (pid %s) exited: restart %d of %d",
+                url,
+                self.pid,
+                self.restarts,
+                self.config.restarts,
+            )
             try:
                 try:
                     await self._launch(port)  # the same port: retries already under way reach the new one
                 except RewardError as exc:
-                    log.warning("reward runtime could not restart on port %d (%s): trying a free port", port, exc)
+                    log.warning(
+                        "reward runtime could not restart on port %d (%s): trying a free port", port, exc
+                    )
                     await self._launch(0)
             except RewardError as exc:
-                self._fail(f"reward stage: the function runtime at {url} died and could not be restarted: {exc}")
+                self._fail(
+                    f"reward stage: the function runtime at {url} died and could not be restarted: {exc}"
+                )
                 return
 
     def _fail(self, message: str) -> None:
@@ -523,7 +634,9 @@ class ServerlessExecutor:
         except RuntimeError:
             pass
         else:
-            raise RewardError("serverless executor: close() called inside a running event loop: await aclose()")
+            raise RewardError(
+                "serverless executor: close() called inside a running event loop: await aclose()"
+            )
         if self._closed:
             return
         self._closed = True
@@ -554,11 +667,18 @@ class ServerlessExecutor:
                 handle = self._handle
                 if self._closed or (self.deaths == deaths and handle is not None and await handle.alive()):
                     raise  # the runtime was up all along: a real failure of this call
-                log.warning("reward call %s failed while the runtime at %s was down (%s): retrying it once the "
-                            "runtime is back", trajectory.traj_id, self.url, exc)
+                log.warning(
+                    "reward call %s failed while the runtime at %s was down (%s): retrying it once the "
+                    "runtime is back",
+                    trajectory.traj_id,
+                    self.url,
+                    exc,
+                )
                 last = exc
-        raise RewardError(f"reward stage: {trajectory.traj_id} failed on every restart of the function runtime "
-                          f"at {self.url}: {last}") from last
+        raise RewardError(
+            f"reward stage: {trajectory.traj_id} failed on every restart of the function runtime "
+            f"at {self.url}: {last}"
+        ) from last
 
     # ---------------------------------------------------------------- stats
     async def _poll_stats(self) -> None:
@@ -573,7 +693,9 @@ class ServerlessExecutor:
 
         try:
             async with httpx.AsyncClient(timeout=5) as client:
-                r = await client.get(f"{self.url}/stats", headers={"Authorization": f"Bearer {self._api_key}"})
+                r = await client.get(
+                    f"{self.url}/stats", headers={"Authorization": f"Bearer {self._api_key}"}
+                )
                 r.raise_for_status()
                 self._runtime = r.json()
         except (httpx.HTTPError, ValueError) as exc:
@@ -595,13 +717,21 @@ class ServerlessExecutor:
         rt = self._runtime
         total = {k: self._banked[k] + rt.get(k, 0) for k in _ADDITIVE}
         s.update({f"runtime_{k}": v for k, v in total.items()})
-        s.update({
-            "runtime_utilisation": total["busy_s"] / total["provisioned_s"] if total["provisioned_s"] else 0.0,
-            "runtime_utilisation_billed": total["busy_s"] / total["billed_s"] if total["billed_s"] else 0.0,
-            "runtime_workers": rt.get("workers", 0), "runtime_peak_workers": rt.get("peak_workers", 0),
-            "runtime_cold_start_s_mean": rt.get("cold_start_s_mean", 0.0),
-            "runtime_restarts": self.restarts, "runtime_deaths": self.deaths,
-        })
+        s.update(
+            {
+                "runtime_utilisation": total["busy_s"] / total["provisioned_s"]
+                if total["provisioned_s"]
+                else 0.0,
+                "runtime_utilisation_billed": total["busy_s"] / total["billed_s"]
+                if total["billed_s"]
+                else 0.0,
+                "runtime_workers": rt.get("workers", 0),
+                "runtime_peak_workers": rt.get("peak_workers", 0),
+                "runtime_cold_start_s_mean": rt.get("cold_start_s_mean", 0.0),
+                "runtime_restarts": self.restarts,
+                "runtime_deaths": self.deaths,
+            }
+        )
         return s
 
 
@@ -610,15 +740,22 @@ def reward_of(ref: RewardRef | None, fn: RewardFunction | None) -> tuple[str, di
     if ref is not None:
         return ref.impl, dict(ref.options)
     if fn is None:
-        raise ConfigError("serverless executor: no reward function to serve: set reward: {impl, options} (or url:)")
+        raise ConfigError(
+            "serverless executor: no reward function to serve: set reward: {impl, options} (or url:)"
+        )
     if getattr(fn, "stateless", True) is False:
-        log.warning("serverless executor: reward %s declares stateless = False; each runtime worker holds its own "
-                    "copy of its state", type(fn).__name__)
+        log.warning(
+            "serverless executor: reward %s declares stateless = False; each runtime worker holds its own "
+            "copy of its state",
+            type(fn).__name__,
+        )
     cls = type(fn)
     path = f"{cls.__module__}:{cls.__qualname__}"
     if "<locals>" in path or cls.__module__ == "__main__":
-        raise ConfigError(f"serverless executor: reward class {path} cannot be imported by the runtime: set reward: "
-                          "{impl, options}")
+        raise ConfigError(
+            f"serverless executor: reward class {path} cannot be imported by the runtime: set reward: "
+            "{impl, options}"
+        )
     from importlib.metadata import entry_points
 
     name = next((ep.name for ep in entry_points(group="rollart.reward") if ep.value == path), path)
@@ -628,6 +765,8 @@ def reward_of(ref: RewardRef | None, fn: RewardFunction | None) -> tuple[str, di
     elif getattr(cls, "Config", None) is None:
         options = {}
     else:
-        raise ConfigError(f"serverless executor: cannot tell the options reward {name} was built with: set reward: "
-                          "{impl, options}")
+        raise ConfigError(
+            f"serverless executor: cannot tell the options reward {name} was built with: set reward: "
+            "{impl, options}"
+        )
     return name, options

@@ -59,14 +59,32 @@ def trajectory_from_dict(d: Any) -> Trajectory:
 
 _NUM = (int, float)
 _TRAJECTORY_TYPES: dict[str, tuple[type, ...]] = {
-    "traj_id": (str,), "task": (str,), "env_id": (str,), "group_id": (str,), "seed": (int,),
-    "start_version": (int,), "reward": _NUM, "env_return": _NUM, "fate": (str, type(None)),
-    "terminated": (bool,), "truncated": (bool,), "error": (str, type(None)), "timings": (dict,), "info": (dict,),
+    "traj_id": (str,),
+    "task": (str,),
+    "env_id": (str,),
+    "group_id": (str,),
+    "seed": (int,),
+    "start_version": (int,),
+    "reward": _NUM,
+    "env_return": _NUM,
+    "fate": (str, type(None)),
+    "terminated": (bool,),
+    "truncated": (bool,),
+    "error": (str, type(None)),
+    "timings": (dict,),
+    "info": (dict,),
 }
 _TURN_TYPES: dict[str, tuple[type, ...]] = {
-    "context_ids": (list,), "output_ids": (list,), "output_logprobs": (list,), "output_versions": (list,),
-    "finish_reason": (str,), "action_text": (str,), "env_reward": _NUM, "allowed_token_ids": (list, type(None)),
-    "temperature": _NUM, "new_sequence": (bool,),
+    "context_ids": (list,),
+    "output_ids": (list,),
+    "output_logprobs": (list,),
+    "output_versions": (list,),
+    "finish_reason": (str,),
+    "action_text": (str,),
+    "env_reward": _NUM,
+    "allowed_token_ids": (list, type(None)),
+    "temperature": _NUM,
+    "new_sequence": (bool,),
 }
 _INT_LISTS = ("context_ids", "output_ids", "output_versions", "allowed_token_ids")
 
@@ -78,18 +96,32 @@ def _check_fields(d: dict[str, Any], types: dict[str, tuple[type, ...]], where: 
         if allowed is None:
             continue
         if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
-            raise RewardError(f"malformed trajectory: {where}{name} must be "
-                              f"{' or '.join(_kind_name(t) for t in allowed)}, got {_kind(value)}")
-        if name in _INT_LISTS and value is not None and not all(
-                isinstance(x, int) and not isinstance(x, bool) for x in value):
+            raise RewardError(
+                f"malformed trajectory: {where}{name} must be "
+                f"{' or '.join(_kind_name(t) for t in allowed)}, got {_kind(value)}"
+            )
+        if (
+            name in _INT_LISTS
+            and value is not None
+            and not all(isinstance(x, int) and not isinstance(x, bool) for x in value)
+        ):
             raise RewardError(f"malformed trajectory: {where}{name} must be a list of integers")
-        if name == "output_logprobs" and not all(isinstance(x, _NUM) and not isinstance(x, bool) for x in value):
+        if name == "output_logprobs" and not all(
+            isinstance(x, _NUM) and not isinstance(x, bool) for x in value
+        ):
             raise RewardError(f"malformed trajectory: {where}{name} must be a list of numbers")
 
 
 def _kind_name(t: type) -> str:
-    return {str: "a string", int: "an integer", float: "a number", bool: "a boolean", list: "a list",
-            dict: "an object", type(None): "null"}[t]
+    return {
+        str: "a string",
+        int: "an integer",
+        float: "a number",
+        bool: "a boolean",
+        list: "a list",
+        dict: "an object",
+        type(None): "null",
+    }[t]
 
 
 def _kind(x: Any) -> str:
@@ -101,8 +133,14 @@ def result_to_dict(result: RewardResult) -> dict[str, Any]:
 
 
 def result_from_dict(d: Any) -> RewardResult:
-    if not isinstance(d, dict) or not isinstance(d.get("score"), (int, float)) or isinstance(d.get("score"), bool):
-        raise RewardError(f"malformed reward result: {json.dumps(d)[:500] if _jsonable(d) else repr(d)[:500]}")
+    if (
+        not isinstance(d, dict)
+        or not isinstance(d.get("score"), (int, float))
+        or isinstance(d.get("score"), bool)
+    ):
+        raise RewardError(
+            f"malformed reward result: {json.dumps(d)[:500] if _jsonable(d) else repr(d)[:500]}"
+        )
     details = d.get("details", {})
     if not isinstance(details, dict):
         raise RewardError(f"reward result details must be an object, got {type(details).__name__}")

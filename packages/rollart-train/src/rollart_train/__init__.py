@@ -38,16 +38,38 @@ if TYPE_CHECKING:
     from rollart_train.torch_trainer import TorchTrainer
 
 _EXPORTS = {
-    "behaviour_weights": "losses", "decoupled_ppo_loss": "losses", "entropy_from_logits": "losses",
-    "grpo_advantages": "losses", "kl_penalty": "losses", "ppo_clip_loss": "losses", "token_logprobs": "losses",
-    "RayTrainerGroup": "ray_group", "RayTrainerGroupConfig": "ray_group",
-    "create_tiny_model": "tiny", "is_model_dir": "tiny",
-    "TorchTrainerConfig": "torch_config", "TorchRankWorker": "torch_rank", "TorchTrainer": "torch_trainer",
+    "behaviour_weights": "losses",
+    "decoupled_ppo_loss": "losses",
+    "entropy_from_logits": "losses",
+    "grpo_advantages": "losses",
+    "kl_penalty": "losses",
+    "ppo_clip_loss": "losses",
+    "token_logprobs": "losses",
+    "RayTrainerGroup": "ray_group",
+    "RayTrainerGroupConfig": "ray_group",
+    "create_tiny_model": "tiny",
+    "is_model_dir": "tiny",
+    "TorchTrainerConfig": "torch_config",
+    "TorchRankWorker": "torch_rank",
+    "TorchTrainer": "torch_trainer",
 }
 
-__all__ = ["RayTrainerGroup", "RayTrainerGroupConfig", "TorchRankWorker", "TorchTrainer", "TorchTrainerConfig",
-           "behaviour_weights", "create_tiny_model", "decoupled_ppo_loss", "entropy_from_logits",
-           "grpo_advantages", "is_model_dir", "kl_penalty", "ppo_clip_loss", "token_logprobs"]
+__all__ = [
+    "RayTrainerGroup",
+    "RayTrainerGroupConfig",
+    "TorchRankWorker",
+    "TorchTrainer",
+    "TorchTrainerConfig",
+    "behaviour_weights",
+    "create_tiny_model",
+    "decoupled_ppo_loss",
+    "entropy_from_logits",
+    "grpo_advantages",
+    "is_model_dir",
+    "kl_penalty",
+    "ppo_clip_loss",
+    "token_logprobs",
+]
 
 
 def __getattr__(name: str) -> Any:

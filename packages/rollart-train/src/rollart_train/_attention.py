@@ -46,7 +46,9 @@ def segment_sdpa(
     kwargs.pop("is_causal", None)
     bounds = cu_seq_lens_q.tolist()
     if bounds[0] != 0 or bounds[-1] != query.shape[2]:
-        raise ValueError(f"cu_seq_lens_q {bounds[:3]}…{bounds[-1:]} does not cover the packed row of {query.shape[2]}")
+        raise ValueError(
+            f"cu_seq_lens_q {bounds[:3]}…{bounds[-1:]} does not cover the packed row of {query.shape[2]}"
+        )
     outs = []
     for s, e in itertools.pairwise(bounds):
         if e == s:
@@ -55,8 +57,9 @@ def segment_sdpa(
         if window is not None and e - s > window:  # causal and at most ``window`` tokens back
             i = torch.arange(e - s, device=query.device)
             mask = ((i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < window))[None, None]
-        out, _ = sdpa_attention_forward(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], mask,
-                                        is_causal=mask is None, **kwargs)
+        out, _ = sdpa_attention_forward(
+            module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], mask, is_causal=mask is None, **kwargs
+        )
         outs.append(out)
     return torch.cat(outs, dim=1), None
 

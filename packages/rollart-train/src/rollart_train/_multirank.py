@@ -35,22 +35,33 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _rank_main(rank: int, world_size: int, port: int, conn: Any, config: TorchTrainerConfig, model_path: str) -> None:
+def _rank_main(
+    rank: int, world_size: int, port: int, conn: Any, config: TorchTrainerConfig, model_path: str
+) -> None:
     import datetime
 
     import torch
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
     try:
         torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 1) // world_size))
         backend = "nccl" if config.device == "cuda" else "gloo"
         if config.device == "cuda":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         if world_size > 1:  # one spawned rank alone (``spawn: true``) needs no process group
-            dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                    timeout=datetime.timedelta(seconds=config.rank_timeout_s))
+            dist.init_process_group(
+                backend,
+                rank=rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=config.rank_timeout_s),
+            )
         from rollart_train.torch_rank import TorchRankWorker
 
         worker = TorchRankWorker(config, model_path, rank=rank, world_size=world_size)
@@ -106,8 +117,12 @@ class SpawnedRanks:
         self.conns: list[Any] = []
         for rank in range(config.world_size):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_rank_main, name=f"rollart-train-rank{rank}", daemon=True,
-                            args=(rank, config.world_size, port, child, config, str(model_path)))
+            p = ctx.Process(
+                target=_rank_main,
+                name=f"rollart-train-rank{rank}",
+                daemon=True,
+                args=(rank, config.world_size, port, child, config, str(model_path)),
+            )
             p.start()
             child.close()
             self.procs.append(p)
@@ -144,12 +159,16 @@ class SpawnedRanks:
                     results[rank] = ("error", f"process died (exit code {p.exitcode})")
                     failed_at = failed_at or time.monotonic()
             now = time.monotonic()
-            if len(results) < len(self.conns) and (now > deadline or (failed_at is not None and now - failed_at > 10)):
+            if len(results) < len(self.conns) and (
+                now > deadline or (failed_at is not None and now - failed_at > 10)
+            ):
                 self.close()
                 missing = sorted(set(range(len(self.conns))) - set(results))
                 detail = "\n".join(f"rank {r}:\n{v}" for r, (st, v) in sorted(results.items()) if st != "ok")
                 raise TrainerError(f"{what}: ranks {missing} did not answer; all ranks stopped\n{detail}")
-        errors = [f"rank {r}:\n{payload}" for r, (status, payload) in sorted(results.items()) if status != "ok"]
+        errors = [
+            f"rank {r}:\n{payload}" for r, (status, payload) in sorted(results.items()) if status != "ok"
+        ]
         if errors:
             raise TrainerError(f"{what} failed on {len(errors)} rank(s):\n" + "\n".join(errors))
         return results[0][1]

@@ -21,7 +21,15 @@ import torch
 from rollart_core.types import Trajectory
 from rollart_train._attention import SEGMENT_ATTENTION
 
-__all__ = ["MicroBatch", "SeqData", "assign_bins", "build_micro_batch", "pack_bins", "seq_data", "split_sequences"]
+__all__ = [
+    "MicroBatch",
+    "SeqData",
+    "assign_bins",
+    "build_micro_batch",
+    "pack_bins",
+    "seq_data",
+    "split_sequences",
+]
 
 
 @dataclass(slots=True)
@@ -52,7 +60,9 @@ def split_sequences(
         k = 0
         for s in t.sequences():
             out_t.append(s)
-            out_a.append(float(a) if isinstance(a, (int, float)) else [float(x) for x in a[k:k + len(s.turns)]])
+            out_a.append(
+                float(a) if isinstance(a, (int, float)) else [float(x) for x in a[k : k + len(s.turns)]]
+            )
             k += len(s.turns)
     return out_t, out_a
 
@@ -78,7 +88,9 @@ class MicroBatch:
 
     input_ids: torch.Tensor  # [B, T]
     position_ids: torch.Tensor  # [B, T]
-    attention_mask: torch.Tensor | None  # [B, T] (padded), [1, 1, T, T] (packed, eager/SDPA) or None (varlen, segments)
+    attention_mask: (
+        torch.Tensor | None
+    )  # [B, T] (padded), [1, 1, T, T] (packed, eager/SDPA) or None (varlen, segments)
     pred_index: torch.Tensor  # [n] flat index into B*T of the position that predicts each target
     targets: torch.Tensor  # [n]
     seq_index: torch.Tensor  # [n] index of the target's sequence in the whole batch
@@ -170,8 +182,8 @@ def build_micro_batch(
         s = seqs[i]
         row, base = (0, offset) if packed else (k, 0)
         n = len(s.ids)
-        input_ids[row, base:base + n] = torch.tensor(s.ids, dtype=torch.long)
-        position_ids[row, base:base + n] = torch.arange(n)
+        input_ids[row, base : base + n] = torch.tensor(s.ids, dtype=torch.long)
+        position_ids[row, base : base + n] = torch.arange(n)
         for j in range(1, n):
             if select == "loss" and not s.mask[j]:
                 continue
@@ -186,7 +198,9 @@ def build_micro_batch(
             allowed, t = (s.spec or {}).get(j, (None, 1.0))
             any_spec = any_spec or s.spec is not None
             temp.append(t if t > 0 else 1.0)
-            allow.append(-1 if allowed is None else allowed_sets.setdefault(tuple(allowed), len(allowed_sets)))
+            allow.append(
+                -1 if allowed is None else allowed_sets.setdefault(tuple(allowed), len(allowed_sets))
+            )
         offset += n
     cu_seqlens = None
     if packed:

@@ -19,9 +19,18 @@ from rollart_core.errors import ConfigError
 
 __all__ = ["MODEL_FILES", "export_hf"]
 
-MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-               "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt",
-               "added_tokens.json", "model.safetensors.index.json")
+MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "model.safetensors.index.json",
+)
 """Files of a Hugging Face model directory that are copied when present (plus every ``*.safetensors``)."""
 
 
@@ -33,8 +42,10 @@ def _check(ckpt: Path) -> list[Path]:
     if not weights:
         missing.append("*.safetensors")
     if missing:
-        raise ConfigError(f"{ckpt}: not a checkpoint (missing {', '.join(missing)}); give a directory written by "
-                          "the trainer, e.g. RUN_DIR/checkpoint-N")
+        raise ConfigError(
+            f"{ckpt}: not a checkpoint (missing {', '.join(missing)}); give a directory written by "
+            "the trainer, e.g. RUN_DIR/checkpoint-N"
+        )
     index = ckpt / "model.safetensors.index.json"
     if index.is_file():  # sharded: every shard the index names must be there
         names = set(json.loads(index.read_text()).get("weight_map", {}).values())

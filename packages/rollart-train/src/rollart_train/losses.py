@@ -22,14 +22,26 @@ import torch
 
 from rollart_core.types import Trajectory
 
-__all__ = ["behaviour_weights", "decoupled_ppo_loss", "entropy_from_logits", "grpo_advantages", "kl_penalty",
-           "lag_stats", "masked_mean", "ppo_clip_loss", "step_advantages", "token_logprobs"]
+__all__ = [
+    "behaviour_weights",
+    "decoupled_ppo_loss",
+    "entropy_from_logits",
+    "grpo_advantages",
+    "kl_penalty",
+    "lag_stats",
+    "masked_mean",
+    "ppo_clip_loss",
+    "step_advantages",
+    "token_logprobs",
+]
 
 KlEstimator = Literal["k1", "k2", "k3"]
 TisMode = Literal["truncate", "mask"]
 
 
-def grpo_advantages(trajectories: Sequence[Trajectory], *, scale_by_std: bool = True, eps: float = 1e-6) -> list[float]:
+def grpo_advantages(
+    trajectories: Sequence[Trajectory], *, scale_by_std: bool = True, eps: float = 1e-6
+) -> list[float]:
     """Group-relative advantage: reward minus its group's mean (divided by the group's std)."""
     groups: dict[str, list[int]] = defaultdict(list)
     for i, t in enumerate(trajectories):
@@ -81,7 +93,9 @@ def step_advantages(
             steps[(t.group_id, tuple(turn.context_ids))].append((i, k, t.reward * gamma ** (n - 1 - k)))
     adv = [[episode[i]] * len(t.turns) for i, t in enumerate(trajectories)]
     for members in steps.values():
-        for (i, k, _), a in zip(members, _normalise([r for *_, r in members], scale_by_std, eps), strict=True):
+        for (i, k, _), a in zip(
+            members, _normalise([r for *_, r in members], scale_by_std, eps), strict=True
+        ):
             adv[i][k] += step_weight * a
     return adv
 
@@ -98,7 +112,9 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, n: torch.Tensor | float | N
     return (x * mask).sum() / denom.clamp(min=1.0)
 
 
-def _clip_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, clip_eps: float, hi: float) -> torch.Tensor:
+def _clip_surrogate(
+    ratio: torch.Tensor, advantages: torch.Tensor, clip_eps: float, hi: float
+) -> torch.Tensor:
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + hi) * advantages
     return -torch.minimum(unclipped, clipped)
@@ -129,7 +145,11 @@ def ppo_clip_loss(
 
 
 def behaviour_weights(
-    proximal_logp: torch.Tensor, behaviour_logp: torch.Tensor, *, cap: float | None, mode: TisMode = "truncate"
+    proximal_logp: torch.Tensor,
+    behaviour_logp: torch.Tensor,
+    *,
+    cap: float | None,
+    mode: TisMode = "truncate",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Importance weight behaviour → proximal, ``exp(proximal - behaviour)``, without gradient.
 
@@ -215,5 +235,8 @@ def lag_stats(token_versions: torch.Tensor, mask: torch.Tensor, version: int) ->
     if sel.numel() == 0:
         return {"token_lag_mean": 0.0, "token_lag_max": 0.0, "stale_token_frac": 0.0}
     lag = (version - sel).double()
-    return {"token_lag_mean": float(lag.mean()), "token_lag_max": float(lag.max()),
-            "stale_token_frac": float((lag > 0).double().mean())}
+    return {
+        "token_lag_mean": float(lag.mean()),
+        "token_lag_max": float(lag.max()),
+        "stale_token_frac": float((lag > 0).double().mean()),
+    }

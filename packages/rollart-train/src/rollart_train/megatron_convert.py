@@ -32,8 +32,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["GptShape", "hf_to_megatron", "megatron_to_hf", "merge_qkv", "merge_tp_shards", "split_qkv",
-           "split_tp_shard", "tp_partition_dim"]
+__all__ = [
+    "GptShape",
+    "hf_to_megatron",
+    "megatron_to_hf",
+    "merge_qkv",
+    "merge_tp_shards",
+    "split_qkv",
+    "split_tp_shard",
+    "tp_partition_dim",
+]
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -51,9 +59,13 @@ class GptShape:
     @classmethod
     def from_hf_config(cls, cfg: Any) -> GptShape:
         heads = cfg.num_attention_heads
-        return cls(num_layers=cfg.num_hidden_layers, num_heads=heads,
-                   num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
-                   head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads, vocab_size=cfg.vocab_size)
+        return cls(
+            num_layers=cfg.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+            vocab_size=cfg.vocab_size,
+        )
 
     @property
     def q_per_group(self) -> int:
@@ -65,15 +77,21 @@ def split_qkv(qkv: torch.Tensor, s: GptShape) -> tuple[torch.Tensor, torch.Tenso
     rest = qkv.shape[1:]
     g = qkv.reshape(s.num_kv_heads, (s.q_per_group + 2) * s.head_dim, *rest)
     q, k, v = torch.split(g, [s.q_per_group * s.head_dim, s.head_dim, s.head_dim], dim=1)
-    return (q.reshape(s.num_heads * s.head_dim, *rest), k.reshape(s.num_kv_heads * s.head_dim, *rest),
-            v.reshape(s.num_kv_heads * s.head_dim, *rest))
+    return (
+        q.reshape(s.num_heads * s.head_dim, *rest),
+        k.reshape(s.num_kv_heads * s.head_dim, *rest),
+        v.reshape(s.num_kv_heads * s.head_dim, *rest),
+    )
 
 
 def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: GptShape) -> torch.Tensor:
     """HF q, k, v → Megatron's fused QKV (inverse of :func:`split_qkv`)."""
     rest = q.shape[1:]
-    parts = (q.reshape(s.num_kv_heads, s.q_per_group * s.head_dim, *rest),
-             k.reshape(s.num_kv_heads, s.head_dim, *rest), v.reshape(s.num_kv_heads, s.head_dim, *rest))
+    parts = (
+        q.reshape(s.num_kv_heads, s.q_per_group * s.head_dim, *rest),
+        k.reshape(s.num_kv_heads, s.head_dim, *rest),
+        v.reshape(s.num_kv_heads, s.head_dim, *rest),
+    )
     return torch.cat(parts, dim=1).reshape(-1, *rest)
 
 
@@ -92,8 +110,9 @@ _SIMPLE = {
 }
 
 
-def megatron_to_hf(named: Iterable[tuple[str, torch.Tensor]], shape: GptShape, *,
-                   layer_offset: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+def megatron_to_hf(
+    named: Iterable[tuple[str, torch.Tensor]], shape: GptShape, *, layer_offset: int = 0
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Full (TP-merged) Megatron tensors → HF names and layouts; ``_extra_state`` entries are skipped."""
     for name, t in named:
         name = name.removeprefix("module.")
@@ -123,17 +142,26 @@ def megatron_to_hf(named: Iterable[tuple[str, torch.Tensor]], shape: GptShape, *
             raise KeyError(f"unknown Megatron parameter {name!r}")
 
 
-def hf_to_megatron(hf: Mapping[str, torch.Tensor], shape: GptShape, *, te_layernorm: bool = False,
-                   padded_vocab_size: int | None = None, tied: bool = False) -> dict[str, torch.Tensor]:
+def hf_to_megatron(
+    hf: Mapping[str, torch.Tensor],
+    shape: GptShape,
+    *,
+    te_layernorm: bool = False,
+    padded_vocab_size: int | None = None,
+    tied: bool = False,
+) -> dict[str, torch.Tensor]:
     """HF state dict → full Megatron tensors (the local layer spec's names, or TE's fused layer-norm
     names with ``te_layernorm``). Embedding/output rows are zero-padded to ``padded_vocab_size``."""
+
     def pad(t: torch.Tensor) -> torch.Tensor:
         if padded_vocab_size is None or padded_vocab_size == t.shape[0]:
             return t
         return torch.cat([t, t.new_zeros(padded_vocab_size - t.shape[0], *t.shape[1:])])
 
-    out = {"embedding.word_embeddings.weight": pad(hf["model.embed_tokens.weight"]),
-           "decoder.final_layernorm.weight": hf["model.norm.weight"]}
+    out = {
+        "embedding.word_embeddings.weight": pad(hf["model.embed_tokens.weight"]),
+        "decoder.final_layernorm.weight": hf["model.norm.weight"],
+    }
     if not tied:
         out["output_layer.weight"] = pad(hf.get("lm_head.weight", hf["model.embed_tokens.weight"]))
     ln_in = "self_attention.linear_qkv.layer_norm_weight" if te_layernorm else "input_layernorm.weight"
@@ -143,12 +171,16 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], shape: GptShape, *, te_layern
         out[d + ln_in] = hf[p + "input_layernorm.weight"]
         out[d + ln_mlp] = hf[p + "post_attention_layernorm.weight"]
         out[d + "self_attention.linear_qkv.weight"] = merge_qkv(
-            *(hf[f"{p}self_attn.{x}_proj.weight"] for x in "qkv"), shape)
+            *(hf[f"{p}self_attn.{x}_proj.weight"] for x in "qkv"), shape
+        )
         if p + "self_attn.q_proj.bias" in hf:
-            out[d + "self_attention.linear_qkv.bias"] = merge_qkv(*(hf[f"{p}self_attn.{x}_proj.bias"] for x in "qkv"),
-                                                                 shape)
+            out[d + "self_attention.linear_qkv.bias"] = merge_qkv(
+                *(hf[f"{p}self_attn.{x}_proj.bias"] for x in "qkv"), shape
+            )
         out[d + "self_attention.linear_proj.weight"] = hf[p + "self_attn.o_proj.weight"]
-        out[d + "mlp.linear_fc1.weight"] = torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]])
+        out[d + "mlp.linear_fc1.weight"] = torch.cat(
+            [hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]]
+        )
         out[d + "mlp.linear_fc2.weight"] = hf[p + "mlp.down_proj.weight"]
     return out
 
@@ -156,8 +188,16 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], shape: GptShape, *, te_layern
 def tp_partition_dim(name: str) -> int | None:
     """Tensor-parallel split axis of a Megatron parameter (None: replicated on every TP rank)."""
     name = name.removeprefix("module.")
-    if name.endswith(("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "linear_fc1.bias",
-                      "word_embeddings.weight", "output_layer.weight")):
+    if name.endswith(
+        (
+            "linear_qkv.weight",
+            "linear_qkv.bias",
+            "linear_fc1.weight",
+            "linear_fc1.bias",
+            "word_embeddings.weight",
+            "output_layer.weight",
+        )
+    ):
         return 0
     if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
         return 1

@@ -80,8 +80,9 @@ def _mcore() -> Any:
     return require("megatron.core", INSTALL)
 
 
-def transformer_config(hf: dict[str, Any], *, tp: int = 1, pp: int = 1, bf16: bool = False,
-                       cpu_init: bool = False) -> Any:
+def transformer_config(
+    hf: dict[str, Any], *, tp: int = 1, pp: int = 1, bf16: bool = False, cpu_init: bool = False
+) -> Any:
     """Megatron ``TransformerConfig`` equivalent to a Hugging Face Qwen2/Llama ``config.json``."""
     _mcore()
     import torch.nn.functional as F
@@ -91,16 +92,31 @@ def transformer_config(hf: dict[str, Any], *, tp: int = 1, pp: int = 1, bf16: bo
         raise ConfigError(f"MegatronTrainer supports qwen2/llama checkpoints, not {hf.get('model_type')!r}")
     heads = hf["num_attention_heads"]
     return TransformerConfig(
-        num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"], num_attention_heads=heads,
-        num_query_groups=hf.get("num_key_value_heads") or heads, ffn_hidden_size=hf["intermediate_size"],
-        kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads, normalization="RMSNorm",
-        layernorm_epsilon=hf.get("rms_norm_eps", 1e-6), gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, add_qkv_bias=hf.get("model_type") == "qwen2" or bool(hf.get("attention_bias")),
-        hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32, use_cpu_initialization=cpu_init,
-        bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False, persist_layer_norm=False,
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=hf["hidden_size"],
+        num_attention_heads=heads,
+        num_query_groups=hf.get("num_key_value_heads") or heads,
+        ffn_hidden_size=hf["intermediate_size"],
+        kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
+        normalization="RMSNorm",
+        layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=hf.get("model_type") == "qwen2" or bool(hf.get("attention_bias")),
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_cpu_initialization=cpu_init,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
     )
 
 
@@ -108,11 +124,18 @@ def _build(hf: dict[str, Any], tcfg: Any, *, pre: bool, post: bool, vocab: int) 
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return GPTModel(config=tcfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-                    vocab_size=vocab, max_sequence_length=hf.get("max_position_embeddings", 4096), pre_process=pre,
-                    post_process=post, parallel_output=False,
-                    share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
-                    position_embedding_type="rope", rotary_base=int(hf.get("rope_theta", 10000)))
+    return GPTModel(
+        config=tcfg,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=vocab,
+        max_sequence_length=hf.get("max_position_embeddings", 4096),
+        pre_process=pre,
+        post_process=post,
+        parallel_output=False,
+        share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
+        position_embedding_type="rope",
+        rotary_base=int(hf.get("rope_theta", 10000)),
+    )
 
 
 def _read_hf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -128,7 +151,9 @@ def _read_hf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
 
 
 def _causal_mask(b: int, s: int, device: torch.device) -> torch.Tensor:
-    return torch.triu(torch.ones(s, s, dtype=torch.bool, device=device), diagonal=1)[None, None].expand(b, 1, s, s)
+    return torch.triu(torch.ones(s, s, dtype=torch.bool, device=device), diagonal=1)[None, None].expand(
+        b, 1, s, s
+    )
 
 
 def build_gpt_model_cpu_for_tests(path: Path, hf_state: dict[str, torch.Tensor]) -> Any:
@@ -158,7 +183,9 @@ def build_gpt_model_cpu_for_tests(path: Path, hf_state: dict[str, torch.Tensor])
             super().__init__()
             self.inner = model
 
-        def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: Any) -> torch.Tensor:
+        def forward(
+            self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: Any
+        ) -> torch.Tensor:
             mask = _causal_mask(input_ids.shape[0], input_ids.shape[1], input_ids.device)
             # megatron-core places RoPE frequencies and its scratch buffers on torch.cuda.current_device()
             real = torch.cuda.current_device
@@ -184,8 +211,9 @@ def _global_name(local: str, offset: int) -> str:
     return ".".join(parts)
 
 
-def _load_local(model: torch.nn.Module, full: dict[str, torch.Tensor], *, layer_offset: int, tp_rank: int,
-                tp_size: int) -> None:
+def _load_local(
+    model: torch.nn.Module, full: dict[str, torch.Tensor], *, layer_offset: int, tp_rank: int, tp_size: int
+) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             g = _global_name(name, layer_offset)
@@ -220,7 +248,9 @@ class MegatronTrainer:
             if "WORLD_SIZE" not in os.environ:
                 from rollart_train._multirank import free_port
 
-                os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+                os.environ.update(
+                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1"
+                )
             dist.init_process_group("nccl")
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
         if dist.get_world_size() % (c.tensor_parallel * c.pipeline_parallel):
@@ -243,29 +273,43 @@ class MegatronTrainer:
         model = _build(hf, self.tcfg, pre=self.first, post=self.last, vocab=self.padded_vocab).cuda()
         self.layer_offset = get_transformer_layer_offset(self.tcfg)
         full = hf_to_megatron(state, self.shape, tied=bool(hf.get("tie_word_embeddings", False)))
-        _load_local(model, full, layer_offset=self.layer_offset, tp_rank=self.tp_rank, tp_size=c.tensor_parallel)
+        _load_local(
+            model, full, layer_offset=self.layer_offset, tp_rank=self.tp_rank, tp_size=c.tensor_parallel
+        )
         del state, full
-        ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                use_distributed_optimizer=c.use_distributed_optimizer)
+        ddp_cfg = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=c.use_distributed_optimizer,
+        )
         self.model = DistributedDataParallel(config=self.tcfg, ddp_config=ddp_cfg, module=model)
         self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(optimizer="adam", lr=c.lr, weight_decay=c.weight_decay, bf16=c.bf16,
-                            params_dtype=torch.bfloat16 if c.bf16 else torch.float32, clip_grad=c.max_grad_norm,
-                            use_distributed_optimizer=c.use_distributed_optimizer),
-            [self.model])
+            OptimizerConfig(
+                optimizer="adam",
+                lr=c.lr,
+                weight_decay=c.weight_decay,
+                bf16=c.bf16,
+                params_dtype=torch.bfloat16 if c.bf16 else torch.float32,
+                clip_grad=c.max_grad_norm,
+                use_distributed_optimizer=c.use_distributed_optimizer,
+            ),
+            [self.model],
+        )
         self.pad_id = int(hf.get("pad_token_id") or 0)
         self.version = 0
 
     # training --------------------------------------------------------------------------------
 
-    def _micro_batches(self, batch: Sequence[Trajectory], adv: list[float]) -> tuple[list[dict[str, torch.Tensor]], int]:
+    def _micro_batches(
+        self, batch: Sequence[Trajectory], adv: list[float]
+    ) -> tuple[list[dict[str, torch.Tensor]], int]:
         mine = list(range(self.dp_rank, len(batch), self.dp_size))
         width = max(len(t.token_ids()) for t in batch)
         width = (width + 7) // 8 * 8  # one shape for every micro-batch (pipeline p2p needs it)
         micros = []
         mbs = self.config.micro_batch_size
         for s in range(0, max(len(mine), 1), mbs):
-            idx = mine[s:s + mbs]
+            idx = mine[s : s + mbs]
             n = max(len(idx), 1)
             ids = torch.full((n, width), self.pad_id, dtype=torch.long)
             mask = torch.zeros((n, width))
@@ -286,9 +330,13 @@ class MegatronTrainer:
     def _forward(self, mb: dict[str, torch.Tensor]) -> torch.Tensor:
         ids = mb["ids"].cuda()
         pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-        return self.model(input_ids=ids, position_ids=pos, attention_mask=_causal_mask(*ids.shape, ids.device))
+        return self.model(
+            input_ids=ids, position_ids=pos, attention_mask=_causal_mask(*ids.shape, ids.device)
+        )
 
-    def _token_logprobs(self, logits: torch.Tensor, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _token_logprobs(
+        self, logits: torch.Tensor, mb: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         logits = logits[:, :-1, : self.shape.vocab_size].float()
         logp_all = torch.log_softmax(logits, -1)
         tgt = mb["ids"][:, 1:].cuda()
@@ -300,8 +348,10 @@ class MegatronTrainer:
         if not batch:
             raise TrainerError("train_step called with an empty batch")
         if any(len(t.sequences()) > 1 for t in batch):
-            raise TrainerError("MegatronTrainer trains one sequence per trajectory; per-turn sequences "
-                               "(task context: last_turn) need the torch trainer for now")
+            raise TrainerError(
+                "MegatronTrainer trains one sequence per trajectory; per-turn sequences "
+                "(task context: last_turn) need the torch trainer for now"
+            )
         c = self.config
         t0 = time.perf_counter()
         adv = grpo_advantages(batch, scale_by_std=c.scale_adv_by_std)
@@ -313,6 +363,7 @@ class MegatronTrainer:
         stale = any(v != self.version for t in batch for v in t.token_versions() if v >= 0)
         prox: list[torch.Tensor] = []
         if c.loss == "decoupled_ppo" and stale:  # proximal logprobs: the weights before this update
+
             def prox_step(it: Iterator[dict[str, torch.Tensor]], model: Any) -> tuple[torch.Tensor, Any]:
                 mb = next(it)
                 out = self._forward(mb)
@@ -320,11 +371,19 @@ class MegatronTrainer:
                 def keep(o: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
                     prox.append(self._token_logprobs(o, mb)[0].detach())
                     return o.sum() * 0.0, {}
+
                 return out, keep
+
             with torch.no_grad():
-                fb(forward_step_func=prox_step, data_iterator=iter(micros), model=[self.model],
-                   num_microbatches=len(micros), seq_length=width, micro_batch_size=c.micro_batch_size,
-                   forward_only=True)
+                fb(
+                    forward_step_func=prox_step,
+                    data_iterator=iter(micros),
+                    model=[self.model],
+                    num_microbatches=len(micros),
+                    seq_length=width,
+                    micro_batch_size=c.micro_batch_size,
+                    forward_only=True,
+                )
         stats: dict[str, float] = {}
         counter = iter(range(len(micros)))
 
@@ -338,41 +397,67 @@ class MegatronTrainer:
                 mask, beh = mb["mask"][:, 1:].cuda(), mb["beh"][:, 1:].cuda()
                 ver, a = mb["ver"][:, 1:].cuda(), mb["adv"][:, 1:].cuda()
                 p = beh if not prox else torch.where(ver == self.version, beh, prox[k])
-                loss, st = decoupled_ppo_loss(logp, p, beh, a, mask, clip_eps=c.clip_eps,
-                                              clip_eps_high=c.clip_eps_high,
-                                              tis_cap=c.tis_cap if c.loss == "decoupled_ppo" else None,
-                                              tis_mode=c.tis_mode, n=n_tokens)
+                loss, st = decoupled_ppo_loss(
+                    logp,
+                    p,
+                    beh,
+                    a,
+                    mask,
+                    clip_eps=c.clip_eps,
+                    clip_eps_high=c.clip_eps_high,
+                    tis_cap=c.tis_cap if c.loss == "decoupled_ppo" else None,
+                    tis_mode=c.tis_mode,
+                    n=n_tokens,
+                )
                 ent = entropy_from_logits(logits) if c.entropy_coef > 0 else None
                 if ent is not None:
                     loss = loss - c.entropy_coef * masked_mean(ent, mask, n_tokens)
                 if c.kl_coef > 0:
-                    loss = loss + c.kl_coef * masked_mean(kl_penalty(logp, beh, c.kl_estimator), mask, n_tokens)
+                    loss = loss + c.kl_coef * masked_mean(
+                        kl_penalty(logp, beh, c.kl_estimator), mask, n_tokens
+                    )
                 for key, v in st.items():
                     stats[key] = stats.get(key, 0.0) + float(v)
                 stats["loss"] = stats.get("loss", 0.0) + float(loss.detach())
                 # the schedule divides by the number of micro-batches and DDP averages over data-parallel
                 # ranks; the loss is already a mean over the global batch's tokens
                 return loss * len(micros) * self.dp_size, {}
+
             return out, loss_fn
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        fb(forward_step_func=step, data_iterator=iter(micros), model=[self.model], num_microbatches=len(micros),
-           seq_length=width, micro_batch_size=c.micro_batch_size, forward_only=False)
+        fb(
+            forward_step_func=step,
+            data_iterator=iter(micros),
+            model=[self.model],
+            num_microbatches=len(micros),
+            seq_length=width,
+            micro_batch_size=c.micro_batch_size,
+            forward_only=False,
+        )
         ok, grad_norm, _ = self.optimizer.step()
         self.version += 1
         reduced = self._reduce_stats(stats)
-        return {**reduced, "grad_norm": float(grad_norm or 0.0), "update_successful": float(bool(ok)),
-                "reward_mean": sum(t.reward for t in batch) / len(batch), "train_tokens": float(n_tokens),
-                "proximal_recomputed": float(bool(prox)), "train_s": time.perf_counter() - t0,
-                "version": float(self.version)}
+        return {
+            **reduced,
+            "grad_norm": float(grad_norm or 0.0),
+            "update_successful": float(bool(ok)),
+            "reward_mean": sum(t.reward for t in batch) / len(batch),
+            "train_tokens": float(n_tokens),
+            "proximal_recomputed": float(bool(prox)),
+            "train_s": time.perf_counter() - t0,
+            "version": float(self.version),
+        }
 
     def _reduce_stats(self, stats: dict[str, float]) -> dict[str, float]:
         import torch.distributed as dist
 
         keys = ["loss", "clip_frac", "approx_kl", "behav_weight", "tis_capped_frac"]
         t = torch.tensor([stats.get(k, 0.0) for k in keys], device="cuda", dtype=torch.float64)
-        dist.all_reduce(t)  # DP ranks hold disjoint token sums; other ranks add 0 (only last stages fill stats)
+        dist.all_reduce(
+            t
+        )  # DP ranks hold disjoint token sums; other ranks add 0 (only last stages fill stats)
         tp = self.config.tensor_parallel
         return {k: float(v) / tp for k, v in zip(keys, t.tolist(), strict=True)}
 
@@ -397,8 +482,11 @@ class MegatronTrainer:
         hf = list(megatron_to_hf(local, self.shape))
         if self.config.pipeline_parallel > 1:
             stages: list[Any] = [None] * self.config.pipeline_parallel
-            dist.all_gather_object(stages, hf if self.tp_rank == 0 and self.dp_rank == 0 else None,
-                                   group=parallel_state.get_pipeline_model_parallel_group())
+            dist.all_gather_object(
+                stages,
+                hf if self.tp_rank == 0 and self.dp_rank == 0 else None,
+                group=parallel_state.get_pipeline_model_parallel_group(),
+            )
             hf = [kv for s in stages if s for kv in s]
         if dist.get_rank() == 0:
             yield from hf
@@ -420,13 +508,23 @@ class MegatronTrainer:
         weights = dict(self.named_weights())
         if dist.get_rank() == 0:
             out.mkdir(parents=True, exist_ok=True)
-            save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"),
-                      metadata={"format": "pt"})
-            for f in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-                      "generation_config.json"):
+            save_file(
+                {k: v.contiguous() for k, v in weights.items()},
+                str(out / "model.safetensors"),
+                metadata={"format": "pt"},
+            )
+            for f in (
+                "config.json",
+                "tokenizer.json",
+                "tokenizer_config.json",
+                "chat_template.jinja",
+                "generation_config.json",
+            ):
                 if (self.model_path / f).is_file():
                     shutil.copy(self.model_path / f, out / f)
-            (out / "rollart_trainer.json").write_text(json.dumps({"version": self.version, "trainer": "megatron"}))
+            (out / "rollart_trainer.json").write_text(
+                json.dumps({"version": self.version, "trainer": "megatron"})
+            )
         dist.barrier()
         (out / "megatron_optim").mkdir(parents=True, exist_ok=True)
         torch.save(self.optimizer.state_dict(), out / "megatron_optim" / f"rank{dist.get_rank()}.pt")

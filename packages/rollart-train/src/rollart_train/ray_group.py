@@ -121,18 +121,26 @@ class RayTrainerGroupConfig(BaseModel):
         config_cls = _load(_WORKERS[self.worker][0])
         ws = self.options.get("world_size")
         if ws is not None and ws != self.ranks:
-            raise ValueError(f"options.world_size ({ws}) conflicts with ranks ({self.ranks}): leave it out, "
-                             "the group derives it from ranks")
+            raise ValueError(
+                f"options.world_size ({ws}) conflicts with ranks ({self.ranks}): leave it out, "
+                "the group derives it from ranks"
+            )
         if self.options.get("spawn"):
-            raise ValueError("options.spawn does not apply to a Ray trainer group (every rank is already "
-                             "its own actor process): leave it out")
+            raise ValueError(
+                "options.spawn does not apply to a Ray trainer group (every rank is already "
+                "its own actor process): leave it out"
+            )
         if (self.num_gpus_per_rank > 0) != (self.options.get("device", "cpu") == "cuda"):
-            raise ValueError("options.device: cuda and num_gpus_per_rank > 0 go together (Ray hides the GPUs "
-                             "from an actor that reserved none)")
+            raise ValueError(
+                "options.device: cuda and num_gpus_per_rank > 0 go together (Ray hides the GPUs "
+                "from an actor that reserved none)"
+            )
         try:
             return config_cls.model_validate({**self.options, "world_size": self.ranks})
         except ValidationError as exc:
-            details = "; ".join(f"{'.'.join(map(str, e['loc'])) or '(root)'}: {e['msg']}" for e in exc.errors())
+            details = "; ".join(
+                f"{'.'.join(map(str, e['loc'])) or '(root)'}: {e['msg']}" for e in exc.errors()
+            )
             raise ValueError(f"options ({config_cls.__name__}): {details}") from None
 
 
@@ -158,8 +166,17 @@ class _RankActor:
             s.bind((ip, 0))
             return ip, int(s.getsockname()[1])
 
-    def setup(self, worker_path: str, config: Any, model_path: str, world_size: int, master: tuple[str, int],
-              store: Any, version: int | None, num_threads: int) -> dict[str, Any]:
+    def setup(
+        self,
+        worker_path: str,
+        config: Any,
+        model_path: str,
+        world_size: int,
+        master: tuple[str, int],
+        store: Any,
+        version: int | None,
+        num_threads: int,
+    ) -> dict[str, Any]:
         import torch
 
         torch.set_num_threads(config.num_threads or num_threads)
@@ -168,9 +185,13 @@ class _RankActor:
         if world_size > 1:
             import torch.distributed as dist
 
-            dist.init_process_group("nccl" if config.device == "cuda" else "gloo",
-                                    init_method=f"tcp://{master[0]}:{master[1]}", rank=self.rank,
-                                    world_size=world_size, timeout=datetime.timedelta(seconds=config.rank_timeout_s))
+            dist.init_process_group(
+                "nccl" if config.device == "cuda" else "gloo",
+                init_method=f"tcp://{master[0]}:{master[1]}",
+                rank=self.rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=config.rank_timeout_s),
+            )
         self.worker = _load(worker_path)(config, model_path, rank=self.rank, world_size=world_size)
         if version is not None:
             self.worker.set_version(version)
@@ -188,8 +209,11 @@ class _RankActor:
             return None
         gathered = time.perf_counter()
         self.store.push(version, weights).result()
-        return {"push_s": time.perf_counter() - t0, "push_gather_s": gathered - t0,
-                "push_bytes": float(sum(t.numel() * t.element_size() for t in weights.values()))}
+        return {
+            "push_s": time.perf_counter() - t0,
+            "push_gather_s": gathered - t0,
+            "push_bytes": float(sum(t.numel() * t.element_size() for t in weights.values())),
+        }
 
 
 class _RankFailed(Exception):
@@ -209,8 +233,13 @@ class RayTrainerGroup:
 
     Config = RayTrainerGroupConfig
 
-    def __init__(self, config: RayTrainerGroupConfig | Mapping[str, Any] | None = None, *,
-                 model_path: str | Path, weight_store: WeightStore | None = None) -> None:
+    def __init__(
+        self,
+        config: RayTrainerGroupConfig | Mapping[str, Any] | None = None,
+        *,
+        model_path: str | Path,
+        weight_store: WeightStore | None = None,
+    ) -> None:
         if config is None or isinstance(config, Mapping):
             try:
                 config = RayTrainerGroupConfig.model_validate(dict(config or {}))
@@ -258,8 +287,16 @@ class RayTrainerGroup:
         """The group's resource demand, for the pipeline's plan (``validate_plan`` / ``place``). A built
         group places itself under a name of its own (``trainer-<id>``: Ray placement group names are
         unique, and two groups may share a cluster)."""
-        return WorkerDecl(name, AffinitySpec(pool=config.pool, num_cpus=config.num_cpus_per_rank,
-                                                  num_gpus=config.num_gpus_per_rank, count=config.ranks), "trainer")
+        return WorkerDecl(
+            name,
+            AffinitySpec(
+                pool=config.pool,
+                num_cpus=config.num_cpus_per_rank,
+                num_gpus=config.num_gpus_per_rank,
+                count=config.ranks,
+            ),
+            "trainer",
+        )
 
     @classmethod
     def validate(cls, config: RayTrainerGroupConfig, cluster: ClusterView) -> list[str]:
@@ -291,12 +328,18 @@ class RayTrainerGroup:
         self._generation += 1
         self._actors = []
         for r in range(n):  # appended one by one: a failure half-way still kills those created
-            self._actors.append(self._actor_cls.options(
-                **self._placement.actor_options(self._decl.name, r), name=f"{self._name}-g{self._generation}-rank{r}",
-                max_restarts=0, max_task_retries=0).remote(r))
+            self._actors.append(
+                self._actor_cls.options(
+                    **self._placement.actor_options(self._decl.name, r),
+                    name=f"{self._name}-g{self._generation}-rank{r}",
+                    max_restarts=0,
+                    max_task_retries=0,
+                ).remote(r)
+            )
         try:
-            identities = self._gather([a.identity.remote() for a in self._actors], "start",
-                                      c.placement_timeout_s, every=True)
+            identities = self._gather(
+                [a.identity.remote() for a in self._actors], "start", c.placement_timeout_s, every=True
+            )
             self._pids = [int(pid) for pid, _ in identities]
             self._node_ids = [str(node) for _, node in identities]
             master = self._gather([self._actors[0].address.remote()], "start", c.placement_timeout_s)
@@ -306,14 +349,31 @@ class RayTrainerGroup:
         threads = max(1, int(c.num_cpus_per_rank))
         started = time.monotonic()
         try:
-            state = self._gather([a.setup.remote(_WORKERS[c.worker][1], cfg, str(self.model_path), n, master,
-                                                self.weight_store, version, threads) for a in self._actors],
-                                "start", c.placement_timeout_s)
+            state = self._gather(
+                [
+                    a.setup.remote(
+                        _WORKERS[c.worker][1],
+                        cfg,
+                        str(self.model_path),
+                        n,
+                        master,
+                        self.weight_store,
+                        version,
+                        threads,
+                    )
+                    for a in self._actors
+                ],
+                "start",
+                c.placement_timeout_s,
+            )
         except BaseException:
             self._kill()  # half-started ranks are of no use
             raise
-        log.debug("trainer ranks: actors up in %.2fs, model loaded and process group joined in %.2fs",
-                  started - t0, time.monotonic() - started)
+        log.debug(
+            "trainer ranks: actors up in %.2fs, model loaded and process group joined in %.2fs",
+            started - t0,
+            time.monotonic() - started,
+        )
         return state
 
     def _kill(self) -> None:
@@ -347,15 +407,18 @@ class RayTrainerGroup:
             try:
                 ray.get(ready[0])
             except RayActorError as exc:
-                raise _RankFailed(rank_of[ready[0]], f"{what}: the rank's actor died ({type(exc).__name__})") from exc
+                raise _RankFailed(
+                    rank_of[ready[0]], f"{what}: the rank's actor died ({type(exc).__name__})"
+                ) from exc
             except RayTaskError as exc:
                 app_error = app_error or (rank_of[ready[0]], exc)
         if app_error is not None:
             rank, exc = app_error
             cause = exc.cause if isinstance(getattr(exc, "cause", None), BaseException) else exc
             if pending:  # the others are stuck in a collective the failed rank left: the group diverged
-                raise _RankFailed(rank, f"{what} raised {cause!r} on rank {rank} while other ranks waited "
-                                        "in a collective") from exc
+                raise _RankFailed(
+                    rank, f"{what} raised {cause!r} on rank {rank} while other ranks waited in a collective"
+                ) from exc
             if isinstance(cause, RollartError):  # every rank raised it: the group is still consistent
                 raise cause
             raise TrainerError(f"trainer rank {rank}: {what} failed: {cause!r}") from exc
@@ -371,7 +434,9 @@ class RayTrainerGroup:
                 self._pending_restart = restart
             return out, restart
 
-    def _call_serial(self, what: str, submit: Callable[[list[Any]], list[Any]]) -> tuple[Any, dict[str, float]]:
+    def _call_serial(
+        self, what: str, submit: Callable[[list[Any]], list[Any]]
+    ) -> tuple[Any, dict[str, float]]:
         if self._closed:
             raise TrainerError("the trainer group is closed")
         restart: dict[str, float] = {}
@@ -386,8 +451,9 @@ class RayTrainerGroup:
         except _RankFailed as failure:
             self._kill()
             self._lost = failure
-            raise TrainerError(f"trainer rank {failure.rank} failed again right after a restart: "
-                               f"{failure.reason}") from failure
+            raise TrainerError(
+                f"trainer rank {failure.rank} failed again right after a restart: {failure.reason}"
+            ) from failure
 
     def _restart(self, failure: _RankFailed) -> dict[str, float]:
         """Kill every rank; rebuild them all from the newest checkpoint (within the budget)."""
@@ -397,28 +463,48 @@ class RayTrainerGroup:
         self._kill()
         self._lost = failure
         if self._closed:
-            raise TrainerError(f"the trainer group was closed while rank {rank} failed ({reason})") from failure
+            raise TrainerError(
+                f"the trainer group was closed while rank {rank} failed ({reason})"
+            ) from failure
         if self.restarts >= c.max_restarts:
-            raise TrainerError(f"trainer rank {rank} on node {node} failed ({reason}) and the restart budget is "
-                               f"spent ({self.restarts} of max_restarts={c.max_restarts} used)") from failure
+            raise TrainerError(
+                f"trainer rank {rank} on node {node} failed ({reason}) and the restart budget is "
+                f"spent ({self.restarts} of max_restarts={c.max_restarts} used)"
+            ) from failure
         t0 = time.monotonic()
         self.restarts += 1
         ckpt = _newest_checkpoint(c.checkpoint_dir)
         restored = _checkpoint_version(ckpt) if ckpt is not None else 0
         version = max(self.version, restored)
-        log.warning("trainer rank %d on node %s failed (%s): restart %d of %d from %s (version %d, group at "
-                    "version %d: %d step(s) lost)", rank, node, reason, self.restarts, c.max_restarts,
-                    ckpt or "the initial model", restored, self.version, max(self.version - restored, 0))
+        log.warning(
+            "trainer rank %d on node %s failed (%s): restart %d of %d from %s (version %d, group at "
+            "version %d: %d step(s) lost)",
+            rank,
+            node,
+            reason,
+            self.restarts,
+            c.max_restarts,
+            ckpt or "the initial model",
+            restored,
+            self.version,
+            max(self.version - restored, 0),
+        )
         try:
             self._build(ckpt, version)
         except _RankFailed as again:
             self._lost = again
-            raise TrainerError(f"trainer rank {again.rank} failed while restarting the group "
-                               f"(restart {self.restarts} of {c.max_restarts}): {again.reason}") from again
+            raise TrainerError(
+                f"trainer rank {again.rank} failed while restarting the group "
+                f"(restart {self.restarts} of {c.max_restarts}): {again.reason}"
+            ) from again
         lost = max(self.version - restored, 0)
         self.version = version
-        return {"trainer_restarts": float(self.restarts), "restart_s": time.monotonic() - t0,
-                "restored_version": float(restored), "lost_steps": float(lost)}
+        return {
+            "trainer_restarts": float(self.restarts),
+            "restart_s": time.monotonic() - t0,
+            "restored_version": float(restored),
+            "lost_steps": float(lost),
+        }
 
     # the Trainer protocol --------------------------------------------------------------------
 
@@ -428,7 +514,9 @@ class RayTrainerGroup:
         import ray
 
         ref = ray.put(list(batch))
-        metrics, _ = self._call("train_step", lambda actors: [a.call.remote("train_step", ref) for a in actors])
+        metrics, _ = self._call(
+            "train_step", lambda actors: [a.call.remote("train_step", ref) for a in actors]
+        )
         self.version += 1
         restart, self._pending_restart = self._pending_restart, {}
         return {**metrics, "version": float(self.version), **restart}
@@ -437,12 +525,16 @@ class RayTrainerGroup:
         """Push the current weights as ``version`` from rank 0 to the weight store (blocking)."""
         if self.weight_store is None:
             raise ConfigError("RayTrainerGroup.push_weights needs the weight_store the group was built with")
-        metrics, restart = self._call("push_weights", lambda actors: [a.push_weights.remote(version) for a in actors])
+        metrics, restart = self._call(
+            "push_weights", lambda actors: [a.push_weights.remote(version) for a in actors]
+        )
         return {**metrics, **restart}
 
     def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
         """Full tensors brought to the caller (tests, export); the pipeline pushes with :meth:`push_weights`."""
-        weights, _ = self._call("full_weights", lambda actors: [a.call.remote("full_weights") for a in actors])
+        weights, _ = self._call(
+            "full_weights", lambda actors: [a.call.remote("full_weights") for a in actors]
+        )
         self.weights_to_caller += 1
         return iter(weights.items())
 
@@ -474,7 +566,9 @@ class RayTrainerGroup:
                 self.resumed_state = self._build(ckpt, None)
             except _RankFailed as failure:
                 self._lost = failure
-                raise TrainerError(f"trainer rank {failure.rank} failed while loading {ckpt}: {failure.reason}") from None
+                raise TrainerError(
+                    f"trainer rank {failure.rank} failed while loading {ckpt}: {failure.reason}"
+                ) from None
             self.version = int(self.resumed_state["version"])
 
     # introspection and shutdown --------------------------------------------------------------
@@ -524,6 +618,8 @@ def _checkpoint_version(ckpt: Path) -> int:
 
 def _placement_message(config: RayTrainerGroupConfig, cluster: ClusterView, exc: ConfigError) -> str:
     pools = "; ".join(p.describe() for p in cluster.pools.values() if p.kind != "serverless")
-    return (f"trainer group of {config.ranks} rank(s) on pool {config.pool or 'cpu'!r} "
-            f"({config.num_cpus_per_rank:g} CPU, {config.num_gpus_per_rank:g} GPU each) cannot be placed: {exc} "
-            f"[cluster pools: {pools}]")
+    return (
+        f"trainer group of {config.ranks} rank(s) on pool {config.pool or 'cpu'!r} "
+        f"({config.num_cpus_per_rank:g} CPU, {config.num_gpus_per_rank:g} GPU each) cannot be placed: {exc} "
+        f"[cluster pools: {pools}]"
+    )

@@ -30,7 +30,7 @@ CHAT_TEMPLATE = (
     "{% for tool in tools %}{{ '\n' + (tool | tojson) }}{% endfor %}"
     "{{ '\n</tools>\n\nFor each function call, return a json object with function name and arguments'"
     " + ' within <tool_call></tool_call> XML tags:\n<tool_call>\n'"
-    " + '{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n' }}"
+    ' + \'{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n\' }}'
     "{% endif %}"
     "{% for message in messages %}"
     "{% if not (tools and loop.first and message['role'] == 'system') %}"
@@ -49,8 +49,8 @@ CHAT_TEMPLATE = (
 
 def is_model_dir(path: str | Path) -> bool:
     p = Path(path)
-    return (p / "config.json").is_file() and (p / "tokenizer.json").is_file() and (
-        any(p.glob("*.safetensors"))
+    return (
+        (p / "config.json").is_file() and (p / "tokenizer.json").is_file() and (any(p.glob("*.safetensors")))
     )
 
 

@@ -129,11 +129,15 @@ class TorchTrainerConfig(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> TorchTrainerConfig:
         if self.entropy_target is not None and self.entropy_coef > self.entropy_coef_max:
-            raise ValueError(f"entropy_coef ({self.entropy_coef}) is the floor of the adaptive coefficient and "
-                             f"must not exceed entropy_coef_max ({self.entropy_coef_max})")
+            raise ValueError(
+                f"entropy_coef ({self.entropy_coef}) is the floor of the adaptive coefficient and "
+                f"must not exceed entropy_coef_max ({self.entropy_coef_max})"
+            )
         if self.tis_cap is not None and self.loss != "decoupled_ppo":
-            raise ValueError("tis_cap needs loss: decoupled_ppo (under ppo_clip the old policy is the behaviour "
-                             "policy, so the behaviour weight is always 1)")
+            raise ValueError(
+                "tis_cap needs loss: decoupled_ppo (under ppo_clip the old policy is the behaviour "
+                "policy, so the behaviour weight is always 1)"
+            )
         if self.lr_schedule != "constant" and self.total_steps is None:
             raise ValueError(f"lr_schedule: {self.lr_schedule} needs total_steps")
         if self.total_steps is not None and self.warmup_steps > self.total_steps:

@@ -53,8 +53,15 @@ __all__ = ["STATE_FILE", "TorchRankWorker", "find_checkpoint"]
 log = logging.getLogger(__name__)
 STATE_FILE = "rollart_trainer.json"
 OPTIM_FILE = "trainer_state.pt"
-_COPY_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-               "generation_config.json", "vocab.json", "merges.txt")
+_COPY_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "vocab.json",
+    "merges.txt",
+)
 _STATS = ("loss", "pg_loss", "clip_frac", "approx_kl", "behav_weight", "tis_capped_frac", "kl", "entropy")
 
 
@@ -63,10 +70,15 @@ def find_checkpoint(path: str | Path) -> Path:
     p = Path(path)
     if (p / STATE_FILE).is_file():
         return p
-    found = [(int(c.name.rsplit("-", 1)[1]), c) for c in p.glob("checkpoint-*")
-             if c.name.rsplit("-", 1)[1].isdigit() and (c / STATE_FILE).is_file()]
+    found = [
+        (int(c.name.rsplit("-", 1)[1]), c)
+        for c in p.glob("checkpoint-*")
+        if c.name.rsplit("-", 1)[1].isdigit() and (c / STATE_FILE).is_file()
+    ]
     if not found:
-        raise TrainerError(f"no trainer checkpoint at {p} (expected {STATE_FILE} or checkpoint-<step>/ inside)")
+        raise TrainerError(
+            f"no trainer checkpoint at {p} (expected {STATE_FILE} or checkpoint-<step>/ inside)"
+        )
     return max(found)[1]
 
 
@@ -75,17 +87,24 @@ def _any_nonzero(a: float | list[float]) -> bool:
 
 
 class TorchRankWorker:
-    def __init__(self, config: TorchTrainerConfig, model_path: str | Path, *, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(
+        self, config: TorchTrainerConfig, model_path: str | Path, *, rank: int = 0, world_size: int = 1
+    ) -> None:
         c = self.config = config
         self.rank, self.world_size = rank, world_size
         self.model_path = Path(model_path)
         if c.num_threads:
             torch.set_num_threads(c.num_threads)
         torch.manual_seed(c.seed)
-        self.device = torch.device(f"cuda:{rank % max(torch.cuda.device_count(), 1)}" if c.device == "cuda" and world_size > 1
-                                   else c.device)
+        self.device = torch.device(
+            f"cuda:{rank % max(torch.cuda.device_count(), 1)}"
+            if c.device == "cuda" and world_size > 1
+            else c.device
+        )
         self.compute_dtype = getattr(torch, c.dtype)
-        self.param_dtype = torch.float32 if (c.dtype == "bfloat16" and c.mixed_precision) else self.compute_dtype
+        self.param_dtype = (
+            torch.float32 if (c.dtype == "bfloat16" and c.mixed_precision) else self.compute_dtype
+        )
         self.resumed_from = find_checkpoint(c.resume_from) if c.resume_from else None
         self.model = self._load(self.resumed_from or self.model_path)
         self.model.train()
@@ -94,7 +113,9 @@ class TorchRankWorker:
             self.ref_model = self._load(Path(c.ref_model_path) if c.ref_model_path else self.model_path)
             self.ref_model.eval()
             self.ref_model.requires_grad_(False)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=c.lr, betas=c.betas, weight_decay=c.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=c.lr, betas=c.betas, weight_decay=c.weight_decay
+        )
         self.pad_id = int(self.model.config.pad_token_id or 0)
         self.attn_impl = str(getattr(self.model.config, "_attn_implementation", None) or "sdpa")
         self.version = 0
@@ -128,11 +149,16 @@ class TorchRankWorker:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh(self.device.type, (self.world_size,))
-        mp = (MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
-              if self.param_dtype != self.compute_dtype else MixedPrecisionPolicy())
+        mp = (
+            MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+            if self.param_dtype != self.compute_dtype
+            else MixedPrecisionPolicy()
+        )
         layers = getattr(getattr(model, "model", None), "layers", None)
         if layers is None:
-            raise TrainerError(f"{type(model).__name__}: expected decoder layers at model.model.layers to shard")
+            raise TrainerError(
+                f"{type(model).__name__}: expected decoder layers at model.model.layers to shard"
+            )
         for layer in layers:
             fully_shard(layer, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
@@ -147,8 +173,14 @@ class TorchRankWorker:
         token's sampling temperature and allowed-token restriction when present."""
         with self._autocast():
             segments = {} if mb.cu_seqlens is None else {"cu_seq_lens_q": mb.cu_seqlens}
-            out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask,
-                        use_cache=False, logits_to_keep=mb.pred_index if mb.packed else 0, **segments)
+            out = model(
+                input_ids=mb.input_ids,
+                position_ids=mb.position_ids,
+                attention_mask=mb.attention_mask,
+                use_cache=False,
+                logits_to_keep=mb.pred_index if mb.packed else 0,
+                **segments,
+            )
         logits = out.logits
         logits = logits[0] if mb.packed else logits.reshape(-1, logits.shape[-1])[mb.pred_index]
         logits = logits.float()
@@ -165,8 +197,15 @@ class TorchRankWorker:
 
     def _micro(self, seqs: Sequence[SeqData], idx: Sequence[int], select: str) -> MicroBatch:
         mask_dtype = self.compute_dtype if self.param_dtype == self.compute_dtype else torch.float32
-        return build_micro_batch(seqs, idx, select=select, packed=self.config.packing, pad_id=self.pad_id,
-                                 attn_impl=self.attn_impl, mask_dtype=mask_dtype).to(self.device)
+        return build_micro_batch(
+            seqs,
+            idx,
+            select=select,
+            packed=self.config.packing,
+            pad_id=self.pad_id,
+            attn_impl=self.attn_impl,
+            mask_dtype=mask_dtype,
+        ).to(self.device)
 
     def _dummy(self) -> MicroBatch:
         """A micro-batch with one zero-weight target: keeps ranks' collectives in step."""
@@ -199,7 +238,10 @@ class TorchRankWorker:
         plan = []
         for part in parts:
             budget = c.micro_batch_tokens if c.packing else 1 << 62
-            bins = [[part[i] for i in b] for b in pack_bins([lengths[i] for i in part], budget, c.micro_batch_size)]
+            bins = [
+                [part[i] for i in b]
+                for b in pack_bins([lengths[i] for i in part], budget, c.micro_batch_size)
+            ]
             per_rank = assign_bins(bins, lengths, self.world_size)
             n = max(len(b) for b in per_rank)
             mine = [self._micro(seqs, b, "loss") for b in per_rank[self.rank]]
@@ -212,14 +254,18 @@ class TorchRankWorker:
             g["lr"] = lr
         return lr
 
-    def train_step(self, batch: Sequence[Trajectory], config: TorchTrainerConfig | None = None) -> dict[str, float]:
+    def train_step(
+        self, batch: Sequence[Trajectory], config: TorchTrainerConfig | None = None
+    ) -> dict[str, float]:
         if not batch:
             raise TrainerError("train_step called with an empty batch")
         c = self.config = config or self.config
         t0 = time.perf_counter()
         adv: list[float] | list[list[float]]
         if c.advantage == "gigpo":
-            adv = step_advantages(batch, gamma=c.gamma, step_weight=c.step_adv_weight, scale_by_std=c.scale_adv_by_std)
+            adv = step_advantages(
+                batch, gamma=c.gamma, step_weight=c.step_adv_weight, scale_by_std=c.scale_adv_by_std
+            )
         else:
             adv = grpo_advantages(batch, scale_by_std=c.scale_adv_by_std)
         # one sequence per trajectory, or per turn when each turn's prompt was the current state only
@@ -233,10 +279,12 @@ class TorchRankWorker:
             informative = [i for i in train_idx if _any_nonzero(seq_adv[i])]
             train_idx = informative or train_idx[:1]  # keep one sequence: the step still runs
         k = min(c.mini_batches, len(train_idx))
-        parts = [train_idx[j * len(train_idx) // k:(j + 1) * len(train_idx) // k] for j in range(k)]
+        parts = [train_idx[j * len(train_idx) // k : (j + 1) * len(train_idx) // k] for j in range(k)]
         part_tokens = [sum(sum(seqs[i].mask[1:]) for i in p) for p in parts]
         plan = self._plan(seqs, parts)
-        versions = torch.tensor([v for s in seqs for v, m in zip(s.versions[1:], s.mask[1:], strict=True) if m])
+        versions = torch.tensor(
+            [v for s in seqs for v, m in zip(s.versions[1:], s.mask[1:], strict=True) if m]
+        )
         stale = bool((versions != self.version).any())
         # proximal / reference logprobs: the weights before this step's first update
         prox = self._no_grad_logprobs(self.model, plan) if c.loss == "decoupled_ppo" and stale else None
@@ -252,10 +300,19 @@ class TorchRankWorker:
                 self.optimizer.zero_grad(set_to_none=True)
                 for m, mb in enumerate(micros):
                     self._sync_grads(m == len(micros) - 1)
-                    loss, stats = self._micro_loss(mb, part_tokens[p], None if prox is None else prox[p][m],
-                                                   None if ref is None else ref[p][m], entropy_coef)
-                    (loss * self.world_size).backward()  # FSDP averages over ranks; the loss is already a global mean
-                    sums += torch.tensor([float(stats[s]) * part_tokens[p] for s in _STATS], dtype=torch.float64)
+                    loss, stats = self._micro_loss(
+                        mb,
+                        part_tokens[p],
+                        None if prox is None else prox[p][m],
+                        None if ref is None else ref[p][m],
+                        entropy_coef,
+                    )
+                    (
+                        loss * self.world_size
+                    ).backward()  # FSDP averages over ranks; the loss is already a global mean
+                    sums += torch.tensor(
+                        [float(stats[s]) * part_tokens[p] for s in _STATS], dtype=torch.float64
+                    )
                 grad_norms.append(self._step())
         sums = self._all_reduce(sums)
         total_w = float(sum(part_tokens)) * c.ppo_epochs
@@ -293,7 +350,9 @@ class TorchRankWorker:
             self.model.set_requires_gradient_sync(sync)  # reduce-scatter only after the last micro-batch
 
     @torch.no_grad()
-    def _no_grad_logprobs(self, model: torch.nn.Module, plan: list[list[MicroBatch]]) -> list[list[torch.Tensor]]:
+    def _no_grad_logprobs(
+        self, model: torch.nn.Module, plan: list[list[MicroBatch]]
+    ) -> list[list[torch.Tensor]]:
         out = []
         for micros in plan:
             row = []
@@ -303,17 +362,27 @@ class TorchRankWorker:
             out.append(row)
         return out
 
-    def _micro_loss(self, mb: MicroBatch, n: int, prox: torch.Tensor | None, ref: torch.Tensor | None,
-                    entropy_coef: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _micro_loss(
+        self, mb: MicroBatch, n: int, prox: torch.Tensor | None, ref: torch.Tensor | None, entropy_coef: float
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         c = self.config
         logits = self._logits(self.model, mb)
         logp = torch.log_softmax(logits, -1).gather(-1, mb.targets.unsqueeze(-1)).squeeze(-1)
         if prox is not None:  # tokens generated by the current weights need no correction
             prox = torch.where(mb.versions == self.version, mb.behaviour, prox)
         decoupled = c.loss == "decoupled_ppo"
-        pg, st = decoupled_ppo_loss(logp, mb.behaviour if prox is None else prox, mb.behaviour, mb.advantages,
-                                    mb.mask, clip_eps=c.clip_eps, clip_eps_high=c.clip_eps_high,
-                                    tis_cap=c.tis_cap if decoupled else None, tis_mode=c.tis_mode, n=n)
+        pg, st = decoupled_ppo_loss(
+            logp,
+            mb.behaviour if prox is None else prox,
+            mb.behaviour,
+            mb.advantages,
+            mb.mask,
+            clip_eps=c.clip_eps,
+            clip_eps_high=c.clip_eps_high,
+            tis_cap=c.tis_cap if decoupled else None,
+            tis_mode=c.tis_mode,
+            n=n,
+        )
         loss = pg
         st["pg_loss"] = pg.detach()
         if entropy_coef > 0:
@@ -387,13 +456,23 @@ class TorchRankWorker:
         tmp.mkdir(parents=True)
         save_torch_state_dict(sd, tmp, safe_serialization=True)
         self.model.config.save_pretrained(tmp)
-        src = self.resumed_from if self.resumed_from and not (self.model_path / "tokenizer.json").is_file() else self.model_path
+        src = (
+            self.resumed_from
+            if self.resumed_from and not (self.model_path / "tokenizer.json").is_file()
+            else self.model_path
+        )
         for f in _COPY_FILES:
             if (src / f).is_file():
                 shutil.copy(src / f, tmp / f)
         torch.save({"optimizer": osd, "rng": torch.get_rng_state()}, tmp / OPTIM_FILE)
-        state = {"format": 1, "version": self.version, **self.counters, "world_size": self.world_size,
-                 "entropy_coef": self.entropy_coef, "extra": extra if extra is not None else self.extra_state}
+        state = {
+            "format": 1,
+            "version": self.version,
+            **self.counters,
+            "world_size": self.world_size,
+            "entropy_coef": self.entropy_coef,
+            "extra": extra if extra is not None else self.extra_state,
+        }
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
         if out.exists():
             shutil.rmtree(out)
@@ -404,8 +483,12 @@ class TorchRankWorker:
 
         state = json.loads((ckpt / STATE_FILE).read_text())
         blob = torch.load(ckpt / OPTIM_FILE, map_location="cpu", weights_only=True)
-        set_optimizer_state_dict(self.model, self.optimizer, optim_state_dict=blob["optimizer"],
-                                 options=StateDictOptions(full_state_dict=True))
+        set_optimizer_state_dict(
+            self.model,
+            self.optimizer,
+            optim_state_dict=blob["optimizer"],
+            options=StateDictOptions(full_state_dict=True),
+        )
         torch.set_rng_state(blob["rng"])
         self.version = int(state["version"])
         for k in self.counters:
@@ -425,6 +508,10 @@ class TorchRankWorker:
         self.version = version
 
     def state(self) -> dict[str, Any]:
-        return {"version": self.version, **self.counters, "extra": self.extra_state,
-                "entropy_coef": self.entropy_coef,
-                "resumed_from": str(self.resumed_from) if self.resumed_from else None}
+        return {
+            "version": self.version,
+            **self.counters,
+            "extra": self.extra_state,
+            "entropy_coef": self.entropy_coef,
+            "resumed_from": str(self.resumed_from) if self.resumed_from else None,
+        }

@@ -52,8 +52,13 @@ class TorchTrainer:
         """Counters and the ``extra`` dict of the checkpoint resumed from (empty ``extra`` otherwise)."""
 
     @classmethod
-    def resume(cls, path: str | Path, config: TorchTrainerConfig | None = None, *,
-               model_path: str | Path | None = None) -> TorchTrainer:
+    def resume(
+        cls,
+        path: str | Path,
+        config: TorchTrainerConfig | None = None,
+        *,
+        model_path: str | Path | None = None,
+    ) -> TorchTrainer:
         """A trainer continuing from checkpoint ``path`` (or the newest ``checkpoint-<n>`` inside it)."""
         ckpt = find_checkpoint(path)
         c = (config or TorchTrainerConfig()).model_copy(update={"resume_from": str(ckpt)})

@@ -45,4 +45,3 @@ __all__ = [
     "push_model",
     "rename",
 ]
-

@@ -36,7 +36,9 @@ def full_tensor(t: Any) -> torch.Tensor:
     return t
 
 
-def snapshot(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def snapshot(
+    tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
     """Detached, contiguous CPU copies, so the caller may keep training while the push runs."""
     out = {}
     for name, t in tensors.items():
@@ -47,7 +49,9 @@ def snapshot(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None = No
     return out
 
 
-def fill_into(tensors: Mapping[str, torch.Tensor], into: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+def fill_into(
+    tensors: Mapping[str, torch.Tensor], into: Mapping[str, torch.Tensor] | None
+) -> dict[str, torch.Tensor]:
     """Copy ``tensors`` into the preallocated ``into`` (same names/shapes); others pass through."""
     if into is None:
         return dict(tensors)
@@ -58,7 +62,9 @@ def fill_into(tensors: Mapping[str, torch.Tensor], into: Mapping[str, torch.Tens
     for name, dst in into.items():
         src = tensors[name]
         if tuple(dst.shape) != tuple(src.shape):
-            raise WeightSyncError(f"into[{name!r}] has shape {tuple(dst.shape)}, version has {tuple(src.shape)}")
+            raise WeightSyncError(
+                f"into[{name!r}] has shape {tuple(dst.shape)}, version has {tuple(src.shape)}"
+            )
         dst.copy_(src)
         out[name] = dst
     return out
@@ -73,7 +79,9 @@ def check_into(into: Mapping[str, torch.Tensor] | None, shapes: Mapping[str, tup
         raise WeightSyncError(f"into= names tensors the version does not have: {unknown[:5]}")
     for name, dst in into.items():
         if tuple(dst.shape) != tuple(shapes[name]):
-            raise WeightSyncError(f"into[{name!r}] has shape {tuple(dst.shape)}, version has {tuple(shapes[name])}")
+            raise WeightSyncError(
+                f"into[{name!r}] has shape {tuple(dst.shape)}, version has {tuple(shapes[name])}"
+            )
 
 
 class Pusher:
@@ -89,8 +97,13 @@ class Pusher:
         self._pool.shutdown(wait=True)
 
 
-def wait_until(latest: Callable[[], int | None], version: int, timeout: float | None,
-               cond: threading.Condition | None = None, poll_s: float = 0.02) -> int:
+def wait_until(
+    latest: Callable[[], int | None],
+    version: int,
+    timeout: float | None,
+    cond: threading.Condition | None = None,
+    poll_s: float = 0.02,
+) -> int:
     """Block until ``latest() >= version``; condition-notified where possible, else polled."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
@@ -187,8 +200,14 @@ class PushWatchMixin:
     _pusher: Pusher | None
     _subs: Subscriptions
 
-    def _init_push_watch(self, name: str, poll_s: float, *, cond: threading.Condition | None = None,
-                         wait_poll_s: float | None = None) -> None:
+    def _init_push_watch(
+        self,
+        name: str,
+        poll_s: float,
+        *,
+        cond: threading.Condition | None = None,
+        wait_poll_s: float | None = None,
+    ) -> None:
         """``name`` prefixes the thread names; ``poll_s`` is the watcher's polling period and, unless
         ``wait_poll_s`` is given, ``wait_for``'s. ``cond``: notified at each commit, so ``wait_for``
         wakes at once instead of at its next poll."""
@@ -208,7 +227,9 @@ class PushWatchMixin:
         self._subs.notify()
 
     def wait_for(self, version: int, timeout: float | None = None) -> int:
-        return wait_until(self.latest_version, version, timeout, cond=self._wait_cond, poll_s=self._wait_poll_s)
+        return wait_until(
+            self.latest_version, version, timeout, cond=self._wait_cond, poll_s=self._wait_poll_s
+        )
 
     def subscribe(self, callback: Callable[[int], None]) -> Callable[[], None]:
         return self._subs.subscribe(callback)

@@ -74,9 +74,15 @@ def checksum(buf: Any, algo: str) -> str:
     return hashlib.sha256(view).hexdigest()
 
 
-def plan(tensors: Mapping[str, Any], version: int, bucket_bytes: int, algo: str,
-         dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
-         alloc: Callable[[int], torch.Tensor] | None = None) -> tuple[torch.Tensor, Manifest, list[Any]]:
+def plan(
+    tensors: Mapping[str, Any],
+    version: int,
+    bucket_bytes: int,
+    algo: str,
+    dtype: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
+    alloc: Callable[[int], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, Manifest, list[Any]]:
     """Lay ``tensors`` (any device, DTensors gathered) out in one flat CPU buffer, floating tensors
     converted to ``dtype``, without copying yet: returns the buffer, the manifest (bucket checksums
     empty until :func:`seal`) and the sources for :func:`fill`. ``out``: a buffer of a previous push
@@ -91,8 +97,15 @@ def plan(tensors: Mapping[str, Any], version: int, bucket_bytes: int, algo: str,
         t = full_tensor(t).detach()
         dt = dtype if dtype is not None and t.is_floating_point() else t.dtype
         nbytes = t.numel() * torch.empty((), dtype=dt).element_size()
-        entries.append({"name": name, "dtype": str(dt).removeprefix("torch."), "shape": list(t.shape),
-                        "offset": offset, "nbytes": nbytes})
+        entries.append(
+            {
+                "name": name,
+                "dtype": str(dt).removeprefix("torch."),
+                "shape": list(t.shape),
+                "offset": offset,
+                "nbytes": nbytes,
+            }
+        )
         srcs.append((t, dt))
         offset += -(-nbytes // ALIGN) * ALIGN
     if out is not None and out.numel() == offset and out.dtype == torch.uint8:
@@ -102,8 +115,9 @@ def plan(tensors: Mapping[str, Any], version: int, bucket_bytes: int, algo: str,
     return flat, Manifest(version, offset, bucket_bytes, algo, entries, []), srcs
 
 
-def fill(flat: torch.Tensor, manifest: Manifest, srcs: list[Any],
-         progress: Callable[[int], None] | None = None) -> None:
+def fill(
+    flat: torch.Tensor, manifest: Manifest, srcs: list[Any], progress: Callable[[int], None] | None = None
+) -> None:
     """Copy the sources into ``flat`` in stream order; ``progress(n)``: the first n bytes are final."""
     for e, (t, dt) in zip(manifest.tensors, srcs, strict=True):
         if e["nbytes"]:
@@ -114,9 +128,15 @@ def fill(flat: torch.Tensor, manifest: Manifest, srcs: list[Any],
         progress(manifest.total_bytes)
 
 
-def pack(tensors: Mapping[str, Any], version: int, bucket_bytes: int, algo: str,
-         dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
-         alloc: Callable[[int], torch.Tensor] | None = None) -> tuple[torch.Tensor, Manifest]:
+def pack(
+    tensors: Mapping[str, Any],
+    version: int,
+    bucket_bytes: int,
+    algo: str,
+    dtype: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
+    alloc: Callable[[int], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, Manifest]:
     """:func:`plan` then :func:`fill`: the flat buffer holding a copy of ``tensors``, and its manifest."""
     flat, manifest, srcs = plan(tensors, version, bucket_bytes, algo, dtype, out, alloc)
     fill(flat, manifest, srcs)
@@ -141,11 +161,16 @@ def unpack(flat: torch.Tensor, manifest: Manifest) -> dict[str, torch.Tensor]:
 
 
 def _view(flat: torch.Tensor, e: dict[str, Any], dt: torch.dtype) -> torch.Tensor:
-    return flat[e["offset"]: e["offset"] + e["nbytes"]].view(dt).view(e["shape"])
+    return flat[e["offset"] : e["offset"] + e["nbytes"]].view(dt).view(e["shape"])
 
 
-def copy_out(flat_piece: torch.Tensor, start: int, manifest: Manifest,
-             into: Mapping[str, torch.Tensor], partial: dict[str, torch.Tensor]) -> None:
+def copy_out(
+    flat_piece: torch.Tensor,
+    start: int,
+    manifest: Manifest,
+    into: Mapping[str, torch.Tensor],
+    partial: dict[str, torch.Tensor],
+) -> None:
     """Scatter the bytes ``[start, start+len)`` of the stream into the ``into`` tensors.
 
     A tensor that spans buckets is assembled in ``partial`` (bytes) and copied when complete, so
@@ -163,6 +188,6 @@ def copy_out(flat_piece: torch.Tensor, start: int, manifest: Manifest,
             into[name].copy_(_view(flat_piece, {**e, "offset": o - start}, getattr(torch, e["dtype"])))
             continue
         buf = partial.setdefault(name, torch.empty(n, dtype=torch.uint8))
-        buf[lo - o: hi - o].copy_(flat_piece[lo - start: hi - start])
+        buf[lo - o : hi - o].copy_(flat_piece[lo - start : hi - start])
         if hi == o + n:
             into[name].copy_(_view(partial.pop(name), {**e, "offset": 0}, getattr(torch, e["dtype"])))

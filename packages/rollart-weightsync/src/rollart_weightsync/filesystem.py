@@ -45,7 +45,9 @@ class FilesystemWeightStoreConfig(BaseModel):
 class FilesystemWeightStore(PushWatchMixin):
     Config = FilesystemWeightStoreConfig
 
-    def __init__(self, config: FilesystemWeightStoreConfig | None = None, *, root: str | Path | None = None) -> None:
+    def __init__(
+        self, config: FilesystemWeightStoreConfig | None = None, *, root: str | Path | None = None
+    ) -> None:
         self.config = config or FilesystemWeightStoreConfig()
         self.root = Path(root) if root is not None else self.config.root
         self.root.mkdir(parents=True, exist_ok=True)
@@ -75,7 +77,9 @@ class FilesystemWeightStore(PushWatchMixin):
         tmp.mkdir(parents=True)
         save_file(tensors, str(tmp / "model.safetensors"))
         digest = _sha256(tmp / "model.safetensors")
-        (tmp / "COMMITTED").write_text(json.dumps({"version": version, "sha256": digest, "tensors": len(tensors)}))
+        (tmp / "COMMITTED").write_text(
+            json.dumps({"version": version, "sha256": digest, "tensors": len(tensors)})
+        )
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -107,7 +111,9 @@ class FilesystemWeightStore(PushWatchMixin):
         d = self._dir(version)
         marker = d / "COMMITTED"
         if not marker.is_file():
-            raise WeightSyncError(f"version {version} is not committed in {self.root} (latest: {self.latest_version()})")
+            raise WeightSyncError(
+                f"version {version} is not committed in {self.root} (latest: {self.latest_version()})"
+            )
         try:
             manifest = json.loads(marker.read_text())
             for attempt in range(2):

@@ -48,7 +48,9 @@ if TYPE_CHECKING:
 __all__ = ["MooncakeWeightStore", "MooncakeWeightStoreConfig"]
 
 log = logging.getLogger(__name__)
-INSTALL = "pip install 'rollart-weightsync[mooncake]'  (CUDA)  or  'rollart-weightsync[mooncake-cpu]'  (no CUDA)"
+INSTALL = (
+    "pip install 'rollart-weightsync[mooncake]'  (CUDA)  or  'rollart-weightsync[mooncake-cpu]'  (no CUDA)"
+)
 _NOT_FOUND = -704
 _SHM_NOT_MAPPED = -600  # INVALID_PARAMS: a (restarted) real client does not map our shared memory
 
@@ -130,11 +132,20 @@ def _client(cfg: MooncakeWeightStoreConfig) -> Any:
         if cfg.real_client:
             rc = c.setup_dummy(0, cfg.local_buffer_bytes, cfg.real_client)
         else:
-            rc = c.setup(cfg.local_hostname, cfg.metadata_server, 0, cfg.local_buffer_bytes, protocol,
-                         cfg.rdma_devices, cfg.master)
+            rc = c.setup(
+                cfg.local_hostname,
+                cfg.metadata_server,
+                0,
+                cfg.local_buffer_bytes,
+                protocol,
+                cfg.rdma_devices,
+                cfg.master,
+            )
         if rc != 0:
-            raise WeightSyncError(f"mooncake client setup failed (code {rc}) for master {cfg.master}"
-                                  + (f" through real client {cfg.real_client}" if cfg.real_client else ""))
+            raise WeightSyncError(
+                f"mooncake client setup failed (code {rc}) for master {cfg.master}"
+                + (f" through real client {cfg.real_client}" if cfg.real_client else "")
+            )
         _CLIENTS[key] = c
         if cfg.real_client:
             _SHM[id(c)] = _ShmBuffers(c)
@@ -172,8 +183,10 @@ class _ShmBuffers:
         if not ptr:
             ptr = self._client.alloc_from_mem_pool(nbytes)
             if not ptr or self._client.register_buffer(ptr, nbytes) != 0:
-                raise WeightSyncError(f"mooncake dummy client could not get {nbytes} bytes of shared memory "
-                                      "registered with the real client (is /dev/shm large enough?)")
+                raise WeightSyncError(
+                    f"mooncake dummy client could not get {nbytes} bytes of shared memory "
+                    "registered with the real client (is /dev/shm large enough?)"
+                )
             self.allocated += 1
         arr = (ctypes.c_uint8 * nbytes).from_address(ptr)
         weakref.finalize(arr, self._release, nbytes, ptr)  # the tensor below keeps arr alive
@@ -254,8 +267,13 @@ class MooncakeWeightStore(PushWatchMixin):
     def _shm_lost(self, c: Any, what: str) -> None:
         _SHM[id(c)].lost = True
         self.stats["shm_fallbacks"] += 1
-        log.warning("mooncake real client %s no longer maps this process's shared memory (restarted?); "
-                    "%s and later transfers go over %s", self.config.real_client, what, _resolve_protocol(self.config))
+        log.warning(
+            "mooncake real client %s no longer maps this process's shared memory (restarted?); "
+            "%s and later transfers go over %s",
+            self.config.real_client,
+            what,
+            _resolve_protocol(self.config),
+        )
 
     # keys ------------------------------------------------------------------------------------
 
@@ -290,8 +308,15 @@ class MooncakeWeightStore(PushWatchMixin):
         with self._spare_lock:
             spare, self._spare = self._spare, None
         shm = _SHM.get(id(self._conn()))
-        flat, manifest, srcs = _layout.plan(tensors, version, self.config.bucket_bytes, self.config.checksum, dtype,
-                                            spare, alloc=shm.take if shm is not None else None)
+        flat, manifest, srcs = _layout.plan(
+            tensors,
+            version,
+            self.config.bucket_bytes,
+            self.config.checksum,
+            dtype,
+            spare,
+            alloc=shm.take if shm is not None else None,
+        )
         # the copy into the push buffer happens here, before push returns (the caller may change the
         # tensors afterwards), while the commit already puts the buckets packed so far
         packed = _Packed()
@@ -313,7 +338,9 @@ class MooncakeWeightStore(PushWatchMixin):
         finally:
             with self._spare_lock:
                 self._spare = flat
-        self._update_index(self._conn(), manifest.version, len(manifest.ranges()) if manifest.total_bytes else 0)
+        self._update_index(
+            self._conn(), manifest.version, len(manifest.ranges()) if manifest.total_bytes else 0
+        )
         self.stats["pushes"] += 1
         self._committed()
 
@@ -335,9 +362,13 @@ class MooncakeWeightStore(PushWatchMixin):
                 idx = range(g, min(g + step, len(ranges)))
                 packed.wait(ranges[idx.stop - 1][1])
                 keys = [self.bucket_key(v, i) for i in idx]
-                self._retry(f"version {v} buckets {idx.start}..{idx.stop - 1}", lambda k=keys, i=idx: c.batch_upsert_from(
-                    k, [ptr + ranges[j][0] for j in i], [ranges[j][1] - ranges[j][0] for j in i], rcfg),
-                    shm=shm is not None)
+                self._retry(
+                    f"version {v} buckets {idx.start}..{idx.stop - 1}",
+                    lambda k=keys, i=idx: c.batch_upsert_from(
+                        k, [ptr + ranges[j][0] for j in i], [ranges[j][1] - ranges[j][0] for j in i], rcfg
+                    ),
+                    shm=shm is not None,
+                )
             sealed.result()
             raw = manifest.to_bytes()
             self._retry(f"version {v} manifest", lambda: [c.upsert(self.manifest_key(v), raw, rcfg)])
@@ -356,8 +387,10 @@ class MooncakeWeightStore(PushWatchMixin):
             if shm and _SHM_NOT_MAPPED in bad:
                 raise _ShmLost(what)
             if time.monotonic() >= deadline:
-                raise WeightSyncError(f"mooncake put of {what} failed (codes {sorted(set(bad))}); "
-                                      "is the store holder running and its segment large enough?")
+                raise WeightSyncError(
+                    f"mooncake put of {what} failed (codes {sorted(set(bad))}); "
+                    "is the store holder running and its segment large enough?"
+                )
             self.stats["push_retries"] += 1
             time.sleep(0.2)
 
@@ -407,8 +440,10 @@ class MooncakeWeightStore(PushWatchMixin):
     def manifest(self, version: int) -> _layout.Manifest:
         raw = self._conn().get(self.manifest_key(version))
         if not raw:
-            raise WeightSyncError(f"version {version} is not committed in mooncake store "
-                                  f"{self.config.prefix!r} (latest: {self.latest_version()})")
+            raise WeightSyncError(
+                f"version {version} is not committed in mooncake store "
+                f"{self.config.prefix!r} (latest: {self.latest_version()})"
+            )
         return _layout.Manifest.from_bytes(raw, f"version {version}")
 
     def pull(self, version: int, into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
@@ -442,13 +477,29 @@ class MooncakeWeightStore(PushWatchMixin):
                 out[e["name"]] = torch.empty(e["shape"], dtype=getattr(torch, e["dtype"]))
         partial: dict[str, torch.Tensor] = {}
         n = min(m.total_bytes, m.bucket_bytes * step)
-        self._fetch_all(c, m, [alloc(n), alloc(n)], ranges, step,
-                        lambda piece, start: _layout.copy_out(piece, start, m, out, partial), whole=False)
+        self._fetch_all(
+            c,
+            m,
+            [alloc(n), alloc(n)],
+            ranges,
+            step,
+            lambda piece, start: _layout.copy_out(piece, start, m, out, partial),
+            whole=False,
+        )
         self.stats["pulls"] += 1
         return out
 
-    def _fetch_all(self, c: Any, m: _layout.Manifest, bufs: list[torch.Tensor], ranges: list[tuple[int, int]],
-                   step: int, consume: Callable[[torch.Tensor, int], None], *, whole: bool) -> None:
+    def _fetch_all(
+        self,
+        c: Any,
+        m: _layout.Manifest,
+        bufs: list[torch.Tensor],
+        ranges: list[tuple[int, int]],
+        step: int,
+        consume: Callable[[torch.Tensor, int], None],
+        *,
+        whole: bool,
+    ) -> None:
         """Fetch the version group by group (``step`` buckets per call) into ``bufs``: one buffer for
         the whole version, or staging buffers used in turn. Group g is verified and consumed in a
         thread (checksums release the GIL) while group g+1 is transferred; a staging buffer is
@@ -465,7 +516,7 @@ class MooncakeWeightStore(PushWatchMixin):
                 idx = list(range(g, min(g + step, len(ranges))))
                 base = 0 if whole else ranges[g][0]
                 buf = bufs[k % len(bufs)]
-                views = [buf[ranges[i][0] - base: ranges[i][1] - base] for i in idx]
+                views = [buf[ranges[i][0] - base : ranges[i][1] - base] for i in idx]
                 keys = [self.bucket_key(m.version, i) for i in idx]
                 codes = c.batch_get_into(keys, [v.data_ptr() for v in views], [v.numel() for v in views])
                 if _SHM_NOT_MAPPED in codes and id(c) in _SHM:
@@ -473,8 +524,12 @@ class MooncakeWeightStore(PushWatchMixin):
                 if pending is not None:
                     pending.result()
 
-                def check(idx: list[int] = idx, keys: list[str] = keys, views: list[torch.Tensor] = views,
-                          codes: list[int] = codes) -> None:
+                def check(
+                    idx: list[int] = idx,
+                    keys: list[str] = keys,
+                    views: list[torch.Tensor] = views,
+                    codes: list[int] = codes,
+                ) -> None:
                     for i, key, view, rc in zip(idx, keys, views, codes, strict=True):
                         self._verify(c, m, i, key, view, rc)
                         consume(view, ranges[i][0])
@@ -492,11 +547,17 @@ class MooncakeWeightStore(PushWatchMixin):
         if rc == n and _layout.checksum(view, m.checksum) == m.bucket_sums[i]:
             return
         self.stats["refetches"] += 1
-        log.warning("version %d bucket %d: %s; fetching it again", m.version, i,
-                    f"read failed (code {rc})" if rc != n else "checksum mismatch")
+        log.warning(
+            "version %d bucket %d: %s; fetching it again",
+            m.version,
+            i,
+            f"read failed (code {rc})" if rc != n else "checksum mismatch",
+        )
         rc = c.get_into(key, view.data_ptr(), n)
         if rc != n:
-            raise WeightSyncError(f"version {m.version}: bucket {key!r} could not be read (code {rc}); "
-                                  "deleted by retention or lost with the store holder")
+            raise WeightSyncError(
+                f"version {m.version}: bucket {key!r} could not be read (code {rc}); "
+                "deleted by retention or lost with the store holder"
+            )
         if _layout.checksum(view, m.checksum) != m.bucket_sums[i]:
             raise WeightSyncError(f"version {m.version}: checksum mismatch in bucket {key!r} after re-fetch")

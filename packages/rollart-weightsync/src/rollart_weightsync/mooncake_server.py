@@ -123,34 +123,51 @@ class MooncakeStoreServer:
         binary = _binary("mooncake_master")
         self.rpc_port = c.rpc_port or free_port(c.host)
         self.metrics_port = c.metrics_port or free_port(c.host)
-        cmd = [binary, f"-rpc_port={self.rpc_port}", f"-rpc_address={c.host}",
-               f"-metrics_port={self.metrics_port}", f"-metrics_host={c.host}",
-               f"-client_ttl={c.client_ttl_s}", f"-default_kv_lease_ttl={c.lease_ttl_ms}"]
+        cmd = [
+            binary,
+            f"-rpc_port={self.rpc_port}",
+            f"-rpc_address={c.host}",
+            f"-metrics_port={self.metrics_port}",
+            f"-metrics_host={c.host}",
+            f"-client_ttl={c.client_ttl_s}",
+            f"-default_kv_lease_ttl={c.lease_ttl_ms}",
+        ]
         try:
             with open(self._log_path("master.log"), "ab") as logf:
-                self.master = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                self.master = subprocess.Popen(
+                    cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+                )
             self._wait_port(self.rpc_port)
             self.start_holder()
         except BaseException:
             self.stop()
             raise
-        log.info("mooncake store at %s (master pid %d, holder pid %d)", self.master_address,
-                 self.master.pid, self.holder.pid if self.holder else -1)
+        log.info(
+            "mooncake store at %s (master pid %d, holder pid %d)",
+            self.master_address,
+            self.master.pid,
+            self.holder.pid if self.holder else -1,
+        )
 
-    def _wait_port(self, port: int, proc: subprocess.Popen[bytes] | None = None, name: str = "master") -> None:
+    def _wait_port(
+        self, port: int, proc: subprocess.Popen[bytes] | None = None, name: str = "master"
+    ) -> None:
         proc = proc if proc is not None else self.master
         what = "mooncake_master" if name == "master" else f"mooncake {name}"
         deadline = time.monotonic() + self.config.startup_timeout_s
         while time.monotonic() < deadline:
             if proc is not None and proc.poll() is not None:
-                raise WeightSyncError(f"{what} exited with {proc.returncode}; see {self._log_path(name + '.log')}")
+                raise WeightSyncError(
+                    f"{what} exited with {proc.returncode}; see {self._log_path(name + '.log')}"
+                )
             try:
                 socket.create_connection((self.config.host, port), timeout=0.5).close()
                 return
             except OSError:
                 time.sleep(0.05)
-        raise WeightSyncError(f"{what} did not listen on {self.config.host}:{port} "
-                              f"within {self.config.startup_timeout_s} s")
+        raise WeightSyncError(
+            f"{what} did not listen on {self.config.host}:{port} within {self.config.startup_timeout_s} s"
+        )
 
     def start_holder(self) -> None:
         """Start the holder and wait for it to contribute its segment."""
@@ -158,8 +175,16 @@ class MooncakeStoreServer:
         if c.shared_memory:
             self._start_real_client()
             return
-        cmd = [sys.executable, "-m", "rollart_weightsync.mooncake_server", self.master_address,
-               str(c.segment_bytes), c.host, c.protocol, c.rdma_devices]
+        cmd = [
+            sys.executable,
+            "-m",
+            "rollart_weightsync.mooncake_server",
+            self.master_address,
+            str(c.segment_bytes),
+            c.host,
+            c.protocol,
+            c.rdma_devices,
+        ]
         with open(self._log_path("holder.log"), "ab") as logf:
             self.holder = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=logf, stdin=subprocess.DEVNULL)
         assert self.holder.stdout is not None
@@ -172,8 +197,10 @@ class MooncakeStoreServer:
             if ready:
                 line += os.read(self.holder.stdout.fileno(), 256)
         if not line.startswith(b"READY"):
-            raise WeightSyncError(f"mooncake store holder did not start (said {line!r}, exit code "
-                                  f"{self.holder.poll()}); see {self._log_path('holder.log')}")
+            raise WeightSyncError(
+                f"mooncake store holder did not start (said {line!r}, exit code "
+                f"{self.holder.poll()}); see {self._log_path('holder.log')}"
+            )
 
     def _start_real_client(self) -> None:
         """The holder as ``mooncake_client``: it mounts its segment, then listens (on the same port
@@ -181,12 +208,21 @@ class MooncakeStoreServer:
         c = self.config
         protocol = "tcp" if force_tcp() else c.protocol
         self.real_client_port = self.real_client_port or free_port(c.host)
-        cmd = [_binary("mooncake_client"), f"-host={c.host}", f"-port={self.real_client_port}",
-               f"-master_server_address={self.master_address}", "-metadata_server=P2PHANDSHAKE",
-               f"-global_segment_size={c.segment_bytes}", f"-protocol={protocol}",
-               f"-device_names={c.rdma_devices}", f"-threads={c.real_client_threads}"]
+        cmd = [
+            _binary("mooncake_client"),
+            f"-host={c.host}",
+            f"-port={self.real_client_port}",
+            f"-master_server_address={self.master_address}",
+            "-metadata_server=P2PHANDSHAKE",
+            f"-global_segment_size={c.segment_bytes}",
+            f"-protocol={protocol}",
+            f"-device_names={c.rdma_devices}",
+            f"-threads={c.real_client_threads}",
+        ]
         with open(self._log_path("holder.log"), "ab") as logf:
-            self.holder = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            self.holder = subprocess.Popen(
+                cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
         self._wait_port(self.real_client_port, self.holder, "holder")
 
     def stop_holder(self, kill: bool = False) -> None:
@@ -256,5 +292,8 @@ def _holder_main(master: str, segment_bytes: int, host: str, protocol: str, rdma
 
 
 if __name__ == "__main__":
-    sys.exit(_holder_main(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4],
-                          sys.argv[5] if len(sys.argv) > 5 else ""))
+    sys.exit(
+        _holder_main(
+            sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5] if len(sys.argv) > 5 else ""
+        )
+    )

@@ -107,10 +107,13 @@ class RayWeightStore(PushWatchMixin):
                 return self._actor
             ray = require("ray", _INSTALL)
             if not ray.is_initialized():
-                raise WeightSyncError("RayWeightStore needs a running Ray (ray.init / rollart_core.cluster.RayCluster)")
+                raise WeightSyncError(
+                    "RayWeightStore needs a running Ray (ray.init / rollart_core.cluster.RayCluster)"
+                )
             cls = ray.remote(num_cpus=0)(_Holder)
-            self._actor = cls.options(name=self.config.name, namespace=self.config.namespace,
-                                      get_if_exists=True).remote(self.config.keep_last)
+            self._actor = cls.options(
+                name=self.config.name, namespace=self.config.namespace, get_if_exists=True
+            ).remote(self.config.keep_last)
             return self._actor
 
     def push(self, version: int, tensors: Mapping[str, torch.Tensor]) -> Future[None]:
@@ -149,8 +152,10 @@ class RayWeightStore(PushWatchMixin):
 
         entry = ray.get(self._holder().get.remote(version))
         if entry is None:
-            raise WeightSyncError(f"version {version} is not committed in Ray store {self.config.name!r} "
-                                  f"(latest: {self.latest_version()})")
+            raise WeightSyncError(
+                f"version {version} is not committed in Ray store {self.config.name!r} "
+                f"(latest: {self.latest_version()})"
+            )
         m = _layout.Manifest.from_bytes(entry[0], f"version {version}")
         check_into(into, m.shapes)
         refs = entry[1]
@@ -166,7 +171,9 @@ class RayWeightStore(PushWatchMixin):
             try:
                 arr = ray.get(ref)
             except ray.exceptions.RayError as exc:
-                raise WeightSyncError(f"version {m.version} bucket {i} lost from the object store: {exc}") from None
+                raise WeightSyncError(
+                    f"version {m.version} bucket {i} lost from the object store: {exc}"
+                ) from None
             if _layout.checksum(arr, m.checksum) == m.bucket_sums[i]:
                 return arr
         raise WeightSyncError(f"version {m.version}: checksum mismatch in bucket {i} after re-fetch")

@@ -55,13 +55,18 @@ def _clean(name: str) -> str:
     return name
 
 
-def iter_full_tensors(source: Any, name_mapper: NameMapper | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_full_tensors(
+    source: Any, name_mapper: NameMapper | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, full tensor) from a module (its ``state_dict()``) or (name, tensor) pairs.
 
     Sharded DTensors are gathered one at a time, so peak extra memory is one full tensor.
     """
-    items = source.state_dict().items() if hasattr(source, "state_dict") else (
-        source.items() if hasattr(source, "items") else source)
+    items = (
+        source.state_dict().items()
+        if hasattr(source, "state_dict")
+        else (source.items() if hasattr(source, "items") else source)
+    )
     seen: set[str] = set()
     for name, t in items:
         full = full_tensor(t).detach()
@@ -78,8 +83,14 @@ def full_state(source: Any, name_mapper: NameMapper | None = None) -> dict[str, 
     return dict(iter_full_tensors(source, name_mapper))
 
 
-def push_model(store: WeightStore, version: int, source: Any, *, name_mapper: NameMapper | None = None,
-               rank: int | None = None) -> Future[None] | None:
+def push_model(
+    store: WeightStore,
+    version: int,
+    source: Any,
+    *,
+    name_mapper: NameMapper | None = None,
+    rank: int | None = None,
+) -> Future[None] | None:
     """Gather on every rank; push from rank 0 only (``rank`` defaults to torch.distributed's)."""
     state = full_state(source, name_mapper)
     if rank is None:

@@ -53,7 +53,9 @@ class SglangWeightReceiverConfig(BaseModel):
 class SglangWeightReceiver:
     Config = SglangWeightReceiverConfig
 
-    def __init__(self, config: SglangWeightReceiverConfig | None = None, *, weight_store: WeightStore) -> None:
+    def __init__(
+        self, config: SglangWeightReceiverConfig | None = None, *, weight_store: WeightStore
+    ) -> None:
         self.config = config or SglangWeightReceiverConfig()
         self._store = weight_store
         self._prefetch: dict[int, Future[dict[str, Any]]] = {}
@@ -105,12 +107,16 @@ class SglangWeightReceiver:
                 for i, chunk in enumerate(chunks):
                     on_device = [(n, t.to(c.device, non_blocking=True)) for n, t in chunk]
                     payload = utils.MultiprocessingSerializer.serialize(on_device, output_str=True)
-                    await self._post(client, "/update_weights_from_tensor", {
-                        "serialized_named_tensors": [payload] * c.tp_size,
-                        "load_format": None,
-                        "flush_cache": i == len(chunks) - 1,
-                        "weight_version": str(version),
-                    })
+                    await self._post(
+                        client,
+                        "/update_weights_from_tensor",
+                        {
+                            "serialized_named_tensors": [payload] * c.tp_size,
+                            "load_format": None,
+                            "flush_cache": i == len(chunks) - 1,
+                            "weight_version": str(version),
+                        },
+                    )
                     del on_device  # the server has copied them into its parameters
             finally:
                 await self._post(client, "/continue_generation", {})

@@ -25,11 +25,15 @@ def on_time(pending: int, groups_per_step: int, next_version: int, served_versio
     return next_version + -(-(pending + 1) // groups_per_step) - 1 - served_version <= alpha
 
 
-def next_task(tasks: list[TaskConfig], pending: Mapping[str | None, int], among: list[int] | None = None) -> int:
+def next_task(
+    tasks: list[TaskConfig], pending: Mapping[str | None, int], among: list[int] | None = None
+) -> int:
     """Index of the task (of ``among``, default all) with the fewest pending groups per group of its
     batch share (ties: the first)."""
-    return min(among if among is not None else range(len(tasks)),
-               key=lambda i: (pending.get(tasks[i].name, 0) / tasks[i].groups_per_step, i))
+    return min(
+        among if among is not None else range(len(tasks)),
+        key=lambda i: (pending.get(tasks[i].name, 0) / tasks[i].groups_per_step, i),
+    )
 
 
 def choose(rollout: Rollout, max_pending_groups: int, alpha: int) -> tuple[int, int] | None:
@@ -41,8 +45,14 @@ def choose(rollout: Rollout, max_pending_groups: int, alpha: int) -> tuple[int, 
     next_version = clock.next_batch_version()
     start: dict[int, int] = {}
     for i, t in enumerate(tasks):
-        v = next((v for v in clock.start_versions()
-                  if on_time(pending.get(t.name, 0), t.groups_per_step, next_version, v, alpha)), None)
+        v = next(
+            (
+                v
+                for v in clock.start_versions()
+                if on_time(pending.get(t.name, 0), t.groups_per_step, next_version, v, alpha)
+            ),
+            None,
+        )
         if v is not None:
             start[i] = v
     if not start:
@@ -55,5 +65,7 @@ async def produce(rollout: Rollout, max_pending_groups: int, alpha: int) -> None
     """Keep launching groups under admission control (re-evaluated whenever the buffer or the
     served version changes), at most ``max_pending_groups`` launched but not yet trained on."""
     while True:
-        task_index, version = await rollout.p.buffer.wait_for(lambda: choose(rollout, max_pending_groups, alpha))
+        task_index, version = await rollout.p.buffer.wait_for(
+            lambda: choose(rollout, max_pending_groups, alpha)
+        )
         rollout.launch_group(task_index, start_version=version)

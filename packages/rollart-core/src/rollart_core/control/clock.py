@@ -61,7 +61,9 @@ class VersionClock:
 
     def start_versions(self) -> list[int]:
         """Versions a group launched now may start on: the served one, then the coming one."""
-        return [self.served] + ([self.coming] if self.coming is not None and self.coming > self.served else [])
+        return [self.served] + (
+            [self.coming] if self.coming is not None and self.coming > self.served else []
+        )
 
     def resume_at(self, version: int) -> None:
         """A run resumed from a checkpoint: trainer and engines are at ``version``."""
@@ -69,5 +71,7 @@ class VersionClock:
         self.coming = self.last_batch = None
 
     def __repr__(self) -> str:
-        return (f"VersionClock(trained={self.trained}, served={self.served}, coming={self.coming}, "
-                f"last_batch={self.last_batch})")
+        return (
+            f"VersionClock(trained={self.trained}, served={self.served}, coming={self.coming}, "
+            f"last_batch={self.last_batch})"
+        )

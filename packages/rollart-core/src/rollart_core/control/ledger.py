@@ -18,8 +18,12 @@ from rollart_core.types import Fate, Trajectory
 
 __all__ = ["FAILED_FATES", "FateLedger"]
 
-FAILED_FATES = {Fate.ENV_FAILED.value: "env", Fate.TIMED_OUT.value: "env", Fate.GENERATION_FAILED.value: "engine",
-                Fate.REWARD_FAILED.value: "reward"}
+FAILED_FATES = {
+    Fate.ENV_FAILED.value: "env",
+    Fate.TIMED_OUT.value: "env",
+    Fate.GENERATION_FAILED.value: "engine",
+    Fate.REWARD_FAILED.value: "reward",
+}
 """Fates that mean a stage failed, and the stage they name."""
 
 

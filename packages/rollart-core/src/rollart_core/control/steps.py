@@ -36,7 +36,16 @@ from rollart_core.rollout import Rollout
 from rollart_core.timeline import record
 from rollart_core.types import Fate, Trajectory
 
-__all__ = ["Run", "RunStalled", "StepRecord", "abort_stale", "get_batch", "push", "sync_weights", "train_step"]
+__all__ = [
+    "Run",
+    "RunStalled",
+    "StepRecord",
+    "abort_stale",
+    "get_batch",
+    "push",
+    "sync_weights",
+    "train_step",
+]
 
 _POLL_S = 0.25
 _MIN_FAILURE_SAMPLE = 64
@@ -110,17 +119,28 @@ async def get_batch(run: Run, rec: StepRecord, *, relaunch: bool = False) -> lis
         if not relaunch:
             return
         if run.relaunches >= run.cfg.train.max_group_relaunches:
-            raise RunStalled(f"{_failing_stage(run)}: group {group} of task {task!r} ended with nothing trainable "
-                             f"and the relaunch budget (train.max_group_relaunches = "
-                             f"{run.cfg.train.max_group_relaunches}) is spent; {_fates_report(run)}")
+            raise RunStalled(
+                f"{_failing_stage(run)}: group {group} of task {task!r} ended with nothing trainable "
+                f"and the relaunch budget (train.max_group_relaunches = "
+                f"{run.cfg.train.max_group_relaunches}) is spent; {_fates_report(run)}"
+            )
         run.relaunches += 1
         run.rollout.relaunch(task)
 
-    taking = asyncio.ensure_future(run.p.buffer.get_batch(run.num_groups, version=run.clock.trained, mix=run.mix,
-                                                          on_drop=replace, on_taken=run.clock.batch_taken))
+    taking = asyncio.ensure_future(
+        run.p.buffer.get_batch(
+            run.num_groups,
+            version=run.clock.trained,
+            mix=run.mix,
+            on_drop=replace,
+            on_taken=run.clock.batch_taken,
+        )
+    )
     try:
         while not taking.done():
-            await asyncio.wait([taking, *run.background], timeout=_POLL_S, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(
+                [taking, *run.background], timeout=_POLL_S, return_when=asyncio.FIRST_COMPLETED
+            )
             _check_beside(run)
             if not taking.done():
                 _check_progress(run)
@@ -141,21 +161,26 @@ def _failed(task: asyncio.Task[Any]) -> bool:
 def _check_beside(run: Run) -> None:
     for t in run.background:
         if _failed(t):
-            raise RollartError(f"{t.get_name()} failed while the loop waited for a batch: {t.exception()!r}") \
-                from t.exception()
+            raise RollartError(
+                f"{t.get_name()} failed while the loop waited for a batch: {t.exception()!r}"
+            ) from t.exception()
 
 
 def _check_progress(run: Run) -> None:
     ledger, tc = run.rollout.ledger, run.cfg.train
     share, stage = ledger.failure_share()
     if len(ledger.recent) >= _MIN_FAILURE_SAMPLE and share >= tc.max_failure_share:
-        raise RunStalled(f"{stage}: {share:.0%} of the last {len(ledger.recent)} trajectories failed "
-                         f"(train.max_failure_share = {tc.max_failure_share}); {_fates_report(run)}")
+        raise RunStalled(
+            f"{stage}: {share:.0%} of the last {len(ledger.recent)} trajectories failed "
+            f"(train.max_failure_share = {tc.max_failure_share}); {_fates_report(run)}"
+        )
     idle = time.monotonic() - ledger.last_finished_at
     if tc.stall_timeout_s is not None and idle > tc.stall_timeout_s:
-        raise RunStalled(f"{_failing_stage(run)}: no trajectory finished for {idle:.0f} s while waiting for a batch "
-                         f"(train.stall_timeout_s = {tc.stall_timeout_s:g}); {len(run.rollout.inflight)} in flight; "
-                         f"{_fates_report(run)}")
+        raise RunStalled(
+            f"{_failing_stage(run)}: no trajectory finished for {idle:.0f} s while waiting for a batch "
+            f"(train.stall_timeout_s = {tc.stall_timeout_s:g}); {len(run.rollout.inflight)} in flight; "
+            f"{_fates_report(run)}"
+        )
 
 
 def _failing_stage(run: Run) -> str:
@@ -255,8 +280,12 @@ def step_metrics(run: Run, rec: StepRecord) -> dict[str, Any]:
         episodes.setdefault(t.task, []).append(t.timings.get("episode", 0.0))
     return {
         **m,
-        "step_s": step_s, "wait_s": rec.wait_s, "sync_s": rec.sync_s, "aborted": rec.aborted,
-        "elapsed": time.perf_counter() - run.t_start, "inflight_at_train": rec.inflight_at_train,
+        "step_s": step_s,
+        "wait_s": rec.wait_s,
+        "sync_s": rec.sync_s,
+        "aborted": rec.aborted,
+        "elapsed": time.perf_counter() - run.t_start,
+        "inflight_at_train": rec.inflight_at_train,
         "version": int(m["version"]),
         "success_rate": sum(bool(t.info.get("success")) for t in batch) / len(batch),
         "traj_per_s": len(finished) / step_s,

@@ -29,12 +29,29 @@ from rollart_core.types import Fate, Trajectory
 __all__ = ["RECIPES", "evaluate", "rollout_step", "train"]
 
 RECIPES: dict[str, Callable[[Run], AsyncGenerator[StepRecord, None]]] = {
-    "sync": run_sync, "one_off": run_one_off, "async": run_async}
-CONSOLE_KEYS = ["reward_mean", "success_rate", "eval_success", "traj_per_s", "gen_tok_per_s", "wait_s",
-                "train_s", "sync_s", "lag_max", "loss", "version", "fates"]
+    "sync": run_sync,
+    "one_off": run_one_off,
+    "async": run_async,
+}
+CONSOLE_KEYS = [
+    "reward_mean",
+    "success_rate",
+    "eval_success",
+    "traj_per_s",
+    "gen_tok_per_s",
+    "wait_s",
+    "train_s",
+    "sync_s",
+    "lag_max",
+    "loss",
+    "version",
+    "fates",
+]
 
 
-async def train(cfg: RunConfig, sink: MetricsSink | None = None, pipeline: Pipeline | None = None) -> dict[str, Any]:
+async def train(
+    cfg: RunConfig, sink: MetricsSink | None = None, pipeline: Pipeline | None = None
+) -> dict[str, Any]:
     """Run ``cfg.train.steps`` steps in ``cfg.train.mode``; returns a summary. ``pipeline``: run on
     an already built one (its engines serving the trainer's version) instead of building one."""
     tc = cfg.train
@@ -43,8 +60,9 @@ async def train(cfg: RunConfig, sink: MetricsSink | None = None, pipeline: Pipel
         run = Run(p)
         if tc.resume_from:
             run.first_step = await resume(p, run, tc.resume_from)
-        sink = sink or default_sinks(cfg.output_dir, CONSOLE_KEYS, run.first_step if tc.resume_from else None,
-                                     total_steps=tc.steps)
+        sink = sink or default_sinks(
+            cfg.output_dir, CONSOLE_KEYS, run.first_step if tc.resume_from else None, total_steps=tc.steps
+        )
         held_out = functools.partial(evaluate, p, tc.eval_episodes, temperature=tc.eval_temperature)
         if tc.eval_every and run.first_step == 1:
             t_eval = time.perf_counter()
@@ -66,12 +84,21 @@ async def train(cfg: RunConfig, sink: MetricsSink | None = None, pipeline: Pipel
             await recipe.aclose()
             await run.stop()
         ro = run.rollout
-        summary = {"mode": tc.mode, "alpha": tc.alpha, "steps": len(history), "final_version": p.trainer.version,
-                   "served_version": run.clock.served, "launched": ro.launched, "fates": dict(ro.fates),
-                   "wall_s": time.perf_counter() - run.t_start,
-                   "dropped_groups": sorted(p.buffer.dropped_groups), "relaunched_groups": run.relaunches,
-                   "trainer_restarts": getattr(p.trainer, "restarts", 0),
-                   "history": history, **p.timings}
+        summary = {
+            "mode": tc.mode,
+            "alpha": tc.alpha,
+            "steps": len(history),
+            "final_version": p.trainer.version,
+            "served_version": run.clock.served,
+            "launched": ro.launched,
+            "fates": dict(ro.fates),
+            "wall_s": time.perf_counter() - run.t_start,
+            "dropped_groups": sorted(p.buffer.dropped_groups),
+            "relaunched_groups": run.relaunches,
+            "trainer_restarts": getattr(p.trainer, "restarts", 0),
+            "history": history,
+            **p.timings,
+        }
     sink.close()
     return summary
 
@@ -86,18 +113,40 @@ async def rollout_step(p: Pipeline, step: int, *, launch_tag: str = "s") -> list
     return ro.drain_finished()
 
 
-async def evaluate(p: Pipeline, episodes: int, *, tag: str = "eval", temperature: float | None = None) -> dict[str, float]:
+async def evaluate(
+    p: Pipeline, episodes: int, *, tag: str = "eval", temperature: float | None = None
+) -> dict[str, float]:
     """Success rate and mean reward on held-out seeds (never used for training); ``temperature``
     replaces the tasks' sampling temperature (0: greedy)."""
     jobs = []
     for ti, task in enumerate(p.config.tasks):
-        sampling = task.sampling if temperature is None else task.sampling.model_copy(update={"temperature": temperature})
+        sampling = (
+            task.sampling
+            if temperature is None
+            else task.sampling.model_copy(update={"temperature": temperature})
+        )
         for e in range(episodes):
-            traj = Trajectory(f"{tag}-{task.name}-{e}", task.name, task.env.impl, f"{tag}-{e}",
-                              derive_seed("heldout", ti, e), p.trainer.version)
-            jobs.append(run_trajectory(traj, env=p.make_env(task, ti), generator=p.proxy, chat=p.chat,
-                                       scorer=p.rewards[task.name], sampling=sampling, max_turns=task.max_turns,
-                                       context=task.context, env_timeout_s=task.env_timeout_s))
+            traj = Trajectory(
+                f"{tag}-{task.name}-{e}",
+                task.name,
+                task.env.impl,
+                f"{tag}-{e}",
+                derive_seed("heldout", ti, e),
+                p.trainer.version,
+            )
+            jobs.append(
+                run_trajectory(
+                    traj,
+                    env=p.make_env(task, ti),
+                    generator=p.proxy,
+                    chat=p.chat,
+                    scorer=p.rewards[task.name],
+                    sampling=sampling,
+                    max_turns=task.max_turns,
+                    context=task.context,
+                    env_timeout_s=task.env_timeout_s,
+                )
+            )
     done = await asyncio.gather(*jobs)
     ok = [t for t in done if t.fate is Fate.FINISHED]
     return {
