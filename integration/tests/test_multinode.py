@@ -396,7 +396,7 @@ async def test_async_training_run_places_every_stage_on_its_node(
     """The whole pipeline across the three nodes: the trainer's rank on H800, the engine on H20,
     the environment workers and the reward runtime on the CPU node, weights through the Ray object
     store (every node reaches it). A local filesystem store is refused on this cluster."""
-    from ray.util.state import list_actors
+    import ray._private.state as ray_state  # the GCS's actor table (this cluster runs no dashboard)
 
     from rollart_core.config import RunConfig
     from rollart_core.control.train import train
@@ -437,11 +437,11 @@ async def test_async_training_run_places_every_stage_on_its_node(
         summary = await asyncio.wait_for(train(cfg, sink=MemorySink(), pipeline=p), 600)
         served = await p.proxy.weight_versions()
         trainer_nodes = set(p.trainer.node_ids)
-        alive = list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+        alive = [a for a in ray_state.actors().values() if a["State"] == "ALIVE"]
         runtime_stats = p.rewards[cfg.tasks[0].name].stats()
     nodes_of = {}
     for a in alive:
-        nodes_of.setdefault(a.class_name, set()).add(a.node_id)
+        nodes_of.setdefault(a["ActorClassName"], set()).add(a["Address"]["NodeID"])
     assert trainer_nodes == {_node_of_pool(cluster, "H800")}
     assert nodes_of["VllmEngine"] == {_node_of_pool(cluster, "H20")}
     env_node = _node_of_pool(cluster, "env")
