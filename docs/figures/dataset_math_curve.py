@@ -17,7 +17,7 @@ import matplotlib.pyplot as plt
 OUT = Path(__file__).resolve().parent
 
 
-def main(metrics_path: str) -> None:
+def main(metrics_path: str, note: str = "") -> None:
     rows = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
     evals = [
         {"step": r["step"], "eval_success": r["eval_success"], "eval_reward": r.get("eval_reward")}
@@ -29,7 +29,7 @@ def main(metrics_path: str) -> None:
         for r in rows
         if r["step"] > 0 and "reward_mean" in r
     ]
-    result = {"metrics": str(metrics_path), "eval": evals, "train": train}
+    result = {"metrics": str(metrics_path), "note": note, "eval": evals, "train": train}
     (OUT / "dataset_math_learning.json").write_text(json.dumps(result, indent=1) + "\n")
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(
@@ -56,4 +56,4 @@ def main(metrics_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:3])
