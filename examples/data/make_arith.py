@@ -18,14 +18,22 @@ from pathlib import Path
 NAMES = ["Ann", "Bob", "Cat", "Dan", "Eve", "Fay", "Gus", "Hal"]
 ITEMS = ["apples", "pens", "cards", "coins", "books", "balls"]
 TEMPLATES = {
-    "+": ["{n} has {a} {i} and gets {b} more. How many {i} does {n} have?",
-          "There are {a} {i} on a table and {b} on a chair. How many {i} are there?"],
-    "-": ["{n} has {a} {i} and gives {b} away. How many {i} are left?",
-          "A box holds {a} {i}. {n} takes {b} out. How many {i} are in the box?"],
-    "*": ["{n} has {a} bags with {b} {i} in each. How many {i} does {n} have?",
-          "There are {a} rows of {b} {i}. How many {i} are there?"],
-    "/": ["{n} shares {a} {i} equally among {b} friends. How many {i} does each friend get?",
-          "{a} {i} are put into {b} equal piles. How many {i} are in each pile?"],
+    "+": [
+        "{n} has {a} {i} and gets {b} more. How many {i} does {n} have?",
+        "There are {a} {i} on a table and {b} on a chair. How many {i} are there?",
+    ],
+    "-": [
+        "{n} has {a} {i} and gives {b} away. How many {i} are left?",
+        "A box holds {a} {i}. {n} takes {b} out. How many {i} are in the box?",
+    ],
+    "*": [
+        "{n} has {a} bags with {b} {i} in each. How many {i} does {n} have?",
+        "There are {a} rows of {b} {i}. How many {i} are there?",
+    ],
+    "/": [
+        "{n} shares {a} {i} equally among {b} friends. How many {i} does each friend get?",
+        "{a} {i} are put into {b} equal piles. How many {i} are in each pile?",
+    ],
 }
 
 

@@ -29,13 +29,20 @@ def test_every_yaml_is_a_run_config_or_known() -> None:
     for path in EXAMPLES:
         is_run = "tasks" in (yaml.safe_load(path.read_text()) or {})
         assert is_run == (path.name not in NOT_RUN_CONFIGS), path.name
-    assert {"sokoban.yaml", "calculator.yaml", "code_task.yaml", "dataset_math.yaml",
-            "multitask_async.yaml", "frozenlake_tiny.yaml"} <= {p.name for p in RUN_CONFIGS}
+    assert {
+        "sokoban.yaml",
+        "calculator.yaml",
+        "code_task.yaml",
+        "dataset_math.yaml",
+        "multitask_async.yaml",
+        "frozenlake_tiny.yaml",
+    } <= {p.name for p in RUN_CONFIGS}
 
 
 @pytest.mark.parametrize("path", RUN_CONFIGS, ids=[p.stem for p in RUN_CONFIGS])
-async def test_example_passes_check_config_and_its_components_validate(path: Path,
-                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+async def test_example_passes_check_config_and_its_components_validate(
+    path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["check-config", str(path)]) == 0, capsys.readouterr().err
     assert path.read_text().startswith("# ")  # opens with a comment saying what it shows
     cfg = load_config(path)
@@ -43,7 +50,9 @@ async def test_example_passes_check_config_and_its_components_validate(path: Pat
     for i, task in enumerate(cfg.tasks):
         env_cls = resolve("env", task.env.impl)
         env_cfg = validate_options(env_cls, task.env.options, f"tasks.{i}.env.options")
-        validate_options(resolve("reward", task.reward.impl), task.reward.options, f"tasks.{i}.reward.options")
+        validate_options(
+            resolve("reward", task.reward.impl), task.reward.options, f"tasks.{i}.reward.options"
+        )
         env = env_cls(env_cfg) if env_cfg is not None else env_cls()
         if not isinstance(env, Environment):  # e.g. an agent task (it drives the model itself)
             continue
@@ -62,14 +71,17 @@ async def test_example_passes_check_config_and_its_components_validate(path: Pat
 @pytest.mark.ray
 @pytest.mark.parametrize("path", RUN_CONFIGS, ids=[p.stem for p in RUN_CONFIGS])
 def test_example_trains_two_steps(path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["train", str(path), "--steps", "2", "--output-dir", str(tmp_path / "run")]) == 0, \
+    assert main(["train", str(path), "--steps", "2", "--output-dir", str(tmp_path / "run")]) == 0, (
         capsys.readouterr().err[-4000:]
+    )
     assert (tmp_path / "run" / "metrics.jsonl").is_file()
 
 
 @pytest.mark.vllm
 @pytest.mark.ray
-async def test_dataset_task_trains_and_evaluates_on_heldout_rows_only(tmp_path: Path, tiny_model: Path) -> None:
+async def test_dataset_task_trains_and_evaluates_on_heldout_rows_only(
+    tmp_path: Path, tiny_model: Path
+) -> None:
     """The dataset example's task on the real pipeline for 2 sync steps with held-out evaluation:
     training episodes got training rows only, evaluation episodes held-out rows only, each its own."""
     from rollart_core.loop import train

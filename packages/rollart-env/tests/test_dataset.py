@@ -131,8 +131,13 @@ async def test_auto_split_serves_heldout_rows_to_rollart_eval_seeds(data: Path) 
 
 
 async def test_multi_turn_feedback_until_max_turns(data: Path) -> None:
-    env = _env(data, split="all", match="number", max_turns=3,
-               feedback_template="Your answer {answer} is wrong ({turns_left} left). Try again.")
+    env = _env(
+        data,
+        split="all",
+        match="number",
+        max_turns=3,
+        feedback_template="Your answer {answer} is wrong ({turns_left} left). Try again.",
+    )
     _, info = await env.reset(0)
     wrong = (info["answer"] + 1) % 10
     first = await env.step(f"I think {wrong}")
@@ -202,7 +207,9 @@ def test_parquet_without_pyarrow_names_the_extra(tmp_path: Path, monkeypatch: py
         _env(path)
 
 
-def test_file_read_once_per_process_and_again_when_changed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_file_read_once_per_process_and_again_when_changed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = _write_jsonl(tmp_path / "once.jsonl", _rows(20))
     reads: list[str] = []
     real = dataset._read_jsonl
@@ -234,7 +241,9 @@ BAD_FILES = [
 
 
 @pytest.mark.parametrize(("name", "content", "message"), BAD_FILES, ids=[b[0] for b in BAD_FILES])
-def test_bad_files_name_file_row_and_key(tmp_path: Path, name: str, content: str | None, message: str) -> None:
+def test_bad_files_name_file_row_and_key(
+    tmp_path: Path, name: str, content: str | None, message: str
+) -> None:
     path = tmp_path / f"{name}.jsonl"
     if content is not None:
         path.write_text(content)
@@ -251,8 +260,10 @@ def test_bad_file_not_utf8(tmp_path: Path) -> None:
 
 
 def test_bad_rows_for_the_chosen_options(tmp_path: Path) -> None:
-    path = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "answer": 3}, {"prompt": "b", "answer": "x"},
-                                               {"prompt": "c", "answer": 12}])
+    path = _write_jsonl(
+        tmp_path / "d.jsonl",
+        [{"prompt": "a", "answer": 3}, {"prompt": "b", "answer": "x"}, {"prompt": "c", "answer": 12}],
+    )
     with pytest.raises(ConfigError, match=r"d\.jsonl, line 2: 'answer' = 'x' is not a number"):
         _env(path, split="all", match="number")
     with pytest.raises(ConfigError, match=r"line 2: 'answer' = 'x' is not in the action_vocabulary"):
@@ -268,18 +279,27 @@ def test_bad_rows_for_the_chosen_options(tmp_path: Path) -> None:
         _env(path, split="heldout", heldout_fraction=0.0)
 
 
-@pytest.mark.parametrize(("options", "message"), [
-    ({"path": "d.csv"}, "a .jsonl or .parquet file"),
-    ({"path": "d.jsonl", "colour": 1}, "colour"),
-    ({"path": "d.jsonl", "max_turns": 2}, "needs a feedback_template"),
-    ({"path": "d.jsonl", "max_turns": 2, "feedback_template": "again"}, "needs match"),
-    ({"path": "d.jsonl", "feedback_template": "again", "match": "number"}, "needs max_turns >= 2"),
-    ({"path": "d.jsonl", "max_turns": 2, "match": "number", "feedback_template": "{reference}"}, "unknown field"),
-    ({"path": "d.jsonl", "max_turns": 2, "match": "number", "feedback_template": "{answer"}, "not a format string"),
-    ({"path": "d.jsonl", "action_vocabulary": ["1", "1"]}, "without repeats"),
-    ({"path": "d.jsonl", "heldout_fraction": 1.0}, "heldout_fraction"),
-    ({"path": "d.jsonl", "split": "all", "heldout_size": 3}, "split: all has no held-out rows"),
-])
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"path": "d.csv"}, "a .jsonl or .parquet file"),
+        ({"path": "d.jsonl", "colour": 1}, "colour"),
+        ({"path": "d.jsonl", "max_turns": 2}, "needs a feedback_template"),
+        ({"path": "d.jsonl", "max_turns": 2, "feedback_template": "again"}, "needs match"),
+        ({"path": "d.jsonl", "feedback_template": "again", "match": "number"}, "needs max_turns >= 2"),
+        (
+            {"path": "d.jsonl", "max_turns": 2, "match": "number", "feedback_template": "{reference}"},
+            "unknown field",
+        ),
+        (
+            {"path": "d.jsonl", "max_turns": 2, "match": "number", "feedback_template": "{answer"},
+            "not a format string",
+        ),
+        ({"path": "d.jsonl", "action_vocabulary": ["1", "1"]}, "without repeats"),
+        ({"path": "d.jsonl", "heldout_fraction": 1.0}, "heldout_fraction"),
+        ({"path": "d.jsonl", "split": "all", "heldout_size": 3}, "split: all has no held-out rows"),
+    ],
+)
 def test_invalid_options_are_config_errors(options: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         build("env", "dataset", options, "tasks.0.env.options")

@@ -115,21 +115,29 @@ class DatasetConfig(BaseModel):
             raise ValueError(f"path {str(self.path)!r}: a .jsonl or .parquet file is supported")
         if self.feedback_template is not None:
             try:
-                fields = {f for _, f, _, _ in string.Formatter().parse(self.feedback_template) if f is not None}
+                fields = {
+                    f for _, f, _, _ in string.Formatter().parse(self.feedback_template) if f is not None
+                }
             except ValueError as exc:
                 raise ValueError(f"feedback_template is not a format string: {exc}") from None
             unknown = fields - FEEDBACK_FIELDS
             if unknown:
-                raise ValueError(f"feedback_template: unknown field(s) {sorted(unknown)}; "
-                                 f"use {sorted(FEEDBACK_FIELDS)}")
+                raise ValueError(
+                    f"feedback_template: unknown field(s) {sorted(unknown)}; use {sorted(FEEDBACK_FIELDS)}"
+                )
             if self.max_turns < 2:
                 raise ValueError("feedback_template needs max_turns >= 2 (a reply after the feedback)")
         if self.max_turns > 1 and self.feedback_template is None:
-            raise ValueError("max_turns > 1 needs a feedback_template (what the model sees after a wrong reply)")
+            raise ValueError(
+                "max_turns > 1 needs a feedback_template (what the model sees after a wrong reply)"
+            )
         if self.max_turns > 1 and self.match == "none":
-            raise ValueError("max_turns > 1 needs match: exact or number (the env decides when a reply is wrong)")
-        if self.action_vocabulary is not None and (not self.action_vocabulary or len(set(self.action_vocabulary))
-                                                   != len(self.action_vocabulary)):
+            raise ValueError(
+                "max_turns > 1 needs match: exact or number (the env decides when a reply is wrong)"
+            )
+        if self.action_vocabulary is not None and (
+            not self.action_vocabulary or len(set(self.action_vocabulary)) != len(self.action_vocabulary)
+        ):
             raise ValueError("action_vocabulary must be a non-empty list without repeats")
         if self.split == "all" and self.heldout_size is not None:
             raise ValueError("split: all has no held-out rows; drop heldout_size")
@@ -178,8 +186,9 @@ def _read_jsonl(path: str) -> list[tuple[dict[str, Any], str]]:
                 except json.JSONDecodeError as exc:
                     raise ConfigError(f"dataset {path}, line {n}: not valid JSON ({exc.msg})") from None
                 if not isinstance(row, dict):
-                    raise ConfigError(f"dataset {path}, line {n}: a row must be a JSON object, "
-                                      f"got {type(row).__name__}")
+                    raise ConfigError(
+                        f"dataset {path}, line {n}: a row must be a JSON object, got {type(row).__name__}"
+                    )
                 rows.append((row, f"line {n}"))
     except UnicodeDecodeError as exc:
         raise ConfigError(f"dataset {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
@@ -221,18 +230,26 @@ def _prepare(cfg_key: str, path: str, mtime_ns: int, size: int) -> _Split:
             if key not in row:
                 raise ConfigError(f"dataset {path}, {where}: no key {key!r} (the row has {sorted(row)[:10]})")
         if not isinstance(row[cfg.prompt_key], str) or not row[cfg.prompt_key]:
-            raise ConfigError(f"dataset {path}, {where}: {cfg.prompt_key!r} must be a non-empty string, "
-                              f"got {row[cfg.prompt_key]!r:.60}")
+            raise ConfigError(
+                f"dataset {path}, {where}: {cfg.prompt_key!r} must be a non-empty string, "
+                f"got {row[cfg.prompt_key]!r:.60}"
+            )
         answer = row[cfg.answer_key]
         if cfg.match != "none" and (not isinstance(answer, str | int | float) or isinstance(answer, bool)):
-            raise ConfigError(f"dataset {path}, {where}: {cfg.answer_key!r} must be a string or a number "
-                              f"for match: {cfg.match}, got {answer!r:.60}")
+            raise ConfigError(
+                f"dataset {path}, {where}: {cfg.answer_key!r} must be a string or a number "
+                f"for match: {cfg.match}, got {answer!r:.60}"
+            )
         if cfg.match == "number" and _as_number(str(answer)) is None:
-            raise ConfigError(f"dataset {path}, {where}: {cfg.answer_key!r} = {answer!r:.60} is not a number "
-                              "(match: number)")
+            raise ConfigError(
+                f"dataset {path}, {where}: {cfg.answer_key!r} = {answer!r:.60} is not a number "
+                "(match: number)"
+            )
         if vocab is not None and str(answer) not in vocab:
-            raise ConfigError(f"dataset {path}, {where}: {cfg.answer_key!r} = {answer!r:.60} is not in the "
-                              "action_vocabulary (the reply could never be right)")
+            raise ConfigError(
+                f"dataset {path}, {where}: {cfg.answer_key!r} = {answer!r:.60} is not in the "
+                "action_vocabulary (the reply could never be right)"
+            )
         ids.append(row[cfg.id_key] if cfg.id_key else i)
     if cfg.id_key is not None and len({json.dumps(v, sort_keys=True, default=str) for v in ids}) != len(ids):
         raise ConfigError(f"dataset {path}: the values of id_key {cfg.id_key!r} are not unique")
@@ -241,8 +258,9 @@ def _prepare(cfg_key: str, path: str, mtime_ns: int, size: int) -> _Split:
     h = [_unit_hash("split", cfg.split_seed, json.dumps(v, sort_keys=True, default=str)) for v in ids]
     if cfg.heldout_size is not None:
         if cfg.heldout_size >= len(rows):
-            raise ConfigError(f"dataset {path}: heldout_size {cfg.heldout_size} leaves no training rows "
-                              f"({len(rows)} rows)")
+            raise ConfigError(
+                f"dataset {path}: heldout_size {cfg.heldout_size} leaves no training rows ({len(rows)} rows)"
+            )
         held = set(sorted(range(len(rows)), key=h.__getitem__)[: cfg.heldout_size])
     else:
         held = {i for i in range(len(rows)) if h[i] < cfg.heldout_fraction}
@@ -250,9 +268,11 @@ def _prepare(cfg_key: str, path: str, mtime_ns: int, size: int) -> _Split:
     if not split.train:
         raise ConfigError(f"dataset {path}: no training rows left (heldout_fraction {cfg.heldout_fraction})")
     if cfg.split in ("heldout", "auto") and not split.heldout:
-        raise ConfigError(f"dataset {path}: split {cfg.split} but no row is held out ({len(rows)} rows, "
-                          f"heldout_fraction {cfg.heldout_fraction}); raise heldout_fraction, set heldout_size, "
-                          "or use split: train / all")
+        raise ConfigError(
+            f"dataset {path}: split {cfg.split} but no row is held out ({len(rows)} rows, "
+            f"heldout_fraction {cfg.heldout_fraction}); raise heldout_fraction, set heldout_size, "
+            "or use split: train / all"
+        )
     return split
 
 
@@ -376,8 +396,17 @@ class DatasetEnv:
         self.done = False
         self._reference = row[cfg.answer_key]
         info: dict[str, Any] = {key: row[key] for key in cfg.info_keys}
-        info.update({"answer": self._reference, cfg.answer_key: self._reference, "question": row[cfg.prompt_key],
-                     "row": self.row, "location": where, "split": self.served_split, "epoch": epoch})
+        info.update(
+            {
+                "answer": self._reference,
+                cfg.answer_key: self._reference,
+                "question": row[cfg.prompt_key],
+                "row": self.row,
+                "location": where,
+                "split": self.served_split,
+                "epoch": epoch,
+            }
+        )
         return row[cfg.prompt_key], info
 
     async def step(self, action_text: str) -> StepResult:
@@ -393,10 +422,17 @@ class DatasetEnv:
         info = {"success": ok, "attempts": self.turns, "extracted": extracted}
         if ok or self.turns >= cfg.max_turns:
             self.done = True
-            return StepResult("Correct." if ok else "Wrong.", cfg.correct_reward if ok else cfg.wrong_reward,
-                              True, False, info)
+            return StepResult(
+                "Correct." if ok else "Wrong.",
+                cfg.correct_reward if ok else cfg.wrong_reward,
+                True,
+                False,
+                info,
+            )
         shown = (extracted or "(none)")[:40]
-        feedback = (cfg.feedback_template or "").format(answer=shown, turn=self.turns, turns_left=cfg.max_turns - self.turns)
+        feedback = (cfg.feedback_template or "").format(
+            answer=shown, turn=self.turns, turns_left=cfg.max_turns - self.turns
+        )
         return StepResult(feedback, cfg.wrong_reward, False, False, info)
 
     async def close(self) -> None:
