@@ -59,3 +59,30 @@ def test_commit_refuses_a_shape_change() -> None:
     with pytest.raises(RuntimeError, match=r"staged LayerNorm\.weight is \(5,\)"):
         commit(live, shadow)
     assert torch.equal(live.embed.weight, before)  # checked before anything was swapped: not torn
+
+
+def test_a_failed_pull_is_retried_not_kept(tmp_path) -> None:
+    """A pull that failed (the store was unreachable) is started again by the next prefetch instead
+    of handing every later update the same error. The engine is not started: only its puller runs."""
+    from rollart_proxy.vllm_engine import VllmEngine
+
+    class FlakyStore:  # stands in for a store whose first read fails
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def pull(self, version: int) -> dict:
+            self.calls += 1
+            if self.calls == 1:
+                raise OSError("store unreachable")
+            return {"w": version}
+
+    store = FlakyStore()
+    engine = VllmEngine(model_path=str(tmp_path), weight_store=store)  # type: ignore[arg-type]
+    engine.prefetch(3)
+    first = engine._prefetch[3]
+    assert isinstance(first.exception(timeout=10), OSError)
+    engine.prefetch(3)
+    second = engine._prefetch[3]
+    assert second is not first and second.result(timeout=10) == {"w": 3} and store.calls == 2
+    engine.prefetch(3)  # pulled: nothing new
+    assert engine._prefetch[3] is second and store.calls == 2

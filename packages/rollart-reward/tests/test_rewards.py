@@ -214,3 +214,35 @@ def test_learned_keep_alive_minimises_provisioned_time(
     from rollart_reward.runtime import learned_keep_alive
 
     assert learned_keep_alive(gaps, cold, ceiling) == pytest.approx(expected)
+
+
+async def test_a_cancelled_caller_is_not_kept_running_by_the_timeout() -> None:
+    """The executor's per-call timeout must let a cancellation through even when it arrives as the
+    call completes (asyncio.wait_for on 3.11 can swallow it: a bench worker looping on score() was
+    cancelled and ran on forever)."""
+    import asyncio
+
+    from rollart_core.types import RewardResult, Trajectory
+    from rollart_reward.executor import InlineExecutor
+
+    class Instant:  # a reward that completes on its first resume
+        stateless = True
+
+        async def score(self, trajectory: Trajectory) -> RewardResult:
+            await asyncio.sleep(0)
+            return RewardResult(1.0)
+
+    ex = InlineExecutor(Instant())
+    t = Trajectory("c", "t", "e", "g", 0, 0)
+
+    async def loop_forever() -> None:
+        while True:
+            await ex.score(t)
+
+    for k in range(40):
+        task = asyncio.create_task(loop_forever())
+        for _ in range(k % 7 + 1):
+            await asyncio.sleep(0)
+        task.cancel()
+        done, _ = await asyncio.wait([task], timeout=5)
+        assert done and task.cancelled(), f"round {k}: the cancelled loop kept running"

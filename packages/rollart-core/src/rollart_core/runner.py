@@ -277,7 +277,8 @@ async def _within(call: Awaitable[T], timeout: float | None, what: str) -> T:
     if timeout is None:
         return await call
     try:
-        return await asyncio.wait_for(call, timeout)
+        async with asyncio.timeout(timeout):  # not wait_for: on 3.11 it can swallow a cancellation
+            return await call
     except TimeoutError:
         raise EnvTimeoutError(f"environment {what} took longer than {timeout} s") from None
 

@@ -420,8 +420,9 @@ class VllmEngine:
         """Start pulling ``version`` from the weight store in the background (no pause)."""
         if self._store is None:
             raise WeightSyncError(f"{self.name}: no weight store configured")
-        if version in self._prefetch:
-            return
+        pulled = self._prefetch.get(version)
+        if pulled is not None and not (pulled.done() and pulled.exception() is not None):
+            return  # pulling or pulled; a failed pull is retried, not kept
         fut: Future[dict[str, Any]] = Future()
         store = self._store
 
@@ -447,7 +448,12 @@ class VllmEngine:
 
     def _stage(self, version: int) -> tuple[int, asyncio.Task[tuple[list[Any], bool]]]:
         """The preparation in flight, started for ``version`` unless a newer one already is."""
-        if self._staging is None or self._staging[0] < version:
+        failed = (
+            self._staging is not None
+            and self._staging[1].done()
+            and (self._staging[1].cancelled() or self._staging[1].exception() is not None)
+        )
+        if self._staging is None or self._staging[0] < version or failed:  # a failed preparation is redone
             self._staging = (
                 version,
                 asyncio.create_task(self._prepare(version), name=f"{self.name}-stage-v{version}"),

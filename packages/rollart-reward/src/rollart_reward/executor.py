@@ -41,7 +41,10 @@ async def score_with_retries(
     for attempt in range(retries + 1):
         t0 = time.perf_counter()
         try:
-            result = await asyncio.wait_for(fn.score(trajectory), timeout_s)
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that arrives
+            # as the call completes, and a cancelled caller then runs on (a bench worker looped forever)
+            async with asyncio.timeout(timeout_s):
+                result = await fn.score(trajectory)
         except TimeoutError:
             meter.record(busy_s=time.perf_counter() - t0, queue_s=queue_s, ok=False)
             raise RewardError(
