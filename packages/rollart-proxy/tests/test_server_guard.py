@@ -90,7 +90,9 @@ def no_key_env() -> Iterator[None]:
     }
     try:
         yield
-    finally:
+    finally:  # a test may have set a key: it must not reach later tests' servers
+        for k in ("ROLLART_PROXY_API_KEY", "ROLLART_PROXY_ADMIN_KEY"):
+            os.environ.pop(k, None)
         os.environ.update(saved)
 
 
