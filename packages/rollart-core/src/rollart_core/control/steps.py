@@ -71,9 +71,10 @@ class StepRecord:
 class Run:
     """One run's state as the recipes see it."""
 
-    def __init__(self, p: Pipeline, first_step: int = 1) -> None:
+    def __init__(self, p: Pipeline, cfg: RunConfig | None = None, first_step: int = 1) -> None:
         self.p = p
-        self.cfg: RunConfig = p.config
+        self.cfg: RunConfig = cfg or p.config
+        """The run's config: ``train()``'s (a borrowed pipeline may have been built from another)."""
         self.clock = VersionClock(p.trainer.version)
         self.rollout = Rollout(p, self.clock)
         self.mix = {t.name: t.groups_per_step for t in self.cfg.tasks}

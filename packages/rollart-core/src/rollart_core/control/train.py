@@ -57,7 +57,7 @@ async def train(
     tc = cfg.train
     history: list[dict[str, Any]] = []
     async with contextlib.nullcontext(pipeline) if pipeline is not None else Pipeline(cfg) as p:
-        run = Run(p)
+        run = Run(p, cfg)
         if tc.resume_from:
             run.first_step = await resume(p, run, tc.resume_from)
         sink = sink or default_sinks(
