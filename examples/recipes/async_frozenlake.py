@@ -18,8 +18,8 @@ from pathlib import Path
 
 from rollart_core.config import RunConfig
 from rollart_core.control.asynchronous import run_async
+from rollart_core.control.pipeline import Pipeline
 from rollart_core.control.steps import Run, step_metrics
-from rollart_core.pipeline import Pipeline
 
 
 def config(steps: int, out: Path) -> RunConfig:

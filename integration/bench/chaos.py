@@ -293,9 +293,9 @@ async def inject(p: Any, fault: dict[str, Any]) -> dict[str, Any]:
 
 
 async def chaos(quick: bool, seed: int, root: Path) -> dict[str, Any]:
+    from rollart_core.control.pipeline import Pipeline
     from rollart_core.control.train import train
     from rollart_core.metrics import MemorySink
-    from rollart_core.pipeline import Pipeline
 
     cfg = chaos_config(root, quick=quick, seed=seed)
     before = own_processes()

@@ -83,7 +83,7 @@ async def calibrate(root: Path, model: Path, batch: list[Trajectory], concurrenc
     """Slowdowns of generation and training when they run at the same time on this machine."""
     from tests.conftest import slice_config
 
-    from rollart_core.pipeline import Pipeline
+    from rollart_core.control.pipeline import Pipeline
     from rollart_core.types import GenerateRequest, SamplingParams
 
     prompts = [list(u.context_ids) for t in batch for u in t.turns] or [[1, 2, 3]]

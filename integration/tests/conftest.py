@@ -48,7 +48,7 @@ def slice_config(root: Path, *, model_path: Path | None = None, steps: int = 1) 
 
 @pytest.fixture(scope="session")
 async def pipeline(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[object]:
-    from rollart_core.pipeline import Pipeline
+    from rollart_core.control.pipeline import Pipeline
 
     root = tmp_path_factory.mktemp("slice")
     async with Pipeline(slice_config(root)) as p:

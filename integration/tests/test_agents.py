@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from rollart_core.runner import run_trajectory
+from rollart_core.control.runner import run_trajectory
 from rollart_core.types import Fate, GenerateOutput, GenerateRequest, SamplingParams, Trajectory
 
 pytestmark = [

@@ -1,6 +1,6 @@
 """An engine actor killed with SIGKILL comes back on the served weights, and the proxy never routes to
 it before: two real vLLM (CPU) engines in Ray actors created with ``max_restarts=1,
-max_task_retries=0`` (the shape ``rollart_core.pipeline`` uses), a real filesystem weight store.
+max_task_retries=0`` (the shape ``rollart_core.control.pipeline`` uses), a real filesystem weight store.
 
 Version 1 is pushed and served; requests run on both engines; engine b's process is killed. Its
 in-flight requests fail over to engine a (complete, version 1), a request made while b is down is

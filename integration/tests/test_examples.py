@@ -84,9 +84,9 @@ async def test_dataset_task_trains_and_evaluates_on_heldout_rows_only(
 ) -> None:
     """The dataset example's task on the real pipeline for 2 sync steps with held-out evaluation:
     training episodes got training rows only, evaluation episodes held-out rows only, each its own."""
+    from rollart_core.control.pipeline import Pipeline
+    from rollart_core.control.rollout import derive_seed
     from rollart_core.loop import train
-    from rollart_core.pipeline import Pipeline
-    from rollart_core.rollout import derive_seed
 
     from .conftest import slice_config
 

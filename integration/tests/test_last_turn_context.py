@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.ray]
 async def last_turn_pipeline(
     tmp_path_factory: pytest.TempPathFactory, tiny_model: Path
 ) -> AsyncIterator[object]:
-    from rollart_core.pipeline import Pipeline
+    from rollart_core.control.pipeline import Pipeline
 
     cfg = slice_config(tmp_path_factory.mktemp("last-turn"), model_path=tiny_model)
     task = cfg.tasks[0]

@@ -399,9 +399,9 @@ async def test_async_training_run_places_every_stage_on_its_node(
     import ray._private.state as ray_state  # the GCS's actor table (this cluster runs no dashboard)
 
     from rollart_core.config import RunConfig
+    from rollart_core.control.pipeline import Pipeline
     from rollart_core.control.train import train
     from rollart_core.metrics import MemorySink
-    from rollart_core.pipeline import Pipeline
 
     from .conftest import slice_config
 

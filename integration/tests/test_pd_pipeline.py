@@ -55,7 +55,7 @@ def pd_config(root: Path) -> RunConfig:
 
 
 async def test_pipeline_runs_pd_tasks_through_both_pools(tmp_path: Path) -> None:
-    from rollart_core.pipeline import Pipeline
+    from rollart_core.control.pipeline import Pipeline
 
     long_prompt = [10 + (i * 7) % 280 for i in range(300)]  # long enough for the PD path (>= 256 uncached)
 

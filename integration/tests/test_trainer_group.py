@@ -71,8 +71,8 @@ def _alive(pid: int) -> bool:
 async def test_async_run_survives_a_killed_trainer_rank(tmp_path: Path, tiny_model: Path) -> None:
     import ray
 
+    from rollart_core.control.pipeline import Pipeline
     from rollart_core.control.train import train
-    from rollart_core.pipeline import Pipeline
 
     cfg = group_config(tmp_path, tiny_model, steps=5)
     async with Pipeline(cfg) as p:

@@ -10,9 +10,9 @@ import math
 import pytest
 
 from rollart_core.control.clock import VersionClock
+from rollart_core.control.runner import run_trajectory
 from rollart_core.errors import EngineError
 from rollart_core.loop import rollout_step
-from rollart_core.runner import run_trajectory
 from rollart_core.types import Fate, GenerateRequest, SamplingParams, StepResult, Trajectory
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ray]
@@ -249,7 +249,7 @@ async def test_train_step_updates_engine_weights_and_versions(pipeline) -> None:
 
 
 async def test_redundant_rollouts_cancel_exactly_the_surplus(pipeline) -> None:
-    from rollart_core.rollout import Rollout
+    from rollart_core.control.rollout import Rollout
 
     p = pipeline
     task = p.config.tasks[0]
@@ -278,7 +278,7 @@ async def test_a_group_admitted_ahead_generates_only_on_the_coming_version(pipel
     """Async admission ahead of a weight update: the group's environments reset at once, its first
     generation waits until the engines serve the coming version, and every token is of that version
     (the group is not stale by the time it is trained)."""
-    from rollart_core.rollout import Rollout
+    from rollart_core.control.rollout import Rollout
 
     p = pipeline
     task = p.config.tasks[0]

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from rollart_core.buffer import SampleBuffer
 from rollart_core.config import RunConfig
+from rollart_core.control.buffer import SampleBuffer
 from rollart_core.errors import EngineError, WeightSyncError
 from rollart_core.types import GenerateOutput, GenerateRequest, RewardResult, StepResult, Trajectory
 
@@ -184,7 +184,7 @@ class EnvReward:
 
 
 class FakePipeline:
-    """Quacks like :class:`rollart_core.pipeline.Pipeline` with the fakes above."""
+    """Quacks like :class:`rollart_core.control.pipeline.Pipeline` with the fakes above."""
 
     def __init__(self, config: RunConfig, script: Script) -> None:
         self.config, self.script = config, script

@@ -116,7 +116,7 @@ def test_check_config_prints_resolved(tmp_path: Path) -> None:
 
 
 def test_overlapping_mode_with_an_in_process_trainer_is_warned() -> None:
-    from rollart_core.pipeline import overlap_warning
+    from rollart_core.control.pipeline import overlap_warning
 
     data = _example()
     data["trainer"] = {"impl": "torch", "options": {}}

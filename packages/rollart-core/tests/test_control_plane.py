@@ -80,7 +80,7 @@ async def test_stale_abort_fires_on_a_hung_trajectory(fakes: ModuleType, tmp_pat
     # the first group's seed hangs in its env: its members can only end by the stale abort
     script = fakes.Script()
     cfg = fakes.fake_config(tmp_path, mode="async", alpha=1, steps=4)
-    from rollart_core.rollout import derive_seed
+    from rollart_core.control.rollout import derive_seed
 
     script.hang_seeds = {derive_seed(cfg.seed, "g", 0, 0)}
     p = fakes.FakePipeline(cfg, script)
@@ -104,7 +104,7 @@ async def test_every_launched_trajectory_has_one_fate(
 
 async def test_stale_relabel_at_the_buffer_is_counted_once(fakes: ModuleType, tmp_path: Path) -> None:
     # without the stale abort, the first group's episodes finish only once the trainer is at version 3
-    from rollart_core.rollout import derive_seed
+    from rollart_core.control.rollout import derive_seed
 
     script = fakes.Script(gate_seeds={derive_seed(0, "g", 0, 0): 3})
     summary, _, p = await _train(fakes, tmp_path, script, mode="async", alpha=1, steps=6, abort_stale=False)

@@ -30,7 +30,9 @@ def _loaded_after(code: str) -> set[str]:
 
 
 def test_core_import_is_light() -> None:
-    mods = _loaded_after("import rollart_core, rollart_core.loop, rollart_core.cli, rollart_core.pipeline")
+    mods = _loaded_after(
+        "import rollart_core, rollart_core.loop, rollart_core.cli, rollart_core.control.pipeline"
+    )
     assert not {m for m in mods if m.split(".")[0] in HEAVY}
 
 

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
+from rollart_core.control.rollout import derive_seed
 from rollart_core.errors import ConfigError
 from rollart_core.registry import build, resolve
-from rollart_core.rollout import derive_seed
 from rollart_core.types import Trajectory, Turn
 from rollart_env import dataset
 from rollart_env.dataset import DatasetEnv, extract_reply, load_rows, permute

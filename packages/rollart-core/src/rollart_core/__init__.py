@@ -18,7 +18,6 @@ Importing rollart_core never imports torch, vLLM, Ray or any member package.
 """
 
 from rollart_core.affinity import AffinitySpec, affinity, get_affinity
-from rollart_core.buffer import SampleBuffer
 from rollart_core.config import (
     ComponentConfig,
     EngineGroupConfig,
@@ -30,7 +29,9 @@ from rollart_core.config import (
     TrainerSection,
     load_config,
 )
+from rollart_core.control.buffer import SampleBuffer
 from rollart_core.control.clock import VersionClock
+from rollart_core.control.runner import run_trajectory
 from rollart_core.errors import (
     ConfigError,
     EngineError,
@@ -57,7 +58,6 @@ from rollart_core.protocols import (
     WeightStore,
 )
 from rollart_core.registry import available, build, resolve
-from rollart_core.runner import run_trajectory
 from rollart_core.types import (
     Fate,
     GenerateOutput,

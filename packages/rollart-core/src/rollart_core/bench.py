@@ -41,8 +41,8 @@ from rollart_core.bench_workload import (
     train_threads,
     workload_config,
 )
-from rollart_core.buffer import SampleBuffer
 from rollart_core.config import RunConfig
+from rollart_core.control.buffer import SampleBuffer
 from rollart_core.errors import ConfigError, EnvError
 from rollart_core.metrics import MemorySink
 from rollart_core.registry import build
@@ -93,7 +93,7 @@ async def measure_capacity(
 ) -> dict[str, Any]:
     """Standalone capacity of each stage, in its own unit and in trajectories/s of this workload."""
     from rollart_core.bench_workload import reward_executor
-    from rollart_core.rollout import Rollout
+    from rollart_core.control.rollout import Rollout
 
     free = free.model_copy(deep=True)
     for t in free.tasks:
@@ -244,7 +244,7 @@ async def run_segment(
     """One mode for ``cfg.train.steps`` steps on the shared pipeline (its trainer on ``threads``
     threads), with its busy intervals; the steady state starts after ``warmup`` steps (None: no
     steady state, throughput over the whole segment)."""
-    from rollart_core.loop import train
+    from rollart_core.control.train import train
 
     _use(p, cfg, threads)
     rows = MemorySink()
@@ -451,7 +451,7 @@ def machine() -> dict[str, Any]:
 async def run_bench(
     size_name: str, size: BenchSize, modes: list[str], out_dir: Path, model_path: Path | None = None
 ) -> dict[str, Any]:
-    from rollart_core.pipeline import Pipeline
+    from rollart_core.control.pipeline import Pipeline
 
     unknown = [m for m in modes if m not in MODES]
     if unknown or not modes:

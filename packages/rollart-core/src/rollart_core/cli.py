@@ -252,7 +252,7 @@ def _train(cfg: Any, *, verbose: bool) -> int:
         try:
             with Timeline() as tl, startup_display(f"starting {cfg.name}"):
                 import_s = since_process_start()
-                from rollart_core.loop import train
+                from rollart_core.control.train import train
 
                 summary = asyncio.run(train(cfg))
         except BaseException as exc:

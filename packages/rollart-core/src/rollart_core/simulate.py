@@ -2,7 +2,7 @@
 
 Pure Python (``heapq``), one event per stage of every trajectory, so a cluster of thousands of GPUs
 (tens of thousands of generation slots) simulates in seconds. The model follows the training loop
-(:mod:`rollart_core.loop`):
+(:mod:`rollart_core.control`):
 
 - a trajectory is: env reset → (generate turn → env step) × turns → reward, each stage waiting for a
   free slot of its pool (generation slots = engines × concurrent sequences; env and reward slots,

@@ -9,7 +9,7 @@ Per trajectory the agent gets a client bound to the trajectory's session on the 
 OpenAI-compatible endpoint, in-process (an ``httpx.ASGITransport`` over
 :class:`rollart_proxy.server.OpenAIServer`'s FastAPI app wrapping the run's own proxy: no socket).
 Every call it makes is recorded with the exact engine ids, logprobs and versions; the runner
-(:func:`rollart_core.runner.run_agent_trajectory`) turns them into the trajectory's turns.
+(:func:`rollart_core.control.runner.run_agent_trajectory`) turns them into the trajectory's turns.
 
 Failures, as fates: the agent raises → ``env_failed`` with the error; runs past
 ``episode_timeout_s`` → ``timed_out`` (its in-flight request is aborted); makes no model call →

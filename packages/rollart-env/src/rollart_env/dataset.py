@@ -300,7 +300,7 @@ def permute(position: int, n: int, key: str) -> int:
 @functools.lru_cache(maxsize=4)
 def _eval_seeds(tasks: int, episodes: int) -> dict[int, int]:
     """rollart's held-out evaluation seeds → episode index (``rollart_core.control.train.evaluate``)."""
-    from rollart_core.rollout import derive_seed
+    from rollart_core.control.rollout import derive_seed
 
     seeds: dict[int, int] = {}
     for e in range(episodes):

@@ -9,7 +9,7 @@ environment *slots*; each slot goes through
 
 A trajectory leases a slot with :meth:`EnvManager.acquire`, which returns a :class:`ManagedEnv`:
 an ordinary :class:`~rollart_core.protocols.Environment`, so
-:func:`rollart_core.runner.run_trajectory` drives it unchanged, and ``close()`` gives the slot back.
+:func:`rollart_core.control.runner.run_trajectory` drives it unchanged, and ``close()`` gives the slot back.
 
 Failures are masked, never propagated to the run: a call that raises is re-raised as
 :class:`~rollart_core.errors.EnvError` (fate ``env_failed``); a call that exceeds its per-call or
@@ -584,7 +584,7 @@ class EnvManager:
         A failure to lease is a fate too (``timed_out`` / ``env_failed``); a cancellation while
         waiting is ``cancelled_redundant``. Never raises except CancelledError.
         """
-        from rollart_core.runner import run_trajectory
+        from rollart_core.control.runner import run_trajectory
 
         t0 = time.perf_counter()
         try:

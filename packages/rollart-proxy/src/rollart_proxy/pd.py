@@ -192,7 +192,7 @@ class PDRouter:
 
     Config = PDConfig
     engine_args = staticmethod(shared_storage_kv_args)
-    """KV-connector engine args for a role (what ``rollart_core.pipeline`` gives each engine group)."""
+    """KV-connector engine args for a role (what ``rollart_core.control.pipeline`` gives each engine group)."""
 
     def __init__(
         self,

@@ -104,7 +104,7 @@ class TorchTrainerConfig(BaseModel):
     many processes are spawned (gloo on CPU, NCCL on GPU) and driven from this object."""
     spawn: bool = False
     """Run even a single rank in its own spawned process. A step then never holds the caller's GIL:
-    an asyncio control plane that trains in a thread (``rollart_core.loop`` in async mode) keeps
+    an asyncio control plane that trains in a thread (``rollart_core.control`` in async mode) keeps
     serving rollout while the step runs. In process, a small model's Python-heavy step starves the
     event loop; give the spawned rank a share of the cores too (``num_threads``) where it shares the
     machine with the engines. On a 2-core CPU machine, generation beside a step: 24 ms per turn alone,

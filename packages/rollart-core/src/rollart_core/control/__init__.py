@@ -6,6 +6,11 @@
 - :mod:`.admission` — async admission (``on_time``, ``next_task``, the producer);
 - :mod:`.clock` — the one owner of the trained / served / coming / last-batch versions;
 - :mod:`.ledger` — every trajectory's fate, counted once.
+- :mod:`.pipeline` — builds a run's components from its config (and tears them down);
+- :mod:`.rollout` — launches groups of trajectories, tracks them in flight, aborts the stale ones;
+- :mod:`.runner` — drives one trajectory env ↔ proxy ↔ reward (``run_trajectory``);
+- :mod:`.buffer` — the SampleBuffer: finished groups behind the staleness gate;
+- :mod:`.checkpoint` — checkpoints of a whole run, written as one unit.
 
 Nothing here imports torch, vLLM or Ray at import time.
 """

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from rollart_core.config import TaskConfig
-from rollart_core.rollout import Rollout
+from rollart_core.control.rollout import Rollout
 
 __all__ = ["next_task", "on_time", "produce"]
 

@@ -29,10 +29,10 @@ from typing import Any
 
 from rollart_core.config import RunConfig
 from rollart_core.control.clock import VersionClock
+from rollart_core.control.pipeline import Pipeline
+from rollart_core.control.rollout import Rollout
 from rollart_core.errors import RollartError
-from rollart_core.pipeline import Pipeline
 from rollart_core.protocols import SupportsWeightPrefetch, SupportsWeightPush
-from rollart_core.rollout import Rollout
 from rollart_core.timeline import record
 from rollart_core.types import Fate, Trajectory
 

@@ -14,16 +14,16 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
-from rollart_core.checkpoint import resume, save_checkpoint
 from rollart_core.config import RunConfig
 from rollart_core.control.asynchronous import run_async
+from rollart_core.control.checkpoint import resume, save_checkpoint
 from rollart_core.control.one_off import run_one_off
+from rollart_core.control.pipeline import Pipeline
+from rollart_core.control.rollout import Rollout, derive_seed
+from rollart_core.control.runner import run_trajectory
 from rollart_core.control.steps import Run, StepRecord, step_metrics
 from rollart_core.control.sync import run_sync
 from rollart_core.metrics import MetricsSink, default_sinks, since_process_start
-from rollart_core.pipeline import Pipeline
-from rollart_core.rollout import Rollout, derive_seed
-from rollart_core.runner import run_trajectory
 from rollart_core.types import Fate, Trajectory
 
 __all__ = ["RECIPES", "evaluate", "rollout_step", "train"]

@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING
 
 from rollart_core.control.clock import VersionClock
 from rollart_core.control.ledger import FateLedger
+from rollart_core.control.runner import run_trajectory
 from rollart_core.errors import EnvError, EnvTimeoutError
-from rollart_core.runner import run_trajectory
 from rollart_core.types import Fate, Trajectory
 
 if TYPE_CHECKING:
-    from rollart_core.pipeline import Pipeline
+    from rollart_core.control.pipeline import Pipeline
 
 __all__ = ["Rollout", "derive_seed"]
 

@@ -22,8 +22,8 @@ from rollart_core.errors import ConfigError
 from rollart_core.protocols import SupportsResume, SupportsWeightPush
 
 if TYPE_CHECKING:
+    from rollart_core.control.pipeline import Pipeline
     from rollart_core.control.steps import Run
-    from rollart_core.pipeline import Pipeline
 
 __all__ = ["resume", "save_checkpoint"]
 STATE_FILE = "rollart_state.json"
