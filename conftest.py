@@ -4,7 +4,7 @@ is first imported, so they are set before any test module can import it."""
 
 import os
 
-from rollart_core.cluster import LOOPBACK_ENV
+from rollart_core.resources import LOOPBACK_ENV
 
 for _k, _v in LOOPBACK_ENV.items():
     os.environ.setdefault(_k, _v)

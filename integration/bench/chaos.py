@@ -43,7 +43,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from rollart_core.cluster import LOOPBACK_ENV
+from rollart_core.resources import LOOPBACK_ENV
 
 # -------------------------------------------------------------------------------------------- processes
 

@@ -180,8 +180,8 @@ async def collect_batch(
 
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
-    from rollart_core.cluster import RayCluster
     from rollart_core.config import RayConfig
+    from rollart_core.resources import RayCluster
     from rollart_core.timeline import Timeline
     from rollart_core.types import SamplingParams
     from rollart_env import EnvManager, EnvManagerConfig

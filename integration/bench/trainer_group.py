@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rollart_core.cluster import LOOPBACK_ENV
+from rollart_core.resources import LOOPBACK_ENV
 
 
 def make_batch(n: int, seed: int):

@@ -159,8 +159,8 @@ def part1(nbytes: int, repeats: int, with_ray: bool, warmup: int = 3) -> dict[st
             res["backends"].append(store_bandwidth(name, mc, tensors, nbytes, repeats, warmup))
             mc.close()
     if with_ray:
-        from rollart_core.cluster import RayCluster
         from rollart_core.config import RayConfig
+        from rollart_core.resources import RayCluster
         from rollart_weightsync import RayWeightStore
 
         with RayCluster(RayConfig(num_cpus=2)):

@@ -54,7 +54,7 @@ async def engines(
 ) -> AsyncIterator[tuple[dict[str, Any], Any, Path]]:
     import ray
 
-    from rollart_core.cluster import LOOPBACK_ENV
+    from rollart_core.resources import LOOPBACK_ENV
     from rollart_proxy.vllm_engine import VllmEngine, VllmEngineConfig
     from rollart_train.tiny import create_tiny_model
     from rollart_weightsync import FilesystemWeightStore

@@ -19,8 +19,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.ray, pytest.mark.timeout(600)]
 
 @pytest.fixture(scope="module")
 def ray_env_pool() -> Iterator[None]:
-    from rollart_core.cluster import RayCluster
     from rollart_core.config import RayConfig
+    from rollart_core.resources import RayCluster
 
     with RayCluster(RayConfig(num_cpus=4, resources={"env": 8})) as c:
         assert c.started, "a Ray cluster was already running; this module needs its own (with an 'env' pool)"

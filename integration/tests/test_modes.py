@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.ray]
 def ray_session() -> object:
     """One Ray session for the module: each run's pipeline joins it instead of starting and stopping
     its own (RayCluster reuses an initialised Ray), which saves Ray's start-up per run."""
-    from rollart_core.cluster import RayCluster
+    from rollart_core.resources import RayCluster
 
     with RayCluster(slice_config(Path("unused")).ray) as cluster:
         yield cluster

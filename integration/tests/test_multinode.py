@@ -27,10 +27,17 @@ from typing import Any
 
 import pytest
 
-from rollart_core.affinity import AffinitySpec, affinity, get_affinity
-from rollart_core.cluster import LOOPBACK_ENV
 from rollart_core.errors import ConfigError
-from rollart_core.resources import ClusterView, WorkerDecl, place, validate_plan
+from rollart_core.resources import (
+    LOOPBACK_ENV,
+    AffinitySpec,
+    ClusterView,
+    WorkerDecl,
+    affinity,
+    get_affinity,
+    place,
+    validate_plan,
+)
 from rollart_core.types import GenerateOutput, GenerateRequest, SamplingParams
 
 pytestmark = [pytest.mark.ray]

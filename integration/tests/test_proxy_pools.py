@@ -24,8 +24,8 @@ ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Any]:
-    from rollart_core.cluster import RayCluster
     from rollart_core.config import RayConfig
+    from rollart_core.resources import RayCluster
 
     with RayCluster(RayConfig(num_cpus=2, resources={"H800": 1, "H20": 1})) as c:
         import ray
@@ -40,7 +40,7 @@ def cluster() -> Iterator[Any]:
 def actors(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     import ray
 
-    from rollart_core.affinity import get_affinity, ray_actor_options
+    from rollart_core.resources import get_affinity, ray_actor_options
     from rollart_proxy.vllm_engine import VllmEngine, VllmEngineConfig
     from rollart_train.tiny import create_tiny_model
 

@@ -166,9 +166,8 @@ async def test_an_env_call_past_the_tasks_timeout_ends_the_trajectory_timed_out(
 async def test_engines_are_placed_through_the_resource_plane(pipeline) -> None:
     import ray
 
-    from rollart_core.affinity import AffinitySpec
     from rollart_core.errors import ConfigError
-    from rollart_core.resources import WorkerDecl
+    from rollart_core.resources import AffinitySpec, WorkerDecl
 
     p = pipeline
     pg, _ = p.placement.groups["gen"]  # one reserved placement group per engine group

@@ -4,9 +4,9 @@ import asyncio
 
 import pytest
 
-from rollart_core.affinity import AffinitySpec, affinity, get_affinity, ray_actor_options
 from rollart_core.control.buffer import SampleBuffer
 from rollart_core.errors import ConfigError
+from rollart_core.resources import AffinitySpec, affinity, get_affinity, ray_actor_options
 from rollart_core.types import Fate, Trajectory, Turn
 
 

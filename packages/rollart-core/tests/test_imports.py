@@ -40,7 +40,7 @@ def test_affinity_decorator_needs_no_ray() -> None:
     mods = _loaded_after(
         "from rollart_core import affinity\n"
         "@affinity(pool='H20', num_gpus=1)\nclass W: pass\n"
-        "from rollart_core.affinity import get_affinity\nassert get_affinity(W).pool == 'H20'"
+        "from rollart_core.resources import get_affinity\nassert get_affinity(W).pool == 'H20'"
     )
     assert "ray" not in mods
 

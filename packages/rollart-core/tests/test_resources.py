@@ -6,15 +6,18 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from rollart_core.affinity import AffinitySpec, affinity, get_affinity, ray_actor_options
 from rollart_core.errors import ConfigError
 from rollart_core.resources import (
+    AffinitySpec,
     ClusterView,
     ResourceManager,
     ResourcePlanConfig,
     ServerlessPoolConfig,
     TaskAffinity,
     WorkerDecl,
+    affinity,
+    get_affinity,
+    ray_actor_options,
     validate_plan,
 )
 

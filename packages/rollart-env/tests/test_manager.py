@@ -20,8 +20,8 @@ LAKE = {"impl": "frozenlake", "options": {"hole_prob": 0.0, "max_steps": 50}}
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[None]:
-    from rollart_core.cluster import RayCluster
     from rollart_core.config import RayConfig
+    from rollart_core.resources import RayCluster
 
     with RayCluster(RayConfig(num_cpus=4, resources={"env": 8})) as c:
         assert c.started, "a Ray cluster was already running; this module needs its own"

@@ -154,8 +154,8 @@ async def test_synthetic_cpu_mode_burns_a_fixed_amount_of_cpu_time() -> None:
 
 @pytest.mark.ray
 def test_ray_executor_runs_tasks_and_retries() -> None:
-    from rollart_core.cluster import RayCluster
     from rollart_core.config import RayConfig
+    from rollart_core.resources import RayCluster
     from rollart_reward.ray_executor import RayExecutor, RayExecutorConfig
 
     with RayCluster(RayConfig(num_cpus=2)):

@@ -256,7 +256,7 @@ def test_fault_injection_reaches_the_serve_command() -> None:
 # ---------------------------------------------------------------- the Ray actor path
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[Any]:
-    from rollart_core.cluster import LOOPBACK_ENV
+    from rollart_core.resources import LOOPBACK_ENV
 
     ray = pytest.importorskip("ray")
     saved = {k: os.environ.get(k) for k in LOOPBACK_ENV}

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollart_core.cluster import LOOPBACK_ENV
 from rollart_core.errors import ConfigError, TrainerError
+from rollart_core.resources import LOOPBACK_ENV
 from rollart_core.types import Trajectory, Turn
 from rollart_train import RayTrainerGroup, RayTrainerGroupConfig, TorchTrainer, TorchTrainerConfig
 from rollart_train.tiny import create_tiny_model

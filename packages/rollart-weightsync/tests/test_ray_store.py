@@ -16,8 +16,8 @@ TIMEOUT = 60
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[None]:
-    from rollart_core.cluster import RayCluster
     from rollart_core.config import RayConfig
+    from rollart_core.resources import RayCluster
 
     with RayCluster(RayConfig(num_cpus=2)):
         yield

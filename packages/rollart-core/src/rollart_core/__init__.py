@@ -17,7 +17,6 @@ Public API, grouped:
 Importing rollart_core never imports torch, vLLM, Ray or any member package.
 """
 
-from rollart_core.affinity import AffinitySpec, affinity, get_affinity
 from rollart_core.config import (
     ComponentConfig,
     EngineGroupConfig,
@@ -58,6 +57,7 @@ from rollart_core.protocols import (
     WeightStore,
 )
 from rollart_core.registry import available, build, resolve
+from rollart_core.resources import AffinitySpec, affinity, get_affinity
 from rollart_core.types import (
     Fate,
     GenerateOutput,

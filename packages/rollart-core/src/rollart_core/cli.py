@@ -229,10 +229,10 @@ def _configured_ports(node: Any, where: str = "") -> list[tuple[str, str, int]]:
 
 
 def _train(cfg: Any, *, verbose: bool) -> int:
-    from rollart_core.cluster import worker_logs_to
     from rollart_core.console import route_logs, startup_display, wants_live
     from rollart_core.metrics import since_process_start
     from rollart_core.report import save_timeline, write_report
+    from rollart_core.resources import worker_logs_to
     from rollart_core.timeline import Timeline
 
     out: Path = cfg.output_dir

@@ -134,7 +134,7 @@ def route_logs(log_file: Path, verbose: bool = False) -> Iterator[Path]:
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         _tally = WarningTally()
         added += [_tally, _console_error_handler()]
-        from rollart_core.cluster import LOOPBACK_ENV
+        from rollart_core.resources import LOOPBACK_ENV
 
         for k, v in LOOPBACK_ENV.items():  # read by Ray at import time: before importing it
             os.environ.setdefault(k, v)

@@ -32,10 +32,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rollart_core.affinity import affinity, get_affinity, ray_actor_options
 from rollart_core.errors import ConfigError, EnvError, EnvTimeoutError
 from rollart_core.extras import require
 from rollart_core.registry import resolve, validate_options
+from rollart_core.resources import affinity, get_affinity, ray_actor_options
 from rollart_core.types import Fate, StepResult, Trajectory
 from rollart_env.faults import FaultSpec
 from rollart_env.replicas import ReplicatedEnv
@@ -292,7 +292,7 @@ class EnvManager:
             return self
         ray = require("ray", _INSTALL)
         if not ray.is_initialized():
-            raise EnvError("EnvManager needs a running Ray cluster (use rollart_core.cluster.RayCluster)")
+            raise EnvError("EnvManager needs a running Ray cluster (use rollart_core.resources.RayCluster)")
         pool = self.config.pool
         if pool is not None and ray.cluster_resources().get(pool, 0) < 1:
             raise ConfigError(

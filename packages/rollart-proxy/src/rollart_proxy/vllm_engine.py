@@ -19,10 +19,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rollart_core.affinity import affinity
 from rollart_core.errors import EngineError, WeightSyncError
 from rollart_core.extras import require
 from rollart_core.protocols import PauseMode, WeightStore
+from rollart_core.resources import affinity
 from rollart_core.types import GenerateOutput, GenerateRequest
 from rollart_proxy.errors import EngineNotStartedError, WorkerUnavailableError
 from rollart_proxy.metrics import WorkerMetrics

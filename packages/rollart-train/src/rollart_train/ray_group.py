@@ -51,10 +51,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from rollart_core.affinity import AffinitySpec
 from rollart_core.errors import ConfigError, RollartError, TrainerError
 from rollart_core.extras import require
-from rollart_core.resources import ClusterView, WorkerDecl
+from rollart_core.resources import AffinitySpec, ClusterView, WorkerDecl
 from rollart_core.types import Trajectory
 
 if TYPE_CHECKING:

@@ -108,7 +108,7 @@ class RayWeightStore(PushWatchMixin):
             ray = require("ray", _INSTALL)
             if not ray.is_initialized():
                 raise WeightSyncError(
-                    "RayWeightStore needs a running Ray (ray.init / rollart_core.cluster.RayCluster)"
+                    "RayWeightStore needs a running Ray (ray.init / rollart_core.resources.RayCluster)"
                 )
             cls = ray.remote(num_cpus=0)(_Holder)
             self._actor = cls.options(

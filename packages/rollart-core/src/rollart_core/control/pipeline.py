@@ -15,13 +15,12 @@ import time
 from contextlib import AsyncExitStack
 from typing import Any
 
-from rollart_core.affinity import get_affinity
-from rollart_core.cluster import RayCluster
 from rollart_core.config import RunConfig, TaskConfig
 from rollart_core.control.buffer import SampleBuffer
 from rollart_core.errors import ConfigError, RegistryError
 from rollart_core.protocols import ChatFormat, Proxy, RewardExecutor, Trainer, WeightStore
 from rollart_core.registry import build, resolve, validate_options
+from rollart_core.resources import RayCluster, get_affinity
 
 __all__ = ["Pipeline"]
 

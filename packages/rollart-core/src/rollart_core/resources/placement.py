@@ -1,7 +1,7 @@
 """The resource plane (R1): named pools over a heterogeneous Ray cluster, plan validation, placement.
 
 A **pool** is a named set of nodes (or an elastic serverless endpoint) that workers ask for by name
-through their :class:`~rollart_core.affinity.AffinitySpec` ``pool``. Pools come from the cluster
+through their :class:`~rollart_core.resources.AffinitySpec` ``pool``. Pools come from the cluster
 itself, in this order:
 
 1. a Ray **custom resource** on the node (``ray start --resources='{"H800": 8}'``): pool ``H800``;
@@ -32,8 +32,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rollart_core.affinity import AffinitySpec
 from rollart_core.errors import ConfigError, RollartError
+from rollart_core.resources.affinity import AffinitySpec
 
 __all__ = [
     "ACCELERATOR_LABEL",
