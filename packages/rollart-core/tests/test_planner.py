@@ -9,13 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from rollart_core.catalogue import DEFAULT_CATALOGUE, load_catalogue
 from rollart_core.cli import main
 from rollart_core.errors import ConfigError
-from rollart_core.planner import decode_step, estimate, make_plan, max_batch, prefill_seconds
-from rollart_core.simulate import simulate
-from rollart_core.types import Fate, Trajectory, Turn
-from rollart_core.workload import (
+from rollart_core.plan.catalogue import DEFAULT_CATALOGUE, load_catalogue
+from rollart_core.plan.planner import decode_step, estimate, make_plan, max_batch, prefill_seconds
+from rollart_core.plan.simulate import simulate
+from rollart_core.plan.workload import (
     LatencyDist,
     ModelProfile,
     TaskProfile,
@@ -23,6 +22,7 @@ from rollart_core.workload import (
     WorkloadProfile,
     profile_from_trajectories,
 )
+from rollart_core.types import Fate, Trajectory, Turn
 
 # 7B, 28 layers, 4 KV heads × 128, bf16: weights 14e9 B, KV 2·28·4·128·2 = 57,344 B per token
 MODEL = ModelProfile(params=7e9, num_layers=28, num_kv_heads=4, head_dim=128, dtype_bytes=2)
@@ -257,7 +257,7 @@ def test_catalogue_file_errors(tmp_path: Path) -> None:
 def test_planned_config_routes_tasks_to_the_plans_pools(tmp_path: Path) -> None:
     """``rollart plan --write-config``: the plan as engine groups and task routes ``rollart train`` accepts."""
     from rollart_core.config import RunConfig, load_config
-    from rollart_core.planner_cli import plan_config
+    from rollart_core.plan.cli import plan_config
 
     cfg = RunConfig.model_validate(
         {

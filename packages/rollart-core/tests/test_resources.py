@@ -179,7 +179,7 @@ def test_resource_plane_and_planner_import_without_ray() -> None:
     import sys
 
     code = (
-        "import rollart_core.resources, rollart_core.planner, rollart_core.planner_cli, rollart_core.simulate, sys, json;"
+        "import rollart_core.resources, rollart_core.plan.planner, rollart_core.plan.cli, rollart_core.plan.simulate, sys, json;"
         "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in {'ray', 'torch', 'vllm'})))"
     )
     out = subprocess.run(

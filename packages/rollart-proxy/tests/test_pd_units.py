@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from rollart_core.config import RunConfig, TaskConfig
 from rollart_core.errors import ConfigError
-from rollart_core.workload import TaskProfile
+from rollart_core.plan.workload import TaskProfile
 from rollart_proxy import LLMProxy, WorkerHandle
 from rollart_proxy.pd import PDConfig, PDOutput, PDRouter, choose_path, resolve_policy, shared_storage_kv_args
 

@@ -57,7 +57,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     pl.add_argument("config", help="path to the run config (YAML): its tasks, batch sizes and turns")
     pl.add_argument(
-        "--profile", help="workload profile (YAML/JSON; see rollart_core.workload), e.g. measured by a run"
+        "--profile",
+        help="workload profile (YAML/JSON; see rollart_core.plan.workload), e.g. measured by a run",
     )
     pl.add_argument(
         "--catalogue", help="hardware catalogue (YAML) adding to or replacing the built-in classes"
@@ -162,7 +163,7 @@ def _run(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config)
     if args.command == "plan":
-        from rollart_core.planner_cli import run_plan
+        from rollart_core.plan.cli import run_plan
 
         print(run_plan(cfg, args))
         return 0

@@ -28,7 +28,7 @@ Which path a turn takes (``PDOutput.pd_path``, counted in :meth:`PDRouter.metric
   the decode worker prefills locally.
 
 Per-task policy (``TaskConfig.pd``): ``on``, ``off``, or ``auto``. ``auto`` with a task profile
-(:class:`~rollart_core.workload.TaskProfile`) is ``on`` when the task prefills at least
+(:class:`~rollart_core.plan.workload.TaskProfile`) is ``on`` when the task prefills at least
 ``auto_min_ratio`` tokens per generated token (prompt vs output length); without a profile each
 turn is judged by its own uncached suffix vs its ``max_tokens``.
 
@@ -59,7 +59,7 @@ from rollart_proxy.proxy import LLMProxy
 
 if TYPE_CHECKING:
     from rollart_core.config import TaskConfig
-    from rollart_core.workload import TaskProfile
+    from rollart_core.plan.workload import TaskProfile
 
 __all__ = ["PDConfig", "PDOutput", "PDPath", "PDPolicy", "PDRouter", "choose_path", "shared_storage_kv_args"]
 

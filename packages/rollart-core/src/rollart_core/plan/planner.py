@@ -22,10 +22,10 @@ import math
 import random
 from dataclasses import dataclass, field
 
-from rollart_core.catalogue import HardwareClass
 from rollart_core.errors import ConfigError
-from rollart_core.simulate import GenTime, SimResult, simulate
-from rollart_core.workload import ModelProfile, TaskProfile, WorkloadProfile
+from rollart_core.plan.catalogue import HardwareClass
+from rollart_core.plan.simulate import GenTime, SimResult, simulate
+from rollart_core.plan.workload import ModelProfile, TaskProfile, WorkloadProfile
 
 __all__ = ["ClassEstimate", "Plan", "TaskPlan", "estimate", "make_plan", "render_plan", "roofline_gen_time"]
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from rollart_core.errors import ConfigError
-from rollart_core.workload import TaskProfile, WorkloadProfile
+from rollart_core.plan.workload import TaskProfile, WorkloadProfile
 
 __all__ = ["SimResult", "simulate"]
 

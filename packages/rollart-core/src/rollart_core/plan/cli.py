@@ -1,4 +1,4 @@
-"""``rollart plan``: the planner behind the command line (kept apart from the CLI module)."""
+"""``rollart plan``: the planner behind the command line (kept apart from :mod:`rollart_core.cli`)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from rollart_core.catalogue import load_catalogue
 from rollart_core.config import RunConfig
 from rollart_core.errors import ConfigError
-from rollart_core.planner import Plan, make_plan, render_plan
-from rollart_core.workload import TaskProfile, WorkloadProfile, load_profile
+from rollart_core.plan.catalogue import load_catalogue
+from rollart_core.plan.planner import Plan, make_plan, render_plan
+from rollart_core.plan.workload import TaskProfile, WorkloadProfile, load_profile
 
 __all__ = ["plan_config", "profile_from_config", "run_plan"]
 
