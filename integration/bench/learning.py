@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
-from rollart_core.bench_workload import train_threads
+from rollart_core.bench.workload import train_threads
 from rollart_core.config import load_config
 from rollart_core.loop import train
 from rollart_core.timeline import CpuMeter

@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rollart_core.bench_workload import train_threads
+from rollart_core.bench.workload import train_threads
 from rollart_core.metrics import MemorySink
 from rollart_core.plan.simulate import simulate
 from rollart_core.plan.workload import WorkloadProfile, profile_from_trajectories

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from rollart_core.bench import aggregate, goals
-from rollart_core.bench_workload import SIZES
+from rollart_core.bench.harness import aggregate, goals
+from rollart_core.bench.workload import SIZES
 from rollart_core.timeline import (
     STAGES,
     Timeline,
@@ -118,7 +118,7 @@ def test_aggregate_ratios_bound_and_wall_weighted_utilisation() -> None:
 
 
 def test_env_replicas_wrap_every_task_env_in_the_replicated_entry_point(tmp_path) -> None:
-    from rollart_core.bench_workload import MODES, SIZES, mode_config, workload_config
+    from rollart_core.bench.workload import MODES, SIZES, mode_config, workload_config
     from rollart_core.registry import build
 
     size = SIZES["micro"]
@@ -155,7 +155,7 @@ async def test_cpu_meter_reads_the_machines_busy_fraction() -> None:
 
 
 def test_episode_sums_weight_each_steps_mean_by_its_count() -> None:
-    from rollart_core.bench import episode_sums
+    from rollart_core.bench.harness import episode_sums
 
     rows = [
         {"finished_by_task": {"a": 2, "b": 1}, "episode_s_by_task": {"a": 1.0, "b": 4.0}},
@@ -166,8 +166,8 @@ def test_episode_sums_weight_each_steps_mean_by_its_count() -> None:
 
 
 def test_each_mode_warms_up_for_its_pipeline_depth_before_throughput_is_measured(tmp_path) -> None:
-    from rollart_core.bench import steady_window
-    from rollart_core.bench_workload import MODES, SIZES, mode_config, workload_config
+    from rollart_core.bench.harness import steady_window
+    from rollart_core.bench.workload import MODES, SIZES, mode_config, workload_config
 
     assert MODES["sync"].warmup_steps() == 0 and MODES["one_off"].warmup_steps() == 1
     assert [MODES[m].warmup_steps() for m in ("async_a1", "async_a2", "async_a4_r3", "admission")] == [
@@ -196,7 +196,7 @@ def test_each_mode_warms_up_for_its_pipeline_depth_before_throughput_is_measured
 
 
 def test_bench_set_overrides_size_fields_and_rejects_unknown_ones(capsys: pytest.CaptureFixture[str]) -> None:
-    from rollart_core.bench import parse_overrides, sized
+    from rollart_core.bench.harness import parse_overrides, sized
     from rollart_core.cli import main
     from rollart_core.errors import ConfigError
 

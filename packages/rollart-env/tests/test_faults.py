@@ -135,3 +135,21 @@ async def test_a_rebuilt_instance_draws_fresh_faults_not_a_replay() -> None:
     assert first == [plan_episode(spec, ep, (7, ep + 1)).fault == "crash" for ep in range(12)]
     rebuilt = [await crashes(n) for n in (1, 2)]
     assert all(r != first for r in rebuilt) and rebuilt[0] != rebuilt[1]  # not a replay of the first life
+
+
+async def test_straggler_numbers_its_objects_and_wraps_faulty() -> None:
+    from rollart_core.errors import ConfigError
+    from rollart_core.registry import build
+    from rollart_env import StragglerEnv
+
+    options = {"env": {"impl": "frozenlake"}, "faults": {"seed": 1, "step_latency_s": 0.0}}
+    first, second = (build("env", "straggler", options, "x") for _ in range(2))
+    assert isinstance(first, StragglerEnv) and isinstance(first.inner, FaultyEnv)
+    assert second.inner.instance == first.inner.instance + 1
+    assert first.inner.spec.per_instance and not FaultSpec().per_instance  # forced on
+    ref = FrozenLakeEnv()
+    assert first.action_vocabulary == ref.action_vocabulary and first.system_prompt == ref.system_prompt
+    assert await first.reset(3) == await ref.reset(3) and await first.step("R") == await ref.step("R")
+    await first.close()
+    with pytest.raises(ConfigError, match=r"straggler\.options\.faults\.crash_prob"):
+        build("env", "straggler", {"env": {"impl": "frozenlake"}, "faults": {"crash_prob": 2}}, "x")

@@ -123,9 +123,9 @@ async def test_the_replicated_entry_point_builds_copies_in_process_and_masks_the
     from rollart_core.errors import ConfigError
     from rollart_core.registry import build
 
-    # the bench's StragglerEnv numbers its instances: each copy draws its own crash
+    # straggler (the bench's StragglerEnv) numbers its instances: each copy draws its own crash
     inner = {
-        "impl": "rollart_core.bench_workload:StragglerEnv",
+        "impl": "straggler",
         "options": {
             "env": {"impl": "frozenlake", "options": LAKE.model_dump()},
             "faults": {"crash_prob": 0.5, "fault_within_calls": 1, "seed": 3},

@@ -87,7 +87,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--micro", action="store_true", help="the smallest size (tests)")
     b.add_argument("--out", default="runs/bench", help="output directory (default runs/bench)")
     b.add_argument(
-        "--modes", nargs="+", help="modes to compare (default: by size; see rollart_core.bench_workload)"
+        "--modes", nargs="+", help="modes to compare (default: by size; see rollart_core.bench.workload)"
     )
     b.add_argument("--rounds", type=int, help="override the size's rounds")
     b.add_argument(
@@ -101,7 +101,7 @@ def _parser() -> argparse.ArgumentParser:
         default=[],
         metavar="FIELD=VALUE",
         help="override workload fields of the size, e.g. --set env_latency_s=0.1 groups_per_step=4 "
-        "(fields: rollart_core.bench_workload.BenchSize)",
+        "(fields: rollart_core.bench.workload.BenchSize)",
     )
     b.add_argument("--model", help="model directory (default: the tiny model, created under --out)")
     b.add_argument("-v", "--verbose", action="store_true", help="show INFO logs")
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     if args.command == "bench":
-        from rollart_core.bench import run_bench_cli
+        from rollart_core.bench.harness import run_bench_cli
 
         return run_bench_cli(args)
     if args.command == "report":

@@ -12,7 +12,8 @@ Public API:
   the same per batch (launch B + m groups, keep the first B complete)
 - :class:`ReplicatedEnv` — hedged calls across replicas of a deterministic env (the EnvManager's
   ``replicas``): first answer wins, a straggling, crashing or hanging replica is masked
-- :class:`FaultyEnv` (``faulty``) — seeded fault injection for tests and benchmarks
+- :class:`FaultyEnv` (``faulty``) — seeded fault injection for tests and benchmarks;
+  :class:`StragglerEnv` (``straggler``) — the same with a fresh instance per object (``rollart bench``)
 
 Nothing heavy is imported here: gymnasium, aiohttp and Ray load only when used.
 """
@@ -20,7 +21,15 @@ Nothing heavy is imported here: gymnasium, aiohttp and Ray load only when used.
 from rollart_env.adapters import GemConfig, GemEnv, GymnasiumConfig, GymnasiumEnv, TextWrapper
 from rollart_env.calculator import CalculatorConfig, CalculatorEnv
 from rollart_env.code_task import CodeTaskConfig, CodeTaskEnv
-from rollart_env.faults import FaultSpec, FaultyEnv, FaultyEnvConfig, InjectedCrash, plan_episode
+from rollart_env.faults import (
+    FaultSpec,
+    FaultyEnv,
+    FaultyEnvConfig,
+    InjectedCrash,
+    StragglerEnv,
+    StragglerEnvConfig,
+    plan_episode,
+)
 from rollart_env.frozenlake import (
     ACTIONS,
     FrozenLakeConfig,
@@ -68,6 +77,8 @@ __all__ = [
     "RemoteEnvConfig",
     "SokobanConfig",
     "SokobanEnv",
+    "StragglerEnv",
+    "StragglerEnvConfig",
     "TextWrapper",
     "generate_map",
     "plan_episode",

@@ -7,11 +7,16 @@ will fail (:func:`plan_episode`). Per episode one fault is drawn: with ``crash_p
 raises :class:`InjectedCrash` (an :class:`~rollart_core.errors.EnvError`) at one call, with
 ``hang_prob`` it hangs there (forever, or ``hang_s``); the call is drawn uniformly from
 ``0 .. fault_within_calls - 1`` where call 0 is ``reset`` and call i the i-th ``step``.
+
+:class:`StragglerEnv` (entry point ``straggler``) is :class:`FaultyEnv` with a fresh instance number
+per environment object: ``rollart bench`` uses it so that the members of one group straggle and fail
+independently.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import random
 from dataclasses import dataclass
@@ -25,7 +30,16 @@ from rollart_core.protocols import Environment
 from rollart_core.types import StepResult
 from rollart_env._text import sub_seed
 
-__all__ = ["EpisodePlan", "FaultSpec", "FaultyEnv", "FaultyEnvConfig", "InjectedCrash", "plan_episode"]
+__all__ = [
+    "EpisodePlan",
+    "FaultSpec",
+    "FaultyEnv",
+    "FaultyEnvConfig",
+    "InjectedCrash",
+    "StragglerEnv",
+    "StragglerEnvConfig",
+    "plan_episode",
+]
 
 
 class InjectedCrash(EnvError):
@@ -191,6 +205,50 @@ class FaultyEnv:
 
     async def step(self, action_text: str) -> StepResult:
         await self._before()
+        return await self.inner.step(action_text)
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+class StragglerEnvConfig(BaseModel):
+    """Options of the ``straggler`` entry point."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    env: ComponentConfig
+    """The environment to wrap."""
+    faults: dict[str, Any] = Field(default_factory=dict)
+    """A :class:`FaultSpec` (validated by ``faulty``); ``per_instance`` is forced on."""
+
+
+class StragglerEnv:
+    """The ``faulty`` wrapper with a fresh instance number per environment object, so each
+    trajectory (also within a group: same seed) draws its own latencies and crash."""
+
+    Config = StragglerEnvConfig
+    _instances = itertools.count()
+
+    def __init__(self, config: StragglerEnvConfig) -> None:
+        from rollart_core.registry import build
+
+        self.inner = build(
+            "env",
+            "faulty",
+            {
+                "env": config.env.model_dump(),
+                "instance": next(self._instances),
+                "faults": {**config.faults, "per_instance": True},
+            },
+            "straggler.options",
+        )
+        self.action_vocabulary = self.inner.action_vocabulary
+        self.system_prompt = self.inner.system_prompt
+
+    async def reset(self, seed: int) -> tuple[str, dict[str, Any]]:
+        return await self.inner.reset(seed)
+
+    async def step(self, action_text: str) -> StepResult:
         return await self.inner.step(action_text)
 
     async def close(self) -> None:

@@ -88,7 +88,8 @@ class ReplicatedEnvConfig(BaseModel):
     replicas: int = Field(3, ge=1)
     """Copies built per environment; every call goes to all of them. Each copy is built from the
     same options, so randomness seeded only by the options (``faulty`` with one ``instance``) is the
-    same in every copy and hedges nothing; the bench's ``StragglerEnv`` numbers its copies."""
+    same in every copy and hedges nothing; ``straggler`` (:class:`~rollart_env.faults.StragglerEnv`)
+    numbers its copies."""
 
 
 class ReplicatedEnv:

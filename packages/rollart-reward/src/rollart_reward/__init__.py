@@ -4,6 +4,7 @@ Public API:
 - rewards: :class:`SuccessReward`, :class:`EnvReturnReward`, :class:`ExactMatchReward`,
   :class:`NumberMatchReward`, :class:`MathVerifyReward`, :class:`CodeTestsReward`, :class:`FormatReward`,
   :class:`SyntheticReward`; ``rollart_reward.judge.LLMJudgeReward``
+- fault injection: :class:`BurstyReward` (``bursty``) — another reward behind a seeded log-normal cost
 - executors: :class:`InlineExecutor`, :class:`PoolExecutor`, :class:`HttpExecutor`;
   ``rollart_reward.ray_executor.RayExecutor`` (needs the ``ray`` extra)
 - function runtime: :class:`FunctionRuntime` (``rollart-reward serve``)
@@ -13,6 +14,7 @@ Public API:
 
 from rollart_reward.builtin import EnvReturnReward, SuccessReward
 from rollart_reward.executor import InlineExecutor, PoolExecutor
+from rollart_reward.faults import BurstyReward, BurstyRewardConfig
 from rollart_reward.http_executor import HttpExecutor, HttpExecutorConfig
 from rollart_reward.rewards import (
     CodeTestsReward,
@@ -27,6 +29,9 @@ from rollart_reward.sandbox import SandboxResult, run_python, run_python_async
 from rollart_reward.wire import trajectory_from_dict, trajectory_to_dict
 
 __all__ = [
+    # fault injection
+    "BurstyReward",
+    "BurstyRewardConfig",
     # rewards
     "CodeTestsReward",
     "EnvReturnReward",

@@ -32,7 +32,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from rollart_core.bench_workload import (
+from rollart_core.bench.workload import (
     DEFAULT_MODES,
     MODES,
     SIZES,
@@ -92,7 +92,7 @@ async def measure_capacity(
     p: Any, free: RunConfig, faulty: RunConfig, size: BenchSize, inflight: int, reward_kinds: list[str]
 ) -> dict[str, Any]:
     """Standalone capacity of each stage, in its own unit and in trajectories/s of this workload."""
-    from rollart_core.bench_workload import reward_executor
+    from rollart_core.bench.workload import reward_executor
     from rollart_core.control.rollout import Rollout
 
     free = free.model_copy(deep=True)
@@ -542,7 +542,7 @@ def sized(size_name: str, overrides: dict[str, Any]) -> BenchSize:
 
 
 def run_bench_cli(args: Any) -> int:
-    from rollart_core.bench_report import print_table, write_reports
+    from rollart_core.bench.report import print_table, write_reports
 
     size_name = "micro" if args.micro else "quick" if args.quick else "full"
     overrides = parse_overrides(args.set)

@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from rollart_core.bench_workload import MODES
+from rollart_core.bench.workload import MODES
 from rollart_core.timeline import STAGES
 
 __all__ = ["print_table", "write_reports"]

@@ -1,4 +1,4 @@
-"""The ``rollart bench`` workload: sizes, the straggler environments, the bursty reward, the modes.
+"""The ``rollart bench`` workload: sizes, the faults of its environments and reward, the modes.
 
 Two tasks on the embedded CPU default, every part built by registry name (core imports no member):
 
@@ -7,34 +7,27 @@ Two tasks on the embedded CPU default, every part built by registry name (core i
 - ``lake`` — prefill-heavy, long context, many turns: FrozenLake on a big map, one action token per
   turn, the whole history re-sent every turn.
 
-Every environment call pays a log-normal latency and an episode may crash (``rollart_env.faults``,
-through :class:`StragglerEnv`, which numbers its instances so that the members of one group straggle
-and fail independently); every reward call pays a log-normal cost (:class:`BurstyReward`).
+Every environment call pays a log-normal latency and an episode may crash (rollart-env's
+``straggler``, ``rollart_env.faults.StragglerEnv``, which numbers its instances so that the members of
+one group straggle and fail independently); every reward call pays a log-normal cost (rollart-reward's
+``bursty``, ``rollart_reward.faults.BurstyReward``).
 """
 
 from __future__ import annotations
 
-import asyncio
-import itertools
-import math
 import os
-import random
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollart_core.config import ComponentConfig, RunConfig
-from rollart_core.registry import build
-from rollart_core.types import RewardResult, StepResult, Trajectory
 
 __all__ = [
     "MODES",
     "SIZES",
     "BenchSize",
-    "BurstyReward",
     "ModeSpec",
-    "StragglerEnv",
     "mode_config",
     "train_threads",
     "workload_config",
@@ -237,7 +230,7 @@ def workload_config(size: BenchSize, out_dir: Path, model_path: Path, *, faults:
         "fault_within_calls": 2,
     }
     reward = {
-        "impl": "rollart_core.bench_workload:BurstyReward",
+        "impl": "bursty",
         "options": {
             "inner": {"impl": "env_return"},
             "work_s": size.reward_s if faults else 0.0,
@@ -277,7 +270,7 @@ def workload_config(size: BenchSize, out_dir: Path, model_path: Path, *, faults:
                     **task,
                     "max_turns": size.calc_turns,
                     "env": {
-                        "impl": "rollart_core.bench_workload:StragglerEnv",
+                        "impl": "straggler",
                         "options": {"env": calc, "faults": fault_spec},
                     },
                     "sampling": {"max_tokens": size.calc_tokens, "temperature": 1.0},
@@ -287,7 +280,7 @@ def workload_config(size: BenchSize, out_dir: Path, model_path: Path, *, faults:
                     **task,
                     "max_turns": size.lake_turns,
                     "env": {
-                        "impl": "rollart_core.bench_workload:StragglerEnv",
+                        "impl": "straggler",
                         "options": {"env": lake, "faults": fault_spec},
                     },
                     "sampling": {"max_tokens": 1, "temperature": 1.0},
@@ -328,72 +321,3 @@ def reward_executor(kind: str, size: BenchSize) -> ComponentConfig:
     if kind == "colocated":
         return ComponentConfig(impl="pool", options={"workers": size.colocated_workers, "retries": 0})
     return ComponentConfig(impl="inline")
-
-
-class StragglerEnvConfig(_Model):
-    env: ComponentConfig
-    """The environment to wrap."""
-    faults: dict[str, Any] = Field(default_factory=dict)
-    """A ``rollart_env.faults.FaultSpec`` (validated there); ``per_instance`` is forced on."""
-
-
-class StragglerEnv:
-    """rollart-env's ``faulty`` wrapper with a fresh instance number per environment object, so each
-    trajectory (also within a group: same seed) draws its own latencies and crash."""
-
-    Config = StragglerEnvConfig
-    _instances = itertools.count()
-
-    def __init__(self, config: StragglerEnvConfig) -> None:
-        self.inner = build(
-            "env",
-            "faulty",
-            {
-                "env": config.env.model_dump(),
-                "instance": next(self._instances),
-                "faults": {**config.faults, "per_instance": True},
-            },
-            "straggler.options",
-        )
-        self.action_vocabulary = self.inner.action_vocabulary
-        self.system_prompt = self.inner.system_prompt
-
-    async def reset(self, seed: int) -> tuple[str, dict[str, Any]]:
-        return await self.inner.reset(seed)
-
-    async def step(self, action_text: str) -> StepResult:
-        return await self.inner.step(action_text)
-
-    async def close(self) -> None:
-        await self.inner.close()
-
-
-class BurstyRewardConfig(_Model):
-    inner: ComponentConfig
-    """The reward that gives the score."""
-    work_s: float = Field(0.1, ge=0)
-    """Median cost of one call (waited, like a sandbox or a remote judge)."""
-    sigma: float = Field(1.0, ge=0)
-    """Log-normal spread of the cost."""
-    seed: int = 0
-
-
-class BurstyReward:
-    """Scores with ``inner`` after a log-normal cost drawn per trajectory (seeded by its id)."""
-
-    Config = BurstyRewardConfig
-    stateless = True
-
-    def __init__(self, config: BurstyRewardConfig) -> None:
-        self.config = config
-        self.inner = build("reward", config.inner.impl, config.inner.options, "bursty.inner.options")
-
-    def cost(self, traj_id: str) -> float:
-        c = self.config
-        if c.work_s <= 0:
-            return 0.0
-        return c.work_s * math.exp(c.sigma * random.Random(f"{c.seed}:{traj_id}").gauss(0.0, 1.0))
-
-    async def score(self, trajectory: Trajectory) -> RewardResult:
-        await asyncio.sleep(self.cost(trajectory.traj_id))
-        return await self.inner.score(trajectory)
