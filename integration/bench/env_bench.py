@@ -186,7 +186,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     from rollart_core.types import SamplingParams
     from rollart_env import EnvManager, EnvManagerConfig
     from rollart_proxy import ChatMLFormat, LLMProxy
-    from rollart_proxy.vllm_engine import VllmEngine, VllmEngineConfig
+    from rollart_proxy.engines.vllm_engine import VllmEngine, VllmEngineConfig
     from rollart_reward import EnvReturnReward, InlineExecutor
     from rollart_train.tiny import create_tiny_model, is_model_dir
 

@@ -78,8 +78,8 @@ def roofline(prompt: int, output: int) -> dict[str, Any]:
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     from rollart_core.types import GenerateRequest, SamplingParams
     from rollart_proxy import LLMProxy, WorkerHandle
+    from rollart_proxy.engines.vllm_engine import VllmEngine, VllmEngineConfig
     from rollart_proxy.pd import PDConfig, PDRouter, shared_storage_kv_args
-    from rollart_proxy.vllm_engine import VllmEngine, VllmEngineConfig
     from rollart_train.tiny import create_tiny_model
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -224,7 +224,7 @@ async def part2(updates: int, interval_s: float, workdir: Path) -> dict[str, Any
     from transformers import AutoModelForCausalLM
 
     from rollart_core.types import GenerateRequest, SamplingParams
-    from rollart_proxy.vllm_engine import VllmEngine, VllmEngineConfig
+    from rollart_proxy.engines.vllm_engine import VllmEngine, VllmEngineConfig
     from rollart_train.tiny import create_tiny_model
     from rollart_weightsync import MooncakeServerConfig, MooncakeStoreServer, MooncakeWeightStore
 

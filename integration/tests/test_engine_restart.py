@@ -55,7 +55,7 @@ async def engines(
     import ray
 
     from rollart_core.resources import LOOPBACK_ENV
-    from rollart_proxy.vllm_engine import VllmEngine, VllmEngineConfig
+    from rollart_proxy.engines.vllm_engine import VllmEngine, VllmEngineConfig
     from rollart_train.tiny import create_tiny_model
     from rollart_weightsync import FilesystemWeightStore
 

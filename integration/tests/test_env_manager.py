@@ -30,7 +30,7 @@ def ray_env_pool() -> Iterator[None]:
 @pytest.fixture(scope="module")
 async def llm(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[dict[str, Any]]:
     from rollart_proxy import ChatMLFormat, LLMProxy
-    from rollart_proxy.vllm_engine import VllmEngine, VllmEngineConfig
+    from rollart_proxy.engines.vllm_engine import VllmEngine, VllmEngineConfig
     from rollart_train.tiny import create_tiny_model
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -61,7 +61,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 async def pd(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[dict[str, Any]]:
-    from rollart_proxy.vllm_engine import VllmEngine, VllmEngineConfig
+    from rollart_proxy.engines.vllm_engine import VllmEngine, VllmEngineConfig
     from rollart_weightsync import MemoryWeightStore
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

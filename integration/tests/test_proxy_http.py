@@ -142,7 +142,7 @@ async def test_vllm_server_engine_suspend_update_resume_abort(
     import torch
     from safetensors.torch import load_file
 
-    from rollart_proxy.vllm_server_engine import VllmServerEngine
+    from rollart_proxy.engines.vllm_server_engine import VllmServerEngine
     from rollart_weightsync import FilesystemWeightStore
 
     a, _ = servers

@@ -53,7 +53,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 async def engines(model_dir: Path) -> AsyncIterator[tuple[Any, Any, Any]]:
-    from rollart_proxy.vllm_engine import VllmEngine, VllmEngineConfig, vllm_ipc_dir
+    from rollart_proxy.engines.vllm_engine import VllmEngine, VllmEngineConfig, vllm_ipc_dir
     from rollart_weightsync import MemoryWeightStore
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -41,7 +41,7 @@ def actors(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[d
     import ray
 
     from rollart_core.resources import get_affinity, ray_actor_options
-    from rollart_proxy.vllm_engine import VllmEngine, VllmEngineConfig
+    from rollart_proxy.engines.vllm_engine import VllmEngine, VllmEngineConfig
     from rollart_train.tiny import create_tiny_model
 
     model: Path = create_tiny_model(tmp_path_factory.mktemp("proxy-pools") / "tiny", dtype="float32")

@@ -43,7 +43,7 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 @pytest.fixture(scope="module")
 async def engine(model_dir: Path, store: Any) -> AsyncIterator[Any]:
-    from rollart_proxy.vllm_engine import VllmEngine, VllmEngineConfig
+    from rollart_proxy.engines.vllm_engine import VllmEngine, VllmEngineConfig
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     e = VllmEngine(

@@ -101,7 +101,7 @@ def test_output_reports_mixed_versions() -> None:
 
 
 def test_shared_storage_args(tmp_path: Path) -> None:
-    from rollart_proxy.vllm_engine import VllmEngineConfig
+    from rollart_proxy.engines.vllm_engine import VllmEngineConfig
 
     args = shared_storage_kv_args("kv_producer", tmp_path)
     cfg = VllmEngineConfig(engine_args=args)

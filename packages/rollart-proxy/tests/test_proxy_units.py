@@ -79,7 +79,7 @@ def test_cli_check_config_reports_errors(tmp_path: Path) -> None:
 
 
 def test_sglang_stream_chunks_cumulative_and_incremental() -> None:
-    from rollart_proxy.sglang_server_engine import SglangServerEngine
+    from rollart_proxy.engines.sglang_server_engine import SglangServerEngine
 
     cum = {
         "completion_tokens": 3,
@@ -91,7 +91,7 @@ def test_sglang_stream_chunks_cumulative_and_incremental() -> None:
 
 
 def test_version_spans_to_per_token_versions() -> None:
-    from rollart_proxy.vllm_server_engine import _versions_from_spans
+    from rollart_proxy.engines.vllm_server_engine import _versions_from_spans
 
     spans = [{"version": "0", "start": 0, "end": 2}, {"version": "1", "start": 2, "end": 5}]
     assert _versions_from_spans(spans, 5) == [0, 0, 1, 1, 1]

@@ -40,7 +40,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 async def engine(model_dir: Path) -> AsyncIterator[Any]:
-    from rollart_proxy.vllm_engine import VllmEngine, VllmEngineConfig
+    from rollart_proxy.engines.vllm_engine import VllmEngine, VllmEngineConfig
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     e = VllmEngine(

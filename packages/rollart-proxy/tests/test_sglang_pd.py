@@ -100,9 +100,9 @@ class FakeSglangServer:
 
 async def test_sglang_pd_pair_speaks_the_bootstrap_protocol(tmp_path) -> None:
     from rollart_proxy import LLMProxy, WorkerHandle
+    from rollart_proxy.engines.sglang_server_engine import SglangServerEngine
     from rollart_proxy.errors import WorkerUnavailableError
     from rollart_proxy.sglang_pd import SglangPDEngine
-    from rollart_proxy.sglang_server_engine import SglangServerEngine
 
     rooms: dict[int, asyncio.Event] = {}
     pre_srv, dec_srv = FakeSglangServer("prefill", rooms, 8998), FakeSglangServer("decode", rooms)

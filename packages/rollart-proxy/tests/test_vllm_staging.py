@@ -6,7 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from rollart_proxy.vllm_staging import _clone_tree, commit  # noqa: E402
+from rollart_proxy.engines.vllm_staging import _clone_tree, commit  # noqa: E402
 
 
 class Tied(torch.nn.Module):
@@ -64,7 +64,7 @@ def test_commit_refuses_a_shape_change() -> None:
 def test_a_failed_pull_is_retried_not_kept(tmp_path) -> None:
     """A pull that failed (the store was unreachable) is started again by the next prefetch instead
     of handing every later update the same error. The engine is not started: only its puller runs."""
-    from rollart_proxy.vllm_engine import VllmEngine
+    from rollart_proxy.engines.vllm_engine import VllmEngine
 
     class FlakyStore:  # stands in for a store whose first read fails
         def __init__(self) -> None:

@@ -19,7 +19,7 @@ pytestmark = [
 
 async def test_llm_judge_with_vllm_engine(tmp_path: Path) -> None:
     from rollart_proxy.chat import ChatMLFormat
-    from rollart_proxy.vllm_engine import VllmEngine, VllmEngineConfig
+    from rollart_proxy.engines.vllm_engine import VllmEngine, VllmEngineConfig
     from rollart_reward.judge import LLMJudgeReward
     from rollart_train.tiny import create_tiny_model
 

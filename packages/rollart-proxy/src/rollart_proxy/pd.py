@@ -119,7 +119,7 @@ def shared_storage_kv_args(
     role: Literal["kv_producer", "kv_consumer", "kv_both"], storage_dir: str | Path
 ) -> dict[str, Any]:
     """``VllmEngineConfig.engine_args`` for KV through a shared directory (vLLM's ``ExampleConnector``
-    made safe for every prompt length, :mod:`rollart_proxy.vllm_kv_connector`; runs on CPU).
+    made safe for every prompt length, :mod:`rollart_proxy.engines.vllm_kv_connector`; runs on CPU).
     Prefill workers take ``kv_producer``, decode workers ``kv_consumer``.
 
     Chunked prefill is off: the connector saves a request's KV in the step that schedules it
@@ -128,7 +128,7 @@ def shared_storage_kv_args(
     return {
         "kv_transfer_config": {
             "kv_connector": "SharedStorageConnector",
-            "kv_connector_module_path": "rollart_proxy.vllm_kv_connector",
+            "kv_connector_module_path": "rollart_proxy.engines.vllm_kv_connector",
             "kv_role": role,
             "kv_connector_extra_config": {"shared_storage_path": str(storage_dir)},
         },

@@ -154,7 +154,7 @@ class LLMProxy:
     ) -> LLMProxy:
         """Proxy over engines living in Ray actors: ``(name, actor handle, pool)`` each. Actors
         created with ``max_restarts`` are recovered onto the served weights (see the module doc)."""
-        from rollart_proxy.ray_engine import RayActorEngine
+        from rollart_proxy.engines.ray_engine import RayActorEngine
 
         handles = [
             WorkerHandle(name, RayActorEngine(h, name), pool, max_inflight, max_queued)

@@ -94,8 +94,8 @@ def load_config(path: str | Path) -> ServiceConfig:
 
 
 async def build_proxy(cfg: ServiceConfig) -> LLMProxy:
-    from rollart_proxy.sglang_server_engine import SglangServerEngine
-    from rollart_proxy.vllm_server_engine import VllmServerEngine
+    from rollart_proxy.engines.sglang_server_engine import SglangServerEngine
+    from rollart_proxy.engines.vllm_server_engine import VllmServerEngine
 
     handles = []
     for w in cfg.workers:

@@ -27,8 +27,8 @@ from urllib.parse import urlparse
 
 from rollart_core.protocols import PauseMode
 from rollart_core.types import GenerateOutput, GenerateRequest
+from rollart_proxy.engines.sglang_server_engine import SglangServerEngine
 from rollart_proxy.errors import WorkerUnavailableError
-from rollart_proxy.sglang_server_engine import SglangServerEngine
 
 __all__ = ["SglangPDEngine"]
 

@@ -191,7 +191,7 @@ class VllmEngine:
             enforce_eager=c.enforce_eager,
             seed=c.seed,
             distributed_executor_backend="uni",
-            worker_extension_cls="rollart_proxy.vllm_worker.RollartWorkerExtension",
+            worker_extension_cls="rollart_proxy.engines.vllm_worker.RollartWorkerExtension",
             **({"gpu_memory_utilization": c.gpu_memory_utilization} if c.gpu_memory_utilization else {}),
             **c.engine_args,
         )
@@ -463,7 +463,7 @@ class VllmEngine:
     async def _prepare(self, version: int, stage: bool = True) -> tuple[list[Any], bool]:
         """Pull and pack ``version``; stage it in the worker(s). Returns the packed tensors and whether
         they are staged (False: not asked to, in-place mode, or staging failed and was logged)."""
-        from rollart_proxy.vllm_worker import pack_tensors
+        from rollart_proxy.engines.vllm_worker import pack_tensors
 
         self.prefetch(version)
         tensors = await asyncio.wrap_future(self._prefetch[version])

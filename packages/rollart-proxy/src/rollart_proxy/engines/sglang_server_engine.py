@@ -2,7 +2,7 @@
 
 NOT YET RUN AGAINST A LIVE SGLANG SERVER: SGLang does not run on the CPU machines this project is
 developed on. Written against SGLang's HTTP API (``sglang/srt/entrypoints/http_server.py`` and
-``managers/io_struct.py``), parallel to :class:`~rollart_proxy.vllm_server_engine.VllmServerEngine`:
+``managers/io_struct.py``), parallel to :class:`~rollart_proxy.engines.vllm_server_engine.VllmServerEngine`:
 
 - ``POST /generate`` ``{"rid", "input_ids", "sampling_params", "return_logprob": true, "stream": true}``;
   each SSE chunk carries ``meta_info`` with ``output_token_logprobs`` (``[logprob, token_id, text]``),
@@ -30,7 +30,7 @@ import httpx
 from rollart_core.errors import EngineError
 from rollart_core.protocols import PauseMode
 from rollart_core.types import GenerateOutput, GenerateRequest
-from rollart_proxy._http_engine import HttpEngineBase, HttpEngineConfig
+from rollart_proxy.engines._http_engine import HttpEngineBase, HttpEngineConfig
 from rollart_proxy.errors import WorkerUnavailableError
 
 __all__ = ["SglangServerEngine", "SglangServerEngineConfig"]

@@ -55,7 +55,7 @@ class RollartWorkerExtension:
 
         Generation goes on meanwhile; :meth:`rollart_commit_staged` swaps the result in.
         """
-        from rollart_proxy.vllm_staging import WeightStager
+        from rollart_proxy.engines.vllm_staging import WeightStager
 
         stager = self.__dict__.setdefault("_rollart_stager", WeightStager())
         runner = self.model_runner

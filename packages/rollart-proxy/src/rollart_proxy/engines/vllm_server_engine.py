@@ -35,7 +35,7 @@ import httpx
 from rollart_core.errors import EngineError
 from rollart_core.protocols import PauseMode
 from rollart_core.types import GenerateOutput, GenerateRequest
-from rollart_proxy._http_engine import HttpEngineBase, HttpEngineConfig
+from rollart_proxy.engines._http_engine import HttpEngineBase, HttpEngineConfig
 from rollart_proxy.errors import WorkerUnavailableError
 
 __all__ = ["VllmServerEngine", "VllmServerEngineConfig"]
