@@ -105,8 +105,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 async def forcing(model_dir: Path) -> AsyncIterator[Forcing]:
     from rollart_proxy import LLMProxy, WorkerHandle
-    from rollart_proxy.chat_template import ChatTemplate
     from rollart_proxy.engines.vllm_engine import VllmEngine, VllmEngineConfig
+    from rollart_proxy.server.chat_template import ChatTemplate
     from rollart_weightsync import MemoryWeightStore
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from rollart_proxy.chat_template import ChatTemplate
-from rollart_proxy.chat_tokens import GeneratedMessages, message_key, splice_encode
-from rollart_proxy.tools import (
+from rollart_proxy.server.chat_template import ChatTemplate
+from rollart_proxy.server.chat_tokens import GeneratedMessages, message_key, splice_encode
+from rollart_proxy.server.tools import (
     ToolCallParser,
     ToolsError,
     check_tool_choice,

@@ -1,0 +1,48 @@
+"""OpenAI-compatible HTTP endpoint served by the proxy (FastAPI + uvicorn, bound to 127.0.0.1).
+
+Black-box agents (anything speaking the OpenAI API) are trained through it: every call made with
+a session header (``X-Session-Id: <trajectory id>``) is routed as one turn of that trajectory
+(sticky worker, task pool from ``X-Rollart-Task``) and recorded with its prompt token ids, output
+token ids, logprobs and the policy version of every token, for the trainer to fetch.
+
+Endpoints:
+
+- ``POST /v1/chat/completions``, ``POST /v1/completions`` (``stream: true`` too), ``GET /v1/models``
+- ``GET /v1/sessions/{id}`` (records of a session), ``POST /v1/sessions/{id}/drain`` (take them),
+  ``POST /v1/sessions/{id}/abort`` (abort the trajectory's in-flight request),
+  ``DELETE /v1/sessions/{id}`` (end the session: records and stickiness dropped)
+- ``POST /admin/suspend``, ``POST /admin/resume``, ``POST /admin/update_weights`` ``{"version"}``,
+  ``GET /admin/weight_versions``, ``GET /metrics`` (per worker), ``GET /health``
+
+Bad input gets a 4xx with an OpenAI-style ``{"error": {"message", "type", "code"}}`` body: unknown
+model 404, malformed body / invalid sampling parameters / prompt longer than the context 400, a body
+over ``max_body_bytes`` 413. A request no worker can serve gets 503; one refused because every
+worker's queue is full gets 429. Streaming responses are well-formed SSE.
+
+Closed by default:
+
+- **Bind**: 127.0.0.1 unless told otherwise; binding beyond loopback without an API key logs a WARNING.
+- **API keys** (``api_key``, or env ``ROLLART_PROXY_API_KEY``, comma-separated for several clients):
+  when set, every endpoint (``/health`` included) needs ``Authorization: Bearer <key>`` (401 without).
+- **Admin** (``/admin/*``): needs the admin token (``admin_key`` or env ``ROLLART_PROXY_ADMIN_KEY``;
+  it is also accepted on every other endpoint). Without an admin token, admin endpoints answer 403,
+  unless the server was made with ``enable_admin=True`` (``--enable-admin``) *and* binds a loopback
+  address: then they take the API key, if any (a non-loopback bind with that setting is refused).
+- **Sessions** belong to the key whose request created them: reading, draining, aborting, deleting
+  or adding turns to a session needs that key or the admin token (403 otherwise). Without API keys
+  every client is the same anonymous principal.
+- **Bounded**: bodies (413), session records and owners (``max_sessions``, oldest dropped first), and
+  the proxy's queues (429). Chat templating and (de)tokenisation run in worker threads, off the
+  event loop.
+
+Modules: :mod:`.app` (:class:`OpenAIServer`: the routes, access checks, serving), :mod:`.models`
+(request bodies), :mod:`.responses` (JSON and server-sent-event answers), :mod:`.sessions`
+(:class:`SessionRecorder`), :mod:`.guard` (the ASGI guard, error bodies), and the helpers only the
+server uses: :mod:`.chat_template`, :mod:`.chat_tokens` (token-exact multi-turn prompts),
+:mod:`.tools` (tool calls).
+"""
+
+from rollart_proxy.server.app import ADMIN_KEY_ENV, API_KEY_ENV, OpenAIServer
+from rollart_proxy.server.sessions import SessionRecorder
+
+__all__ = ["API_KEY_ENV", "ADMIN_KEY_ENV", "OpenAIServer", "SessionRecorder"]

@@ -1,0 +1,485 @@
+"""The OpenAI-compatible server: :class:`OpenAIServer` (its routes, access checks, and serving in the
+running event loop). What the endpoints do and how access is closed by default: :mod:`rollart_proxy.server`."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import ipaddress
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+
+from rollart_core.errors import ConfigError, EngineError
+from rollart_core.types import GenerateRequest, SamplingParams
+from rollart_proxy.errors import ProxyOverloadedError, WorkerUnavailableError
+from rollart_proxy.proxy import LLMProxy
+from rollart_proxy.server.chat_template import ChatTemplate
+from rollart_proxy.server.chat_tokens import GeneratedMessages, message_key, splice_encode
+from rollart_proxy.server.guard import _ApiError, _error, _Guard
+from rollart_proxy.server.models import ChatBody, CompletionBody, UpdateWeightsBody, _Common, _message_dict
+from rollart_proxy.server.responses import Responses
+from rollart_proxy.server.sessions import _ADMIN, _BOUND, SessionRecorder
+from rollart_proxy.server.tools import (
+    ToolCallParser,
+    ToolsError,
+    check_tool_choice,
+    check_tools,
+    template_messages,
+    tojson,
+)
+
+__all__ = ["API_KEY_ENV", "ADMIN_KEY_ENV", "OpenAIServer"]
+
+log = logging.getLogger(__name__)
+
+API_KEY_ENV = "ROLLART_PROXY_API_KEY"
+ADMIN_KEY_ENV = "ROLLART_PROXY_ADMIN_KEY"
+
+
+class OpenAIServer(Responses):
+    """``OpenAIServer(proxy, model_path).app`` is the FastAPI app; :meth:`start` serves it in the
+    running event loop (same loop as the proxy's engines)."""
+
+    def __init__(
+        self,
+        proxy: LLMProxy,
+        model_path: str,
+        *,
+        served_model_name: str | None = None,
+        max_model_len: int | None = None,
+        default_max_tokens: int = 256,
+        session_header: str = "X-Session-Id",
+        task_header: str = "X-Rollart-Task",
+        api_key: str | Sequence[str] | None = None,
+        admin_key: str | None = None,
+        enable_admin: bool = False,
+        max_body_bytes: int = 8 << 20,
+        max_sessions: int = 100_000,
+        tool_parser: str | None = "hermes",
+    ) -> None:
+        """``api_key`` / ``admin_key``: None reads ``ROLLART_PROXY_API_KEY`` (comma-separated) /
+        ``ROLLART_PROXY_ADMIN_KEY``; an empty string or list means none. ``enable_admin``: admin
+        endpoints without an admin token, on a loopback bind only (see the module doc).
+        ``tool_parser``: the vLLM tool-call parser for ``tools`` requests (None: tools refused)."""
+        from pathlib import Path
+
+        if api_key is None:
+            api_key = os.environ.get(API_KEY_ENV, "")
+        keys = [k.strip() for k in api_key.split(",")] if isinstance(api_key, str) else list(api_key)
+        self._api_keys = [
+            (k.encode(), "key-" + hashlib.sha256(k.encode()).hexdigest()[:16]) for k in keys if k
+        ]
+        if admin_key is None:
+            admin_key = os.environ.get(ADMIN_KEY_ENV, "")
+        self._admin_key = admin_key.encode() if admin_key else None
+        if self._admin_key is not None and any(
+            hmac.compare_digest(k, self._admin_key) for k, _ in self._api_keys
+        ):
+            raise ConfigError("the admin key must differ from every API key")
+        self.enable_admin = enable_admin
+        if max_body_bytes < 1:
+            raise ConfigError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
+        self.max_body_bytes = max_body_bytes
+        self.proxy = proxy
+        self.template = ChatTemplate(model_path)
+        # Hugging Face templates expect its tojson (no HTML escaping): Jinja looks filters up at render time
+        self.template._template.environment.filters["tojson"] = tojson
+        self._eot = self._end_of_turn()
+        self.tool_parser = ToolCallParser(tool_parser, str(model_path)) if tool_parser else None
+        self.generated = GeneratedMessages(max_sessions)
+        self._bound: dict[bytes, str] = {}
+        """Session-bound client tokens (:meth:`bind_session`) → their session."""
+        self.refused: dict[str, int] = {}
+        """Bound session → calls refused because they named another session."""
+        self.model_name = served_model_name or Path(model_path).name
+        self._model_aliases = {self.model_name, str(model_path)}
+        self.max_model_len = max_model_len
+        self.default_max_tokens = default_max_tokens
+        self.session_header = session_header
+        self.task_header = task_header
+        self.recorder = SessionRecorder(max_sessions)
+        self._server: Any = None
+        self._socket: socket.socket | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.app = self._build()
+
+    def _end_of_turn(self) -> tuple[int, str] | None:
+        eos = self.template.eos_token_id
+        return None if eos is None else (eos, self.template.token_str(eos))
+
+    # session-bound clients ---------------------------------------------------------------------
+
+    def bind_session(self, session_id: str) -> str:
+        """A client token that may call only ``session_id`` (as ``Authorization: Bearer <token>``):
+        calls naming another session (or none) get 403 and are counted in ``refused``. For agent
+        episodes: the agent gets a client bound to its trajectory."""
+        token = "rollart-session-" + uuid.uuid4().hex
+        self._bound[token.encode()] = session_id
+        self.refused.setdefault(session_id, 0)
+        return token
+
+    def release_session(self, token: str) -> dict[str, Any]:
+        """Revoke a bound token and end its session: returns its records, refusals and nothing else
+        kept (records, remembered messages, routing state, ownership)."""
+        session_id = self._bound.pop(token.encode(), None)
+        if session_id is None:
+            return {"calls": [], "refused": 0}
+        calls = self.recorder.drain(session_id)
+        self.recorder.forget(session_id)
+        self.generated.forget(session_id)
+        return {"calls": calls, "refused": self.refused.pop(session_id, 0)}
+
+    # serving -----------------------------------------------------------------------------------
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Serve in the running loop; returns the bound port."""
+        import uvicorn
+
+        loopback = _is_loopback(host)
+        if self.enable_admin and self._admin_key is None and not loopback:
+            raise ConfigError(
+                f"admin endpoints without an admin key are only served on loopback, not on {host!r}: "
+                f"set an admin key (--admin-key / {ADMIN_KEY_ENV})"
+            )
+        if not loopback and not self._api_keys:
+            log.warning(
+                "rollart-proxy binds %s (beyond loopback) without an API key: anyone who reaches it can "
+                "generate and read sessions; set --api-key / %s",
+                host,
+                API_KEY_ENV,
+            )
+
+        # Bind here: a bind error is a plain OSError (uvicorn would sys.exit inside the serving task,
+        # which escapes the host's event loop).
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+        except OSError:
+            sock.close()
+            raise
+        config = uvicorn.Config(self.app, host=host, port=port, log_level="warning", lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._socket = sock
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()
+                raise RuntimeError("uvicorn exited before it started")
+            if time.monotonic() > deadline:
+                raise TimeoutError("uvicorn did not start within 30 s")
+            await asyncio.sleep(0.02)
+        return int(sock.getsockname()[1])
+
+    async def stop(self) -> None:
+        if self._server is not None and self._task is not None:
+            self._server.should_exit = True
+            await asyncio.wait_for(self._task, 30)
+            self._server = self._task = None
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
+
+    # app ---------------------------------------------------------------------------------------
+
+    def _build(self) -> FastAPI:
+        app = FastAPI(title="rollart-proxy", docs_url=None, redoc_url=None, openapi_url=None)
+        app.add_middleware(_Guard, server=self)
+
+        @app.exception_handler(_ApiError)
+        async def _api_error(_: Request, e: _ApiError) -> JSONResponse:
+            return _error(e.status, e.message, e.code, e.param)
+
+        @app.exception_handler(RequestValidationError)
+        async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+            msgs = "; ".join(
+                f"{'.'.join(str(x) for x in err.get('loc', ()))}: {err.get('msg')}" for err in e.errors()
+            )
+            return _error(400, f"invalid request: {msgs}")
+
+        @app.exception_handler(ProxyOverloadedError)
+        async def _overloaded(_: Request, e: ProxyOverloadedError) -> JSONResponse:
+            return _error(429, str(e), "rate_limit_exceeded")
+
+        @app.exception_handler(Exception)
+        async def _internal(_: Request, e: Exception) -> JSONResponse:
+            log.exception("internal error: %r", e)
+            return _error(500, f"internal error: {type(e).__name__}", "internal_error")
+
+        @app.exception_handler(WorkerUnavailableError)
+        async def _unavailable(_: Request, e: WorkerUnavailableError) -> JSONResponse:
+            return _error(503, str(e), "service_unavailable")
+
+        @app.exception_handler(EngineError)
+        async def _engine(_: Request, e: EngineError) -> JSONResponse:
+            return _error(400, str(e))
+
+        @app.get("/health")
+        async def health() -> dict[str, str]:
+            return {"status": "ok"}
+
+        @app.get("/v1/models")
+        async def models() -> dict[str, Any]:
+            return {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.model_name,
+                        "object": "model",
+                        "owned_by": "rollart",
+                        "max_model_len": self.max_model_len,
+                    }
+                ],
+            }
+
+        @app.post("/v1/completions")
+        async def completions(body: CompletionBody, request: Request) -> Any:
+            self._check_model(body.model)
+            if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str):
+                if len(body.prompt) != 1:
+                    raise _ApiError(400, "only one prompt per request is supported", param="prompt")
+                prompt_ids = await asyncio.to_thread(self.template.encode, body.prompt[0])
+            elif isinstance(body.prompt, str):
+                prompt_ids = await asyncio.to_thread(self.template.encode, body.prompt)
+            else:
+                prompt_ids = list(body.prompt)  # token ids
+                if any(t < 0 for t in prompt_ids):  # type: ignore[operator]
+                    raise _ApiError(400, "token ids must be >= 0", param="prompt")
+            return await self._serve("completions", body, prompt_ids, body.max_tokens, request)
+
+        @app.post("/v1/chat/completions")
+        async def chat(body: ChatBody, request: Request) -> Any:
+            self._check_model(body.model)
+            try:
+                msgs = [_message_dict(m) for m in body.messages]
+            except ValueError as e:
+                raise _ApiError(400, str(e), param="messages") from None
+            await self._check_tools(body)
+            session = request.headers.get(self.session_header) or None
+            splices: dict[int, list[int]] = {}
+            if session is not None:
+                for i, m in enumerate(msgs):
+                    if m["role"] == "assistant":
+                        ids = self.generated.lookup(session, message_key(m["content"], m.get("tool_calls")))
+                        if ids is not None:
+                            splices[i] = ids
+            kwargs: dict[str, Any] = (
+                {"tools": body.tools} if body.tools and body.tool_choice != "none" else {}
+            )
+            try:
+                prompt_ids, _ = await asyncio.to_thread(
+                    splice_encode,
+                    lambda ms: self.template.render(template_messages(ms), **kwargs),
+                    self.template.encode,
+                    msgs,
+                    splices,
+                    self._eot,
+                )
+            except Exception as e:  # the model's template refused these messages (raise_exception, bad roles)
+                raise _ApiError(400, f"chat template: {e}", param="messages") from None
+            return await self._serve(
+                "chat", body, prompt_ids, body.max_completion_tokens or body.max_tokens, request
+            )
+
+        @app.get("/v1/sessions/{session_id}")
+        async def session(session_id: str, request: Request) -> dict[str, Any]:
+            self._check_owner(session_id, request)
+            return {"session_id": session_id, "calls": self.recorder.get(session_id)}
+
+        @app.post("/v1/sessions/{session_id}/drain")
+        async def drain(session_id: str, request: Request) -> dict[str, Any]:
+            self._check_owner(session_id, request)
+            return {"session_id": session_id, "calls": self.recorder.drain(session_id)}
+
+        @app.post("/v1/sessions/{session_id}/abort")
+        async def abort(session_id: str, request: Request) -> dict[str, Any]:
+            self._check_owner(session_id, request)
+            return {"session_id": session_id, "aborted": await self.proxy.abort(session_id)}
+
+        @app.delete("/v1/sessions/{session_id}")
+        async def end(session_id: str, request: Request) -> dict[str, Any]:
+            self._check_owner(session_id, request)
+            self.proxy.end_session(session_id)
+            self.recorder.forget(session_id)
+            return {"session_id": session_id, "calls": len(self.recorder.drain(session_id))}
+
+        @app.post("/admin/suspend")
+        async def suspend() -> dict[str, Any]:
+            await self.proxy.suspend()
+            return {"suspended": True}
+
+        @app.post("/admin/resume")
+        async def resume() -> dict[str, Any]:
+            await self.proxy.resume()
+            return {"suspended": False}
+
+        @app.post("/admin/update_weights")
+        async def update(body: UpdateWeightsBody) -> dict[str, Any]:
+            return {"version": body.version, "paused_s": await self.proxy.update_weights(body.version)}
+
+        @app.get("/admin/weight_versions")
+        async def versions() -> dict[str, int]:
+            return await self.proxy.weight_versions()
+
+        @app.get("/metrics")
+        async def metrics() -> dict[str, Any]:
+            return await self.proxy.metrics()
+
+        return app
+
+    # access ---------------------------------------------------------------------------------------
+
+    def _authorize(self, path: str, authorization: str | None) -> tuple[str | None, tuple[int, str] | None]:
+        """``(principal, None)`` or ``(None, (status, message))`` for a request to ``path``."""
+        token: bytes | None = None
+        if authorization:
+            scheme, _, value = authorization.partition(" ")
+            if scheme.lower() == "bearer" and value.strip():
+                token = value.strip().encode()
+        is_admin = (
+            token is not None and self._admin_key is not None and hmac.compare_digest(token, self._admin_key)
+        )
+        if path == "/admin" or path.startswith("/admin/"):
+            if self._admin_key is not None:
+                if is_admin:
+                    return _ADMIN, None
+                return None, (
+                    401 if token is None else 403,
+                    "admin endpoints need the admin token (Authorization: Bearer <admin key>)",
+                )
+            if not self.enable_admin:
+                return None, (
+                    403,
+                    f"admin endpoints are disabled: start the server with an admin key (--admin-key "
+                    f"or {ADMIN_KEY_ENV}), or with --enable-admin on a loopback address",
+                )
+        if is_admin:
+            return _ADMIN, None
+        if token is not None and token in self._bound:
+            return _BOUND + self._bound[token], None
+        if not self._api_keys:
+            return None, None
+        if token is None:
+            return None, (401, "missing API key (Authorization: Bearer <key>)")
+        for key, principal in self._api_keys:
+            if hmac.compare_digest(token, key):
+                return principal, None
+        return None, (401, "invalid API key")
+
+    @staticmethod
+    def _principal(request: Request) -> str | None:
+        return getattr(request.state, "rollart_principal", None)
+
+    def _check_owner(self, session_id: str, request: Request) -> None:
+        if not self.recorder.may_access(session_id, self._principal(request)):
+            raise _ApiError(403, f"session {session_id!r} belongs to another API key", "permission_denied")
+
+    async def _check_tools(self, body: ChatBody) -> None:
+        try:
+            if body.tools:
+                check_tools(body.tools)
+            check_tool_choice(body.tool_choice, body.tools)
+            if body.tools_active():
+                if self.tool_parser is None:
+                    raise ToolsError(
+                        "this server has no tool parser (tool_parser=None): tools are not served", "tools"
+                    )
+                await asyncio.to_thread(self.tool_parser.load)
+        except ToolsError as e:
+            raise _ApiError(400, str(e), param=e.param) from None
+
+    def _check_model(self, model: str) -> None:
+        if model not in self._model_aliases:
+            raise _ApiError(
+                404,
+                f"The model {model!r} does not exist (served: {self.model_name!r})",
+                "model_not_found",
+                "model",
+            )
+
+    async def _serve(
+        self, endpoint: str, body: _Common, prompt_ids: list[int], max_tokens: int | None, request: Request
+    ) -> Any:
+        if not prompt_ids:
+            raise _ApiError(400, "empty prompt", param="prompt")
+        if self.max_model_len is not None and len(prompt_ids) >= self.max_model_len:
+            raise _ApiError(
+                400,
+                f"prompt of {len(prompt_ids)} tokens exceeds the context of {self.max_model_len}",
+                "context_length_exceeded",
+                "prompt",
+            )
+        if max_tokens is None:
+            room = (self.max_model_len - len(prompt_ids)) if self.max_model_len else self.default_max_tokens
+            max_tokens = max(1, min(self.default_max_tokens, room))
+        try:
+            sampling = SamplingParams(
+                max_tokens=max_tokens,
+                temperature=body.temperature,
+                top_p=body.top_p,
+                top_k=body.top_k,
+                stop=body.stops(),
+                stop_token_ids=tuple(body.stop_token_ids or ()),
+                allowed_token_ids=tuple(body.allowed_token_ids)
+                if body.allowed_token_ids is not None
+                else None,
+                seed=body.seed,
+            )
+        except ValidationError as e:
+            raise _ApiError(400, f"invalid sampling parameters: {e.errors()[0].get('msg')}") from None
+        session = request.headers.get(self.session_header) or None
+        principal = self._principal(request)
+        if principal is not None and principal.startswith(_BOUND) and session != principal[len(_BOUND) :]:
+            bound = principal[len(_BOUND) :]
+            self.refused[bound] = self.refused.get(bound, 0) + 1
+            raise _ApiError(
+                403,
+                f"this client is bound to session {bound!r}; it may not call session {session!r}",
+                "permission_denied",
+            )
+        if session is not None and not self.recorder.claim(session, principal):
+            raise _ApiError(403, f"session {session!r} belongs to another API key", "permission_denied")
+        rid = f"{session or 'anon'}-{uuid.uuid4().hex[:12]}"
+        req = GenerateRequest(
+            rid, prompt_ids, sampling, session_id=session, task=request.headers.get(self.task_header) or None
+        )
+        if body.stream:
+            # Validate and route before the 200 goes out: errors up to the first token stay 4xx/503.
+            parts = self.proxy.generate_stream(req)
+            try:
+                first = await anext(parts)
+            except BaseException:
+                await parts.aclose()  # type: ignore[attr-defined]
+                raise
+            return StreamingResponse(
+                self._sse(endpoint, body, first, parts, prompt_ids, session, sampling),
+                media_type="text/event-stream",
+            )
+        out = await self.proxy.generate(req)
+        self._record(session, endpoint, prompt_ids, out, sampling)
+        reply = await asyncio.to_thread(self._response, endpoint, body, out, prompt_ids)  # detokenises
+        if endpoint == "chat":
+            message = reply["choices"][0]["message"]
+            self._remember(session, message.get("content"), message.get("tool_calls"), out)
+        return reply
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name other than localhost: assume it reaches beyond this machine
+        return False

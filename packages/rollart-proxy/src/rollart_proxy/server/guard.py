@@ -1,0 +1,107 @@
+"""Access and errors: the ASGI guard (authorisation before any body is read, then the body-size
+limit) and the OpenAI-style error bodies that it and the handlers send."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from fastapi.responses import JSONResponse
+
+if TYPE_CHECKING:
+    from rollart_proxy.server.app import OpenAIServer
+
+
+class _ApiError(Exception):
+    def __init__(
+        self, status: int, message: str, code: str = "invalid_request_error", param: str | None = None
+    ):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+
+class _Guard:
+    """ASGI middleware: authorisation (before any body is read), then the body-size limit. The body
+    is read up to the limit and replayed to the app; a longer one gets 413 without being read on."""
+
+    def __init__(self, app: Any, server: OpenAIServer) -> None:
+        self.app = app
+        self.server = server
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        principal, denied = self.server._authorize(scope.get("path", ""), headers.get("authorization"))
+        if denied is not None:
+            status, message = denied
+            code = "authentication_error" if status == 401 else "permission_denied"
+            extra = {"www-authenticate": "Bearer"} if status == 401 else {}
+            await _send_error(send, status, message, code, extra)
+            return
+        scope.setdefault("state", {})["rollart_principal"] = principal
+        limit = self.server.max_body_bytes
+        declared = headers.get("content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                await _send_error(send, 400, "invalid Content-Length header")
+                return
+            if int(declared) > limit:
+                await _send_error(
+                    send,
+                    413,
+                    f"request body of {declared} bytes exceeds the limit of {limit}",
+                    "request_too_large",
+                )
+                return
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            if len(body) > limit:
+                await _send_error(
+                    send, 413, f"request body exceeds the limit of {limit} bytes", "request_too_large"
+                )
+                return
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()  # type: ignore[no-any-return]
+
+        await self.app(scope, replay, send)
+
+
+async def _send_error(
+    send: Any,
+    status: int,
+    message: str,
+    code: str = "invalid_request_error",
+    extra_headers: dict[str, str] | None = None,
+) -> None:
+    payload = json.dumps(
+        {"error": {"message": message, "type": code, "param": None, "code": status}}
+    ).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(payload)).encode()),
+        *((k.encode(), v.encode()) for k, v in (extra_headers or {}).items()),
+    ]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
+
+
+def _error(
+    status: int, message: str, code: str = "invalid_request_error", param: str | None = None
+) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"message": message, "type": code, "param": param, "code": status}}, status_code=status
+    )

@@ -1,0 +1,238 @@
+"""The answers of the endpoint: one JSON body (:meth:`Responses._response`) or server-sent events
+(:meth:`Responses._sse`), with the call recorded for the trainer and the reply's token ids kept for
+the next turn. :class:`~rollart_proxy.server.app.OpenAIServer` inherits them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from rollart_core.types import GenerateOutput, SamplingParams
+from rollart_proxy.server.chat_template import ChatTemplate
+from rollart_proxy.server.chat_tokens import GeneratedMessages, message_key
+from rollart_proxy.server.models import ChatBody, _Common
+from rollart_proxy.server.sessions import SessionRecorder
+from rollart_proxy.server.tools import ToolCallParser
+
+__all__ = ["Responses"]
+
+
+class Responses:
+    """How :class:`~rollart_proxy.server.app.OpenAIServer` answers a call; it sets these attributes."""
+
+    template: ChatTemplate
+    tool_parser: ToolCallParser | None
+    model_name: str
+    recorder: SessionRecorder
+    generated: GeneratedMessages
+
+    def _record(
+        self,
+        session: str | None,
+        endpoint: str,
+        prompt_ids: list[int],
+        out: GenerateOutput,
+        sampling: SamplingParams | None = None,
+    ) -> None:
+        if session:
+            self.recorder.record(session, endpoint, prompt_ids, out, sampling)
+
+    def _remember(
+        self,
+        session: str | None,
+        content: str | None,
+        tool_calls: list[dict[str, Any]] | None,
+        out: GenerateOutput,
+    ) -> None:
+        """Keep the reply's sampled ids: the client may send this assistant message back."""
+        if session:
+            self.generated.remember(session, message_key(content, tool_calls), out.token_ids)
+
+    def _tool_reply(self, body: ChatBody, text: str) -> tuple[str | None, list[dict[str, Any]], str | None]:
+        assert self.tool_parser is not None and body.tools  # checked by _check_tools
+        return self.tool_parser.parse(
+            text, body.tools, body.tool_choice, body.parallel_tool_calls is not False
+        )
+
+    def _text(self, out: GenerateOutput, stops: tuple[str, ...]) -> tuple[str, str]:
+        text = self.template.decode(out.token_ids)
+        finish = "length" if out.finish_reason == "length" else "stop"
+        for s in stops:  # the engine stopped on it; OpenAI excludes it from the text
+            i = text.find(s)
+            if i >= 0:
+                text = text[:i]
+        return text, finish
+
+    def _extra(self, out: GenerateOutput, prompt_ids: list[int]) -> dict[str, Any]:
+        return {
+            "prompt_token_ids": prompt_ids,
+            "token_ids": out.token_ids,
+            "versions": out.versions,
+            "worker": out.worker,
+            "engine_finish_reason": out.finish_reason,
+        }
+
+    def _response(
+        self, endpoint: str, body: _Common, out: GenerateOutput, prompt_ids: list[int]
+    ) -> dict[str, Any]:
+        text, finish = self._text(out, body.stops())
+        usage = {
+            "prompt_tokens": len(prompt_ids),
+            "completion_tokens": len(out.token_ids),
+            "total_tokens": len(prompt_ids) + len(out.token_ids),
+        }
+        base = {
+            "id": out.request_id,
+            "created": int(time.time()),
+            "model": self.model_name,
+            "usage": usage,
+            "rollart": self._extra(out, prompt_ids),
+        }
+        toks = [self.template.token_str(t) for t in out.token_ids]
+        if endpoint == "chat":
+            lp = None
+            if getattr(body, "logprobs", False):
+                lp = {
+                    "content": [
+                        {"token": t, "logprob": p, "bytes": list(t.encode()), "top_logprobs": []}
+                        for t, p in zip(toks, out.logprobs, strict=True)
+                    ]
+                }
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if isinstance(body, ChatBody) and body.tools_active():
+                content, calls, error = self._tool_reply(body, text)
+                message["content"] = content
+                if calls:
+                    message["tool_calls"] = calls
+                    finish = "tool_calls" if finish == "stop" else finish
+                if error:
+                    base["rollart"]["tool_call_error"] = error
+            return {
+                **base,
+                "object": "chat.completion",
+                "choices": [{"index": 0, "message": message, "logprobs": lp, "finish_reason": finish}],
+            }
+        lp = None
+        if getattr(body, "logprobs", None) is not None:
+            lp = {"tokens": toks, "token_logprobs": out.logprobs, "top_logprobs": None, "text_offset": None}
+        return {
+            **base,
+            "object": "text_completion",
+            "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}],
+        }
+
+    async def _sse(
+        self,
+        endpoint: str,
+        body: _Common,
+        first: GenerateOutput,
+        parts: AsyncIterator[GenerateOutput],
+        prompt_ids: list[int],
+        session: str | None,
+        sampling: SamplingParams | None = None,
+    ) -> AsyncIterator[str]:
+        """Server-sent events: one chunk per token delta, text detokenised incrementally.
+
+        Text that could still turn out to be the start of a stop string (or half a UTF-8
+        character) is held back until the next delta or the end. If the client goes away, the
+        request is aborted on its engine (closing ``parts`` cancels it).
+        """
+        stops = body.stops()
+        hold = max((len(x) for x in stops), default=1) - 1
+        tools = isinstance(body, ChatBody) and body.tools_active()
+        if tools:  # a tool call is only known once the output is complete: the text comes at the end
+            hold = 1 << 62
+        head = {"id": first.request_id, "created": int(time.time()), "model": self.model_name}
+        obj = "chat.completion.chunk" if endpoint == "chat" else "text_completion"
+        want_lp = (
+            bool(getattr(body, "logprobs", False))
+            if endpoint == "chat"
+            else getattr(body, "logprobs", None) is not None
+        )
+        ids: list[int] = []
+        lps: list[float] = []
+        sent_text = 0
+        sent_tokens = 0
+        role_sent = False
+
+        def chunk(text: str, new_ids: list[int], new_lps: list[float], finish: str | None) -> str:
+            nonlocal role_sent
+            lp: dict[str, Any] | None = None
+            if want_lp and new_ids:
+                toks = [self.template.token_str(t) for t in new_ids]
+                lp = (
+                    {
+                        "content": [
+                            {"token": t, "logprob": p, "bytes": list(t.encode()), "top_logprobs": []}
+                            for t, p in zip(toks, new_lps, strict=True)
+                        ]
+                    }
+                    if endpoint == "chat"
+                    else {
+                        "tokens": toks,
+                        "token_logprobs": new_lps,
+                        "top_logprobs": None,
+                        "text_offset": None,
+                    }
+                )
+            if endpoint == "chat":
+                delta: dict[str, Any] = {"content": text} if text or finish is None else {}
+                if not role_sent:
+                    delta["role"], role_sent = "assistant", True
+                c: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
+            else:
+                c = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
+            return f"data: {json.dumps({**head, 'object': obj, 'choices': [c]})}\n\n"
+
+        try:
+            part: GenerateOutput | None = first
+            while part is not None and not part.finish_reason:
+                ids += part.token_ids
+                lps += part.logprobs
+                text = await asyncio.to_thread(self.template.decode, ids)
+                safe = len(text) - hold
+                while safe > sent_text and text[safe - 1] == "\ufffd":  # an incomplete UTF-8 sequence
+                    safe -= 1
+                if safe > sent_text or not role_sent:
+                    yield chunk(
+                        text[sent_text : max(safe, sent_text)], ids[sent_tokens:], lps[sent_tokens:], None
+                    )
+                    sent_text = max(safe, sent_text)
+                    sent_tokens = len(ids)
+                part = await anext(parts, None)
+        finally:
+            await parts.aclose()  # type: ignore[attr-defined]
+        if part is None:  # the proxy always ends with the complete output
+            raise RuntimeError(f"stream of {first.request_id} ended without a complete output")
+        out = part
+        self._record(session, endpoint, prompt_ids, out, sampling)
+        text, finish = await asyncio.to_thread(self._text, out, stops)
+        calls: list[dict[str, Any]] = []
+        error: str | None = None
+        content: str | None = text
+        if tools:
+            assert isinstance(body, ChatBody)
+            content, calls, error = await asyncio.to_thread(self._tool_reply, body, text)
+            text = content or ""
+        if endpoint == "chat":
+            self._remember(session, content, calls or None, out)
+        if text[sent_text:] or out.token_ids[sent_tokens:]:
+            yield chunk(text[sent_text:], out.token_ids[sent_tokens:], out.logprobs[sent_tokens:], None)
+        if calls:
+            deltas = [{"index": i, **c} for i, c in enumerate(calls)]
+            yield f"data: {json.dumps({**head, 'object': obj, 'choices': [{'index': 0, 'delta': {'tool_calls': deltas}, 'logprobs': None, 'finish_reason': None}]})}\n\n"
+            finish = "tool_calls" if finish == "stop" else finish
+        if error:
+            yield f"data: {json.dumps({**head, 'object': obj, 'choices': [], 'rollart': {'tool_call_error': error}})}\n\n"
+        yield chunk("", [], [], finish)
+        if (body.stream_options or {}).get("include_usage"):
+            usage = {
+                "prompt_tokens": len(prompt_ids),
+                "completion_tokens": len(out.token_ids),
+                "total_tokens": len(prompt_ids) + len(out.token_ids),
+            }
+            yield f"data: {json.dumps({**head, 'object': obj, 'choices': [], 'usage': usage, 'rollart': self._extra(out, prompt_ids)})}\n\n"
+        yield "data: [DONE]\n\n"
