@@ -22,6 +22,7 @@ OPTIONS = {
     "code_tests": {"timeout_s": 3, "isolation": "best_effort"},
     "format": {"timeout_s": 5},
     "synthetic": {"work_s": 0},
+    "bursty": {"inner": {"impl": "exact_match"}, "work_s": 0},
 }
 CALL_TIMEOUT_S = 20.0
 ADVERSARIAL = {
