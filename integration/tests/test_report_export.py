@@ -1,6 +1,6 @@
-"""A real ``rollart train`` run (shortened main job) leaves a report a browser shows, and a
-checkpoint that ``rollart export --hf`` turns into a model vLLM serves with the trainer's own
-greedy tokens."""
+"""A real ``rollart train`` run (the README's main job, shortened, run as a user runs it) trains and
+checkpoints, leaves a report a browser shows, and a checkpoint that ``rollart export --hf`` turns into
+a model vLLM serves with the trainer's own greedy tokens."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.
     cfg["model"]["path"] = str(tmp / "model")
     cfg["output_dir"] = str(tmp / "run")
     cfg["tasks"][0].update(group_size=4, groups_per_step=2)
-    cfg["train"].update(steps=2, eval_every=2, eval_episodes=8, save_every=2)
+    cfg["train"].update(steps=2, eval_every=2, eval_episodes=8, eval_temperature=0.0, save_every=2)
     path = tmp / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg))
     r = subprocess.run(
@@ -60,6 +60,25 @@ def test_quiet_console_and_report_files(run_dir: tuple[Path, subprocess.Complete
     for png in ("curves.png", "throughput.png", "staleness.png", "timeline.png"):
         assert (run / png).stat().st_size > 1000, png
     assert json.loads((run / "timeline.json").read_text())["intervals"]
+
+
+def test_main_job_trains_checkpoints_and_creates_its_model(
+    run_dir: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
+    """The README's main job, run exactly as a user runs it (shortened): ``rollart train <config>``."""
+    run, r = run_dir
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("step ")]
+    assert any("reward_mean=" in ln and "traj_per_s=" in ln and "gen_tok_per_s=" in ln for ln in lines), (
+        r.stdout
+    )
+    summary = json.loads(r.stdout[r.stdout.index("\n{\n") + 1 :])
+    assert summary["final_version"] == 2 and summary["fates"] == {"finished": 16}
+    metrics = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["version"] for m in metrics if m["step"] > 0] == [1, 2]
+    assert "eval_success" in metrics[-1]
+    ckpt = run / "checkpoint-2"
+    assert (ckpt / "model.safetensors").is_file() and (ckpt / "tokenizer.json").is_file()
+    assert (run.parent / "model" / "config.json").is_file()  # the model was created on first use, in code
 
 
 def test_rollart_report_rebuilds_it(run_dir: tuple[Path, subprocess.CompletedProcess[str]]) -> None:

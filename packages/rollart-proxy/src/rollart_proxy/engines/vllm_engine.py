@@ -84,6 +84,12 @@ def vllm_ipc_dir() -> str | None:
     return _ipc_dir
 
 
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
 def _build_engine(cls: Any, args: Any) -> Any:
     if args.disable_log_stats:
         return cls.from_engine_args(args)
@@ -182,6 +188,12 @@ class VllmEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(self.config.kv_cache_gib))))
+        if _on_cpu():
+            # One engine-core process runs the model itself instead of spawning a worker process
+            # that imports torch and vLLM again: the engine starts in ~10 s instead of ~45 s on the
+            # 2-core machine, and steps ran no slower (docs/benchmarks.md, start-up). Set the
+            # variable to 1 to get vLLM's CPU default (a multiprocessing executor) back.
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         c = self.config
         args = AsyncEngineArgs(
             model=self.model_path,
