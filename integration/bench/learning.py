@@ -1,24 +1,32 @@
-"""Learning curves on held-out seeds: Sync+ vs async (alpha=1), same machine, same script.
+"""Time-to-train on held-out seeds: Sync+ vs async, under environment latency, over several seeds.
 
-    uv run --no-sync python integration/bench/learning.py --minutes 15 [--config examples/frozenlake_learn.yaml]
+    uv run --no-sync python integration/bench/learning.py --minutes 12 --seeds 0,1,2 \
+        --modes sync,async_a1,async_a2 --env-latency 0.3 --env-sigma 1.0 --out runs/learning
 
-Each mode trains from the same initial tiny model for the same wall-clock budget (run one after
-the other: running both at once would make them fight for the same 2 cores), evaluating success
-on held-out map seeds every ``--eval-every`` steps. Writes ``learning.json`` (both curves, with wall
-time) and ``learning.png`` into ``--out``, and prints when each mode first reached the sync run's
-final success rate, and when (seconds and episodes) each first reached ``--target`` (0.8, the
-issue's bar). The trainer runs in its own process (torch trainer ``spawn``), on all cores in sync
-mode and on half of them in async mode, where training overlaps rollout (as ``rollart bench``;
-``--async-train-cores all`` gives async's trainer every core too, time-sharing them with generation);
-``--in-process-trainer`` keeps the config's trainer as it is. Every point also records
-``episodes``: the trajectories trained on so far (sample efficiency, independent of how busy the
-machine was). ``--modes sync`` runs one mode only.
+Each (seed, mode) run trains from the same initial tiny model for the same wall-clock budget, one
+after the other (both at once would fight for the same 2 cores); seeds are the outer loop, so the
+modes are interleaved and a slow spell of the machine hits them alike. Held-out success is
+evaluated every ``--eval-every`` steps.
 
-Each mode's CPU use is measured too (``cpu_busy``: the fraction of all cores busy from its first
-step to its end, whatever ran: engine, trainer, environments, the loop). Overlapping rollout with
-training can only use the cores the synchronous run left idle, so ``1 / cpu_busy`` of the sync run
-is the most async can gain in wall time on this machine at equal work per episode
-(``overlap_ceiling`` in the JSON).
+**Environment latency.** Real agentic environments are sandboxes, tools, browsers and remote
+services: a call takes hundreds of milliseconds, with a heavy tail. ``--env-latency M --env-sigma S``
+adds a log-normal delay (median M seconds, spread S) to every ``reset`` and ``step`` of training
+episodes, through the same fault-injection wrapper as ``rollart bench`` (rollart-env's ``straggler``:
+every trajectory draws its own delays). The default, 0.3 s with sigma 1.0 (p99 about 10x the median:
+3 s), is the order of a tool or sandbox call; 0 turns it off (FrozenLake answers in microseconds).
+Held-out evaluation runs on the plain environment (``TaskConfig.eval_env``): it measures the policy,
+and the instrument should not add wall time that differs between modes.
+
+Per mode it reports, as the median [min-max] over seeds: the wall time to reach held-out success
+``--target`` (0.8), the time to reach the same seed's Sync+ final success, the final success (median
+of the last three evaluations: one evaluation in 20-30 dips), steps/min and the machine's CPU busy
+fraction from the first step on. A run that never reaches a bar within the budget counts as "> budget"
+(the speed-up is then a lower bound, shown with ">="). Writes ``learning.json`` (every curve) and
+``learning.png`` (median curve and min-max band per mode, over wall time and over episodes).
+
+The trainer runs in its own process (torch trainer ``spawn``) on all cores in sync mode and on half
+of them in async mode, where training overlaps rollout (as ``rollart bench``);
+``--in-process-trainer`` keeps the config's trainer as it is.
 """
 
 from __future__ import annotations
@@ -28,18 +36,22 @@ import asyncio
 import json
 import os
 import platform
+import statistics
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from rollart_core.bench.workload import train_threads
-from rollart_core.config import load_config
-from rollart_core.loop import train
+from rollart_core.config import ComponentConfig, RunConfig, load_config
+from rollart_core.control.train import train
 from rollart_core.timeline import CpuMeter
+
+MODES: dict[str, tuple[str, int]] = {"sync": ("sync", 0), "async_a1": ("async", 1), "async_a2": ("async", 2)}
 
 
 class _Curve:
-    def __init__(self) -> None:
+    def __init__(self, label: str) -> None:
+        self.label = label
         self.t0 = time.perf_counter()
         self.points: list[dict[str, Any]] = []
         self.episodes = 0
@@ -53,45 +65,58 @@ class _Curve:
             **{k: v for k, v in metrics.items() if isinstance(v, (int, float))},
         }
         self.points.append(row)
-        print(
-            f"  step {step:>4}  t={row['wall_s']:7.1f}s  episodes={self.episodes:>6}  "
-            f"eval={metrics.get('eval_success', float('nan')):.3f}  "
-            f"train_success={metrics.get('success_rate', float('nan')):.3f}",
-            flush=True,
-        )
+        if "eval_success" in metrics or step % 10 == 0:
+            print(
+                f"  [{self.label}] step {step:>4}  t={row['wall_s']:7.1f}s  episodes={self.episodes:>6}  "
+                f"eval={metrics.get('eval_success', float('nan')):.3f}  "
+                f"train_success={metrics.get('success_rate', float('nan')):.3f}",
+                flush=True,
+            )
 
     def close(self) -> None:
         pass
 
 
-def _run(
-    cfg_path: Path,
-    mode: str,
-    alpha: int,
-    minutes: float,
-    eval_every: int,
-    out: Path,
-    in_process_trainer: bool,
-    eval_temperature: float | None,
-    async_train_cores: Literal["all", "half"],
-) -> tuple[list[dict[str, Any]], float | None]:
-    cfg = load_config(cfg_path)
-    cfg.train.mode, cfg.train.alpha = mode, alpha  # type: ignore[assignment]
-    if not in_process_trainer:
+def with_env_latency(cfg: RunConfig, median_s: float, sigma: float, seed: int) -> RunConfig:
+    """Every task's training env wrapped in the ``straggler`` fault injector (log-normal delay on each
+    reset/step); held-out evaluation keeps the plain env."""
+    if median_s <= 0:
+        return cfg
+    cfg = cfg.model_copy(deep=True)
+    for task in cfg.tasks:
+        task.eval_env = task.eval_env or task.env
+        task.env = ComponentConfig(
+            impl="straggler",
+            options={
+                "env": task.env.model_dump(),
+                "faults": {"seed": seed, "step_latency_s": median_s, "step_latency_sigma": sigma},
+            },
+        )
+    return cfg
+
+
+def _run(args: argparse.Namespace, mode: str, seed: int, out: Path) -> dict[str, Any]:
+    recipe, alpha = MODES[mode]
+    cfg = load_config(Path(args.config))
+    cfg.seed = seed
+    cfg.train.mode, cfg.train.alpha = recipe, alpha  # type: ignore[assignment]
+    if not args.in_process_trainer:
         cfg.trainer.options.update(
-            spawn=True, num_threads=train_threads("all" if mode == "sync" else async_train_cores)
+            spawn=True, num_threads=train_threads("all" if recipe == "sync" else args.async_train_cores)
         )
     cfg.train.steps = 100_000
-    cfg.train.eval_every = eval_every
-    cfg.train.eval_temperature = eval_temperature
+    cfg.train.eval_every = args.eval_every
     cfg.train.save_every = 0
-    cfg = cfg.model_copy(update={"output_dir": out / f"{mode}-a{alpha}"})
-    curve = _Curve()
+    if args.eval_temperature is not None:
+        cfg.train.eval_temperature = args.eval_temperature
+    cfg = with_env_latency(cfg, args.env_latency, args.env_sigma, seed)
+    cfg = cfg.model_copy(update={"output_dir": out / f"{mode}-s{seed}"})
+    curve = _Curve(f"{mode} s{seed}")
 
     async def main() -> float | None:
         async with CpuMeter(period=1.0) as cpu:
             task = asyncio.create_task(train(cfg, sink=curve))
-            deadline = time.perf_counter() + minutes * 60
+            deadline = time.perf_counter() + args.minutes * 60
             while not task.done() and time.perf_counter() < deadline:
                 await asyncio.sleep(1.0)
             t_end = time.perf_counter()
@@ -99,19 +124,18 @@ def _run(
             (outcome,) = await asyncio.gather(task, return_exceptions=True)
         if isinstance(outcome, Exception):  # a failed run must not pass for a short one
             raise RuntimeError(
-                f"{mode} alpha={alpha}: training failed after {len(curve.points)} logged steps"
+                f"{mode} seed {seed}: training failed after {len(curve.points)} logged steps"
             ) from outcome
         # from the first step (after the pipeline's start-up and the initial evaluation) to the end
         steps = [p["wall_s"] for p in curve.points if p["step"] >= 1]
         return cpu.busy((curve.t0 + steps[0], t_end)) if steps else None
 
-    print(f"== {mode} alpha={alpha} for {minutes} min")
+    print(f"== {mode} (alpha={alpha}) seed {seed} for {args.minutes} min", flush=True)
     busy = asyncio.run(main())
-    print(f"   cpu busy from the first step to the end: {busy if busy is None else round(busy, 3)}")
-    return curve.points, busy
+    return {"mode": mode, "seed": seed, "points": curve.points, "cpu_busy": busy}
 
 
-def _rate(points: list[dict[str, Any]], key: str) -> float | None:
+def rate(points: list[dict[str, Any]], key: str) -> float | None:
     """``key`` per minute from the first step to the last."""
     steps = [p for p in points if p["step"] >= 1]
     if len(steps) < 2 or steps[-1]["wall_s"] <= steps[0]["wall_s"]:
@@ -119,22 +143,188 @@ def _rate(points: list[dict[str, Any]], key: str) -> float | None:
     return (steps[-1][key] - steps[0][key]) / (steps[-1]["wall_s"] - steps[0]["wall_s"]) * 60
 
 
-def _first_reaching(points: list[dict[str, Any]], target: float, key: str = "wall_s") -> float | None:
+def first_reaching(points: list[dict[str, Any]], target: float, key: str = "wall_s") -> float | None:
+    """The wall time (or ``key``) of the first evaluation at or above ``target``; None: never."""
     for p in points:
         if p.get("eval_success", -1) >= target:
-            return p[key]
+            return float(p[key])
     return None
+
+
+def final_success(points: list[dict[str, Any]], last: int = 3) -> float | None:
+    evals = [p["eval_success"] for p in points if "eval_success" in p and p["step"] >= 1]
+    return statistics.median(evals[-last:]) if evals else None
+
+
+def spread(values: list[float | None], budget: float | None = None) -> dict[str, Any]:
+    """Median and min-max; None (never reached) counts as above ``budget`` (infinite without one)."""
+    known = [v for v in values if v is not None]
+    as_num = [v if v is not None else float("inf") for v in values]
+    med = statistics.median(as_num) if as_num else None
+    return {
+        "median": None if med is None or med == float("inf") else med,
+        "min": min(known) if known else None,
+        "max": None if len(known) < len(values) else (max(known) if known else None),
+        "censored": len(values) - len(known),
+        "budget": budget,
+        "values": values,
+    }
+
+
+def speedup(sync_s: float | None, mode_s: float | None, budget: float) -> tuple[float | None, bool]:
+    """(sync time / mode time, is a lower bound): a sync run that never reached the bar took > budget."""
+    if mode_s is None or mode_s <= 0:
+        return None, False
+    if sync_s is None:
+        return budget / mode_s, True
+    return sync_s / mode_s, False
+
+
+def summarise(runs: list[dict[str, Any]], modes: list[str], target: float, budget_s: float) -> dict[str, Any]:
+    by_mode = {m: [r for r in runs if r["mode"] == m] for m in modes}
+    sync_final = {r["seed"]: final_success(r["points"]) for r in by_mode.get("sync", [])}
+    rows: dict[str, Any] = {}
+    for m, rs in by_mode.items():
+        per_seed = []
+        for r in rs:
+            pts, sf = r["points"], sync_final.get(r["seed"])
+            per_seed.append(
+                {
+                    "seed": r["seed"],
+                    "s_to_target": first_reaching(pts, target),
+                    "episodes_to_target": first_reaching(pts, target, "episodes"),
+                    "s_to_sync_final": first_reaching(pts, sf) if sf is not None else None,
+                    "final_success": final_success(pts),
+                    "best_success": max(
+                        (p["eval_success"] for p in pts if "eval_success" in p), default=None
+                    ),
+                    "steps_per_min": rate(pts, "step"),
+                    "episodes_per_s": (x / 60) if (x := rate(pts, "episodes")) else None,
+                    "cpu_busy": r["cpu_busy"],
+                }
+            )
+        rows[m] = {
+            "per_seed": per_seed,
+            **{
+                k: spread([s[k] for s in per_seed], budget_s if k.startswith("s_to") else None)
+                for k in ("s_to_target", "s_to_sync_final", "final_success", "steps_per_min", "cpu_busy")
+            },
+        }
+    if "sync" in rows:
+        sync_by_seed = {s["seed"]: s for s in rows["sync"]["per_seed"]}
+        for m in modes:
+            ups = []
+            for s in rows[m]["per_seed"]:
+                ref = sync_by_seed.get(s["seed"])
+                if ref is None:
+                    continue
+                up, bound = speedup(ref["s_to_target"], s["s_to_target"], budget_s)
+                ups.append({"seed": s["seed"], "speedup_to_target": up, "lower_bound": bound})
+            known = [u["speedup_to_target"] for u in ups if u["speedup_to_target"] is not None]
+            rows[m]["speedup_to_target"] = {
+                "per_seed": ups,
+                "median": statistics.median(known) if len(known) == len(ups) and known else None,
+                "any_lower_bound": any(u["lower_bound"] for u in ups),
+            }
+            finals = [
+                (s["final_success"] - sync_by_seed[s["seed"]]["final_success"])
+                for s in rows[m]["per_seed"]
+                if s["final_success"] is not None
+                and s["seed"] in sync_by_seed
+                and sync_by_seed[s["seed"]]["final_success"] is not None
+            ]
+            rows[m]["final_minus_sync"] = spread(finals) if finals else None
+    return rows
+
+
+def _fmt(s: dict[str, Any] | None, unit: str = "") -> str:
+    if not s:
+        return "-"
+    med = s["median"]
+    if med is None:
+        return f"> {s['budget']:.0f}{unit}" if s.get("budget") else "-"
+    lo, hi = s["min"], s["max"]
+    hi_txt = f"{hi:.2f}" if hi is not None else ("never" if s["censored"] else "-")
+    return f"{med:.2f}{unit} [{lo:.2f}-{hi_txt}]"
+
+
+def print_table(rows: dict[str, Any], target: float) -> None:
+    head = f"{'mode':<9} {f's to {target}':>22} {'speed-up':>12} {'s to sync final':>22} {'final':>18} {'steps/min':>18} {'cpu busy':>16}"
+    print("\n" + head)
+    for m, r in rows.items():
+        up = r.get("speedup_to_target") or {}
+        vals = [u["speedup_to_target"] for u in up.get("per_seed", []) if u["speedup_to_target"]]
+        up_txt = "-"
+        if vals:
+            up_txt = ("≥" if up.get("any_lower_bound") else "") + f"{statistics.median(vals):.2f}x"
+        print(
+            f"{m:<9} {_fmt(r['s_to_target']):>22} {up_txt:>12} {_fmt(r['s_to_sync_final']):>22} "
+            f"{_fmt(r['final_success']):>18} {_fmt(r['steps_per_min']):>18} {_fmt(r['cpu_busy']):>16}"
+        )
+
+
+def plot(runs: list[dict[str, Any]], modes: list[str], budget_s: float, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def value_at(points: list[dict[str, Any]], x: float, key: str) -> float | None:
+        v = None
+        for p in points:
+            if "eval_success" not in p:
+                continue
+            if p[key] > x:
+                break
+            v = p["eval_success"]
+        return v
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    for key, ax, scale, label in (
+        ("wall_s", axes[0], 60.0, "wall time (min)"),
+        ("episodes", axes[1], 1.0, "episodes trained on"),
+    ):
+        for m in modes:
+            rs = [r for r in runs if r["mode"] == m]
+            if not rs:
+                continue
+            end = max(max((p[key] for p in r["points"]), default=0) for r in rs)
+            if end <= 0:
+                continue
+            xs = [end * i / 200 for i in range(201)]
+            med, lo, hi, xk = [], [], [], []
+            for x in xs:
+                vals = [v for r in rs if (v := value_at(r["points"], x, key)) is not None]
+                if len(vals) == len(rs):
+                    xk.append(x / scale)
+                    med.append(statistics.median(vals))
+                    lo.append(min(vals))
+                    hi.append(max(vals))
+            (line,) = ax.plot(xk, med, label=f"{m} (median of {len(rs)})")
+            ax.fill_between(xk, lo, hi, alpha=0.2, color=line.get_color())
+        ax.set_xlabel(label)
+        ax.set_ylabel("held-out success")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="examples/frozenlake_learn.yaml")
-    ap.add_argument("--minutes", type=float, default=15.0)
+    ap.add_argument("--config", default="examples/frozenlake_tiny.yaml")
+    ap.add_argument("--minutes", type=float, default=12.0, help="wall-clock budget of every run")
     ap.add_argument("--eval-every", type=int, default=5)
     ap.add_argument("--out", default="runs/learning")
-    ap.add_argument("--target", type=float, default=0.8, help="held-out success to time (the issue's bar)")
-    ap.add_argument("--modes", default="sync,async_a1", help="which of sync, async_a1 to run (in this order)")
-    ap.add_argument("--quick", action="store_true", help="a 2-minute smoke run per mode")
+    ap.add_argument("--target", type=float, default=0.8, help="held-out success to time")
+    ap.add_argument(
+        "--modes", default="sync,async_a1,async_a2", help=f"comma-separated subset of {list(MODES)}"
+    )
+    ap.add_argument("--seeds", default="0,1,2", help="comma-separated run seeds (the config's seed)")
+    ap.add_argument("--env-latency", type=float, default=0.3, help="median env call latency in s (0: none)")
+    ap.add_argument("--env-sigma", type=float, default=1.0, help="log-normal spread of the latency")
+    ap.add_argument("--quick", action="store_true", help="a 2-minute smoke run per mode, one seed")
     ap.add_argument(
         "--in-process-trainer",
         action="store_true",
@@ -153,98 +343,47 @@ def main() -> None:
     )
     args = ap.parse_args()
     if args.quick:
-        args.minutes, args.eval_every = 2.0, 2
+        args.minutes, args.eval_every, args.seeds = 2.0, 2, args.seeds.split(",")[0]
+    modes = args.modes.split(",")
+    if not modes or any(m not in MODES for m in modes):
+        ap.error(f"--modes: a comma-separated subset of {list(MODES)}")
+    try:
+        seeds = [int(s) for s in args.seeds.split(",")]
+    except ValueError:
+        ap.error("--seeds: comma-separated integers")
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    modes = {"sync": ("sync", 0), "async_a1": ("async", 1)}
-    if args.eval_temperature is None:
-        args.eval_temperature = load_config(Path(args.config)).train.eval_temperature
-    chosen = args.modes.split(",")
-    if not chosen or any(m not in modes for m in chosen):
-        ap.error(f"--modes: a comma-separated subset of {list(modes)}")
-    runs = {
-        m: _run(
-            Path(args.config),
-            *modes[m],
-            args.minutes,
-            args.eval_every,
-            out,
-            args.in_process_trainer,
-            args.eval_temperature,
-            args.async_train_cores,
-        )
-        for m in chosen
-    }
-    curves = {m: r[0] for m, r in runs.items()}
-    cpu_busy = {m: r[1] for m, r in runs.items()}
-    evals = {k: [p for p in v if "eval_success" in p] for k, v in curves.items()}
-    first = evals[chosen[0]]
-    sync_final = first[-1]["eval_success"] if first else 0.0
-    summary = {
+    runs: list[dict[str, Any]] = []
+    for seed in seeds:  # seeds outside: the modes interleave
+        for m in modes:
+            runs.append(_run(args, m, seed, out))
+            (out / "learning.partial.json").write_text(json.dumps(runs))
+    budget_s = args.minutes * 60
+    rows = summarise(runs, modes, args.target, budget_s)
+    result = {
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "command": {k: v for k, v in vars(args).items()},
         "trainer": "in process"
         if args.in_process_trainer
         else f"spawned: all cores in sync, {args.async_train_cores} in async",
-        "minutes_per_mode": args.minutes,
-        "eval_temperature": args.eval_temperature,
-        "sync_final_eval_success": sync_final,
-        "best_eval_success": {k: max((p["eval_success"] for p in v), default=None) for k, v in evals.items()},
-        "seconds_to_sync_final": {k: _first_reaching(v, sync_final) for k, v in evals.items()},
-        "target": args.target,
-        "seconds_to_target": {k: _first_reaching(v, args.target) for k, v in evals.items()},
-        "episodes_to_target": {k: _first_reaching(v, args.target, "episodes") for k, v in evals.items()},
-        "cpu_busy": cpu_busy,
-        "steps_per_min": {k: _rate(v, "step") for k, v in curves.items()},
-        "episodes_per_s": {k: (r / 60 if (r := _rate(v, "episodes")) else None) for k, v in curves.items()},
-        "overlap_ceiling": 1 / cpu_busy["sync"] if cpu_busy.get("sync") else None,
-        "curves": curves,
+        "summary": rows,
+        "runs": runs,
     }
-    t_sync, t_async = (
-        summary["seconds_to_sync_final"].get("sync"),
-        summary["seconds_to_sync_final"].get("async_a1"),
-    )
-    summary["async_speedup_to_sync_final"] = (t_sync / t_async) if t_sync and t_async else None
-    (out / "learning.json").write_text(json.dumps(summary, indent=2))
-    nan = float("nan")
+    (out / "learning.json").write_text(json.dumps(result, indent=1))
+    print_table(rows, args.target)
     print(
-        f"\n{'mode':<10} {'best eval':>10} {'s to sync-final':>16} {f's to {args.target}':>9} {f'episodes to {args.target}':>16}"
+        f"(median [min-max] over seeds {seeds}; budget {args.minutes} min per run; "
+        f"env latency {args.env_latency} s, sigma {args.env_sigma})"
     )
-    for k in curves:
-        print(
-            f"{k:<10} {summary['best_eval_success'][k] or 0:>10.3f} {summary['seconds_to_sync_final'][k] or nan:>16.1f} "
-            f"{summary['seconds_to_target'][k] or nan:>9.1f} {summary['episodes_to_target'][k] or nan:>16.0f}"
-        )
-    print(f"async speed-up to the sync run's final success: {summary['async_speedup_to_sync_final']}")
-    for k in curves:
-        busy = cpu_busy[k]
-        print(
-            f"{k:<10} cpu busy {busy if busy is None else f'{busy:.2f}'}, {summary['steps_per_min'][k] or nan:.1f} steps/min, "
-            f"{summary['episodes_per_s'][k] or nan:.1f} episodes/s"
-        )
-    if summary["overlap_ceiling"]:
-        print(
-            f"overlap ceiling (1 / sync's cpu busy): async can be at most {summary['overlap_ceiling']:.2f}x faster "
-            "per episode from overlapping rollout and training on these cores"
-        )
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-        for k, v in evals.items():
-            ax.plot([p["wall_s"] / 60 for p in v], [p["eval_success"] for p in v], marker="o", label=k)
-            ax2.plot([p["episodes"] for p in v], [p["eval_success"] for p in v], marker="o", label=k)
-        ax.set_xlabel("wall time (min)")
-        ax2.set_xlabel("episodes trained on")
-        for a in (ax, ax2):
-            a.set_ylabel("held-out success rate")
-            a.grid(alpha=0.3)
-            a.legend()
-        fig.suptitle("FrozenLake (random 4x4 maps), tiny Qwen2 on CPU")
-        fig.tight_layout()
-        fig.savefig(out / "learning.png", dpi=120)
+        plot(
+            runs,
+            modes,
+            budget_s,
+            out / "learning.png",
+            f"{Path(args.config).stem}: env latency {args.env_latency}s (sigma {args.env_sigma}), "
+            f"{len(seeds)} seeds",
+        )
     except ImportError:
         print("matplotlib not installed: no PNG")
     print(f"wrote {out / 'learning.json'}")

@@ -91,6 +91,9 @@ class TrainerSection(_Model):
 class TaskConfig(_Model):
     name: str
     env: ComponentConfig
+    eval_env: ComponentConfig | None = None
+    """The environment of held-out evaluation (None: ``env``), e.g. the plain environment when
+    ``env`` wraps it in fault or latency injection, or another split of a dataset."""
     reward: ComponentConfig
     reward_executor: ComponentConfig = ComponentConfig(impl="inline")
     """Where the reward runs: ``inline``, ``pool``, ``ray`` or ``http`` (serverless offload)."""

@@ -97,6 +97,10 @@ class Pipeline:
         # validate every component's options before creating or starting anything
         for i, task in enumerate(cfg.tasks):
             validate_options(resolve("env", task.env.impl), task.env.options, f"tasks.{i}.env.options")
+            if task.eval_env is not None:
+                validate_options(
+                    resolve("env", task.eval_env.impl), task.eval_env.options, f"tasks.{i}.eval_env.options"
+                )
             validate_options(
                 resolve("reward", task.reward.impl), task.reward.options, f"tasks.{i}.reward.options"
             )
@@ -322,7 +326,10 @@ class Pipeline:
         self.env_manager = cls(mcfg)
         await self.env_manager.start()
 
-    def make_env(self, task: TaskConfig, index: int) -> Any:
+    def make_env(self, task: TaskConfig, index: int, *, held_out: bool = False) -> Any:
+        """A new environment of the task (``held_out``: its ``eval_env`` when it has one)."""
+        if held_out and task.eval_env is not None:
+            return build("env", task.eval_env.impl, task.eval_env.options, f"tasks.{index}.eval_env.options")
         return build("env", task.env.impl, task.env.options, f"tasks.{index}.env.options")
 
     async def acquire_env(self, task: TaskConfig, index: int) -> Any:

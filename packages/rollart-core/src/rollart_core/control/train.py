@@ -115,8 +115,9 @@ async def rollout_step(p: Pipeline, step: int, *, launch_tag: str = "s") -> list
 
 async def evaluate(
     p: Pipeline, episodes: int, *, tag: str = "eval", temperature: float | None = None
-) -> dict[str, float]:
-    """Success rate and mean reward on held-out seeds (never used for training); ``temperature``
+) -> dict[str, Any]:
+    """Success rate and mean reward on held-out seeds (never used for training), also per task when
+    there are several; held-out episodes use each task's ``eval_env`` when it has one; ``temperature``
     replaces the tasks' sampling temperature (0: greedy)."""
     jobs = []
     for ti, task in enumerate(p.config.tasks):
@@ -137,7 +138,7 @@ async def evaluate(
             jobs.append(
                 run_trajectory(
                     traj,
-                    env=p.make_env(task, ti),
+                    env=p.make_env(task, ti, held_out=True),
                     generator=p.proxy,
                     chat=p.chat,
                     scorer=p.rewards[task.name],
@@ -148,8 +149,21 @@ async def evaluate(
                 )
             )
     done = await asyncio.gather(*jobs)
+    result: dict[str, Any] = _success_and_reward(done, "eval")
+    if len(p.config.tasks) > 1:  # per task too: a mix can hide one task that does not learn
+        by_task = {
+            task.name: _success_and_reward([t for t in done if t.task == task.name], "eval")
+            for task in p.config.tasks
+        }
+        result["eval_success_by_task"] = {k: v["eval_success"] for k, v in by_task.items()}
+        result["eval_reward_by_task"] = {k: v["eval_reward"] for k, v in by_task.items()}
+    return result
+
+
+def _success_and_reward(done: list[Trajectory], prefix: str) -> dict[str, float]:
+    """Success counts every episode (a failed one as a failure); reward averages the finished ones."""
     ok = [t for t in done if t.fate is Fate.FINISHED]
     return {
-        "eval_success": sum(bool(t.info.get("success")) for t in ok) / max(len(done), 1),
-        "eval_reward": sum(t.reward for t in ok) / max(len(ok), 1),
+        f"{prefix}_success": sum(bool(t.info.get("success")) for t in ok) / max(len(done), 1),
+        f"{prefix}_reward": sum(t.reward for t in ok) / max(len(ok), 1),
     }
