@@ -1,0 +1,82 @@
+"""The learning bench's arithmetic (``integration/bench/learning.py``): what the time-to-train
+figures are computed from. Synthetic curves; no run."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from rollart_core.config import RunConfig
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "learning.py"
+
+
+@pytest.fixture(scope="module")
+def learning() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("learning_bench", BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _curve(evals: list[tuple[float, float]], step_s: float = 1.0) -> list[dict]:
+    """Points with an evaluation (wall_s, success) each; steps one per ``step_s``."""
+    return [
+        {"step": i + 1, "wall_s": t, "episodes": 64 * (i + 1), "eval_success": s}
+        for i, (t, s) in enumerate(evals)
+    ]
+
+
+def test_censored_sync_gives_a_lower_bound_and_the_median_counts_it(learning: ModuleType) -> None:
+    runs = [
+        # seed 0: sync reaches 0.8 at 300 s, async at 100 s
+        {"mode": "sync", "seed": 0, "points": _curve([(100, 0.2), (300, 0.8), (500, 0.9)]), "cpu_busy": 0.9},
+        {
+            "mode": "async_a1",
+            "seed": 0,
+            "points": _curve([(50, 0.3), (100, 0.85), (200, 0.9)]),
+            "cpu_busy": 0.8,
+        },
+        # seed 1: sync never reaches 0.8 in the 600 s budget; async at 200 s
+        {"mode": "sync", "seed": 1, "points": _curve([(200, 0.3), (550, 0.6)]), "cpu_busy": 0.9},
+        {"mode": "async_a1", "seed": 1, "points": _curve([(100, 0.5), (200, 0.8)]), "cpu_busy": 0.8},
+    ]
+    rows = learning.summarise(runs, ["sync", "async_a1"], 0.8, 600.0)
+    sync_t = rows["sync"]["s_to_target"]
+    assert sync_t["values"] == [300.0, None] and sync_t["censored"] == 1
+    assert sync_t["median"] is None  # one of two never reached it: the median is above the budget
+    ups = rows["async_a1"]["speedup_to_target"]
+    assert [u["speedup_to_target"] for u in ups["per_seed"]] == [3.0, 3.0]
+    assert [u["lower_bound"] for u in ups["per_seed"]] == [False, True] and ups["any_lower_bound"]
+    # the same seed's sync final success (median of its last three evaluations) is the bar
+    assert rows["async_a1"]["s_to_sync_final"]["values"] == [100.0, 100.0]
+    assert rows["async_a1"]["final_minus_sync"]["values"] == pytest.approx([0.05, 0.2])
+
+
+def test_env_latency_wraps_training_envs_and_keeps_evaluation_plain(learning: ModuleType) -> None:
+    cfg = RunConfig.model_validate(
+        {
+            "name": "t",
+            "model": {"path": "m"},
+            "engines": [{"name": "gen", "impl": "vllm"}],
+            "tasks": [
+                {
+                    "name": "lake",
+                    "env": {"impl": "frozenlake", "options": {"size": 4}},
+                    "reward": {"impl": "success"},
+                }
+            ],
+            "trainer": {"impl": "torch"},
+        }
+    )
+    wrapped = learning.with_env_latency(cfg, 0.3, 1.0, seed=7)
+    task = wrapped.tasks[0]
+    assert task.env.impl == "straggler" and task.env.options["env"]["impl"] == "frozenlake"
+    assert task.env.options["faults"] == {"seed": 7, "step_latency_s": 0.3, "step_latency_sigma": 1.0}
+    assert task.eval_env is not None and task.eval_env.impl == "frozenlake"
+    assert cfg.tasks[0].env.impl == "frozenlake"  # the input config is left alone
+    assert learning.with_env_latency(cfg, 0.0, 1.0, seed=7) is cfg
