@@ -38,6 +38,8 @@ class Script:
     engine_down: bool = False
     fail_push_at: int | None = None
     step_delay_s: float = 0.001
+    envs_made: list[tuple[str, bool]] = field(default_factory=list)
+    """(task, held_out) of every environment the pipeline built."""
 
 
 class EchoProxy:
@@ -196,7 +198,8 @@ class FakePipeline:
         self.buffer = SampleBuffer(config.train.alpha)
         self.timings: dict[str, float] = {}
 
-    def make_env(self, task: Any, index: int) -> CountdownEnv:
+    def make_env(self, task: Any, index: int, *, held_out: bool = False) -> CountdownEnv:
+        self.script.envs_made.append((task.name, held_out))
         return CountdownEnv(self.script)
 
     async def acquire_env(self, task: Any, index: int) -> CountdownEnv:

@@ -172,3 +172,21 @@ def test_version_clock_invariants() -> None:
     assert c.coming is None
     with pytest.raises(ClockError):
         c.serve(1)
+
+
+async def test_two_tasks_report_train_and_held_out_success_per_task(
+    fakes: ModuleType, tmp_path: Path
+) -> None:
+    task = {"env": {"impl": "fake"}, "reward": {"impl": "fake"}, "group_size": 2, "groups_per_step": 1}
+    tasks = [{"name": "a", **task}, {"name": "b", **task}]
+    sink = MemorySink()
+    cfg = fakes.fake_config(tmp_path, tasks=tasks, mode="sync", eval_every=1, eval_episodes=2, steps=2)
+    script = fakes.Script()
+    await asyncio.wait_for(train(cfg, sink=sink, pipeline=fakes.FakePipeline(cfg, script)), 30)
+    rows = sink.rows
+    assert all(set(m["eval_success_by_task"]) == {"a", "b"} for m in rows)  # eval at 0, 1 and 2
+    assert all(set(m["success_by_task"]) == {"a", "b"} for m in rows if "success_by_task" in m)
+    assert sum("success_by_task" in m for m in rows) == 2
+    # a countdown episode always succeeds; held-out episodes were built as such, 2 per task per eval
+    assert rows[-1]["eval_success_by_task"] == {"a": 1.0, "b": 1.0}
+    assert sorted(script.envs_made).count(("a", True)) == 3 * 2

@@ -303,5 +303,9 @@ def step_metrics(run: Run, rec: StepRecord) -> dict[str, Any]:
         "batch_traj_ids": [t.traj_id for t in batch],
         "batch_start_versions": [t.min_version() for t in batch],
         "batch_tasks": dict(Counter(t.task for t in batch)),
+        "success_by_task": {
+            task: sum(bool(t.info.get("success")) for t in batch if t.task == task) / n
+            for task, n in Counter(t.task for t in batch).items()
+        },
         "fates": run.rollout.ledger.take_step(),
     }
