@@ -99,8 +99,8 @@ async def test_dataset_task_trains_and_evaluates_on_heldout_rows_only(
     async with Pipeline(cfg) as p:
         make_env = p.make_env
 
-        def recording_make_env(t, index):  # the real env; we keep a handle to read which row it served
-            env = make_env(t, index)
+        def recording_make_env(t, index, *, held_out=False):  # the real env; we keep a handle to its row
+            env = make_env(t, index, held_out=held_out)
             built.append(env)
             return env
 

@@ -34,10 +34,16 @@ class _Collect:
         pass
 
 
-# one_off is the batch-level middle of the same code path that sync and async cover (slow set: CI time)
+# one_off is the batch-level middle of the same code path that sync and async cover, and the update
+# after Get Batch (on_arrival False) an ablation of async's default; both run in the slow set (CI time),
+# and their step order is checked on the in-process fakes (packages/rollart-core/tests/test_control_plane.py)
 @pytest.mark.parametrize(
     ("mode", "alpha", "on_arrival"),
-    [pytest.param("one_off", 1, True, marks=pytest.mark.slow), ("async", 1, True), ("async", 1, False)],
+    [
+        pytest.param("one_off", 1, True, marks=pytest.mark.slow),
+        ("async", 1, True),
+        pytest.param("async", 1, False, marks=pytest.mark.slow),
+    ],
 )
 async def test_mode_invariants(
     mode: str, alpha: int, on_arrival: bool, tmp_path: Path, tiny_model: Path
@@ -97,7 +103,7 @@ async def test_resume_continues_steps_and_buffer_without_duplicates(tmp_path: Pa
 
     cfg2 = cfg.model_copy(deep=True)
     cfg2.train.steps, cfg2.train.resume_from = 4, ckpt
-    second = await train(cfg2, sink=_Collect())
+    second = await train(cfg2, sink=_Collect())  # a fresh pipeline, as a restarted job would build
     assert [h["version"] for h in second["history"]] == [3, 4]  # steps and versions continue
     trained_1 = [g for h in first["history"] for g in h["batch_groups"]]
     trained_2 = [g for h in second["history"] for g in h["batch_groups"]]
