@@ -149,3 +149,38 @@ def test_report_from_metrics(tmp_path: Path) -> None:
 def test_since_process_start_is_positive() -> None:
     age = since_process_start()
     assert age is not None and 0 < age < 24 * 3600
+
+
+def test_live_display_shows_progress_eta_held_out_and_scrolls_each_step() -> None:
+    import io
+
+    from rich.console import Console
+
+    from rollart_core.console import LiveSink
+
+    sink = LiveSink(total_steps=4)
+    printed = io.StringIO()
+    sink.live.console.file = printed  # the scrolling step lines
+    try:
+        sink.log(0, {"eval_success": 0.25, "version": 0})
+        for step in (1, 2, 3):
+            sink.log(
+                step,
+                {
+                    "reward_mean": 0.5,
+                    "success_rate": 0.5,
+                    "traj_per_s": 3.0,
+                    "version": step,
+                    "lag_max": 1,
+                    "fates": {"finished": 8},
+                },
+            )
+        panel = Console(file=io.StringIO(), width=120, record=True)
+        panel.print(sink)
+        text = panel.export_text()
+    finally:
+        sink.close()
+    assert "step 3/4" in text and "held-out success 0.250" in text and "finished=8" in text
+    assert "ETA -" not in text and "ETA " in text  # three steps logged: the ETA is an estimate
+    lines = [ln for ln in printed.getvalue().splitlines() if ln.startswith("step")]
+    assert len(lines) == 4 and lines[-1].startswith("step   3") and "held-out 0.25" in lines[0]
