@@ -119,9 +119,16 @@ class Pipeline:
             )
             for i, g in enumerate(cfg.engines)
         ]
-        t_model = time.perf_counter()
-        self._ensure_model()
-        self.timings["model_s"] = time.perf_counter() - t_model  # start-up phases (the run summary)
+        self._check_model()  # a model path that is no model fails before Ray starts
+        # Ray starts while the model is created in code (a first run's tiny model: seconds of CPU in a
+        # thread here, while Ray's start is mostly its own processes): the start-up phases overlap
+        model_ready = asyncio.ensure_future(asyncio.to_thread(self._ensure_model))
+        try:
+            self.timings["ray_start_s"] = self._stack.enter_context(RayCluster(cfg.ray)).start_s
+        except BaseException:
+            await asyncio.gather(model_ready, return_exceptions=True)
+            raise
+        await model_ready
         store_opts = dict(cfg.weight_store.options)
         if cfg.weight_store.impl == "filesystem":
             store_opts.setdefault("root", str(cfg.output_dir / "weights"))
@@ -155,7 +162,6 @@ class Pipeline:
             for i, t in enumerate(cfg.tasks)
         }
         self.buffer = SampleBuffer(cfg.train.alpha)
-        self.timings["ray_start_s"] = self._stack.enter_context(RayCluster(cfg.ray)).start_s
         self._check_store_reach(cfg)
         if group_cfg is not None:  # placed on its pool, validated with the engines before either starts
             t1 = time.perf_counter()
@@ -227,18 +233,26 @@ class Pipeline:
         decl = resolve("trainer", TRAINER_GROUP).worker_decl(group_cfg)
         ResourceManager.from_ray().validate([*self._engine_decls(), decl])
 
-    def _ensure_model(self) -> None:
+    def _check_model(self) -> bool:
+        """True when the model directory has to be created (``create_tiny``); ConfigError when it is
+        not a model directory and may not be created."""
         m = self.config.model
-        is_model_dir = resolve("model", "rollart_train.tiny:is_model_dir")
-        if is_model_dir(m.path):
-            return
+        if resolve("model", "rollart_train.tiny:is_model_dir")(m.path):
+            return False
         if not m.create_tiny:
             raise ConfigError(
                 f"model.path {m.path} is not a Hugging Face model directory (set create_tiny: true "
                 "to create the tiny random model there)"
             )
-        log.info("creating the tiny model at %s", m.path)
-        resolve("model", "rollart_train.tiny:create_tiny_model")(m.path, dtype=m.dtype)
+        return True
+
+    def _ensure_model(self) -> None:
+        t0 = time.perf_counter()
+        m = self.config.model
+        if self._check_model():
+            log.info("creating the tiny model at %s", m.path)
+            resolve("model", "rollart_train.tiny:create_tiny_model")(m.path, dtype=m.dtype)
+        self.timings["model_s"] = time.perf_counter() - t0  # start-up phases (the run summary)
 
     async def _start_engines(self, engine_cfgs: list[Any]) -> None:
         import ray
