@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rollart_core.errors import EngineError, WeightSyncError
 from rollart_core.protocols import WeightStore
+from rollart_proxy.engines._common import engine_stats
 from rollart_proxy.errors import WorkerUnavailableError
 from rollart_proxy.metrics import WorkerMetrics
 
@@ -171,17 +172,7 @@ class HttpEngineBase:
         return self._version
 
     async def get_stats(self) -> dict[str, Any]:
-        m = self._metrics.snapshot(len(self._inflight))
-        return {
-            **self.stats,
-            "inflight": len(self._inflight),
-            "version": self._version,
-            "paused": self._paused,
-            "tokens_per_s": m["tokens_per_s"],
-            "prefill_tokens": m["prefill_tokens"],
-            "decode_tokens": m["decode_tokens"],
-            "suspended_s": m["suspended_s"],
-        }
+        return engine_stats(self.stats, self._metrics, len(self._inflight), self._version, self._paused)
 
     def _account(self, prompt: int, cached: int, out: int, finish: str) -> None:
         self.stats["requests"] += 1

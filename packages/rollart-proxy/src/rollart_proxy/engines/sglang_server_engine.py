@@ -30,6 +30,7 @@ import httpx
 from rollart_core.errors import EngineError
 from rollart_core.protocols import PauseMode
 from rollart_core.types import GenerateOutput, GenerateRequest
+from rollart_proxy.engines._common import check_stop_strings, count_update
 from rollart_proxy.engines._http_engine import HttpEngineBase, HttpEngineConfig
 from rollart_proxy.errors import WorkerUnavailableError
 
@@ -62,10 +63,7 @@ class SglangServerEngine(HttpEngineBase):
 
     def _sampling(self, request: GenerateRequest) -> dict[str, Any]:
         s = request.sampling
-        if any(not isinstance(x, str) or not x for x in s.stop):
-            raise EngineError(
-                f"invalid sampling parameters: stop strings must be non-empty, got {list(s.stop)}"
-            )
+        check_stop_strings(s.stop)
         sp: dict[str, Any] = {
             "max_new_tokens": s.max_tokens,
             "temperature": s.temperature,
@@ -201,12 +199,7 @@ class SglangServerEngine(HttpEngineBase):
         finally:
             if own_pause:
                 await self._post("/continue_generation", json_body={})
-        paused = time.perf_counter() - t0
-        self.stats["updates"] += 1
-        self.stats["update_pause_s"] += paused
-        if own_pause:
-            self._metrics.add_suspended(paused)
-        return paused
+        return count_update(self.stats, self._metrics, t0, own_pause)
 
 
 def _int_or(v: Any, default: int) -> int:

@@ -24,6 +24,7 @@ from rollart_core.extras import require
 from rollart_core.protocols import PauseMode, WeightStore
 from rollart_core.resources import affinity
 from rollart_core.types import GenerateOutput, GenerateRequest
+from rollart_proxy.engines._common import check_stop_strings, count_update, engine_stats
 from rollart_proxy.errors import EngineNotStartedError, WorkerUnavailableError
 from rollart_proxy.metrics import WorkerMetrics
 
@@ -286,10 +287,7 @@ class VllmEngine:
         from vllm.sampling_params import RequestOutputKind
 
         s = request.sampling
-        if any(not isinstance(x, str) or not x for x in s.stop):
-            raise EngineError(
-                f"invalid sampling parameters: stop strings must be non-empty, got {list(s.stop)}"
-            )
+        check_stop_strings(s.stop)
         try:
             return SamplingParams(
                 max_tokens=s.max_tokens,
@@ -540,12 +538,7 @@ class VllmEngine:
             finally:
                 if own_pause:
                     await self._unfreeze()
-            paused = time.perf_counter() - t0
-            self.stats["updates"] += 1
-            self.stats["update_pause_s"] += paused
-            if own_pause:
-                self._metrics.add_suspended(paused)
-            return paused
+            return count_update(self.stats, self._metrics, t0, own_pause)
 
     # introspection ---------------------------------------------------------------------------
 
@@ -563,17 +556,7 @@ class VllmEngine:
 
     async def get_stats(self) -> dict[str, Any]:
         """Engine-side counters plus queue depth, tokens/s, prefill (cache misses) vs decode tokens."""
-        m = self._metrics.snapshot(len(self._inflight))
-        return {
-            **self.stats,
-            "inflight": len(self._inflight),
-            "version": self._version,
-            "paused": self._paused,
-            "tokens_per_s": m["tokens_per_s"],
-            "prefill_tokens": m["prefill_tokens"],
-            "decode_tokens": m["decode_tokens"],
-            "suspended_s": m["suspended_s"] + self.stats["suspended_s"],
-        }
+        return engine_stats(self.stats, self._metrics, len(self._inflight), self._version, self._paused)
 
 
 def _versions_from_spans(spans: list[Any] | None, n: int) -> list[int] | None:
