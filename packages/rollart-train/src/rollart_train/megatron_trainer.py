@@ -415,6 +415,11 @@ class MegatronTrainer:
             )
             copy_model_files(self.resumed_from or self.model_path, tmp)
         dist.barrier()
+        if not (tmp / OPTIM_DIR).is_dir():
+            raise TrainerError(
+                f"save {out}: rank {rank} does not see the directory global rank 0 created ({tmp}): "
+                "save to a path that every rank's node shares"
+            )
         torch.save(
             {"layout": self._layout(), "optimizer": self.optimizer.state_dict()},
             tmp / OPTIM_DIR / f"rank{rank}.pt",
