@@ -71,9 +71,11 @@ class TrainerSection(_Model):
     options: dict[str, Any] = Field(default_factory=dict)
     """The implementation's own settings (for a worker group: the settings of each rank)."""
     ranks: int | None = Field(None, ge=1)
-    """Run the trainer as a worker group of this many rank actors placed on ``pool`` (torch:
-    FSDP2 over gloo on CPU, NCCL on GPU; rendezvous on rank 0's node). None: the trainer runs in the
-    driver (or in processes it spawns, per the implementation's options)."""
+    """Run the trainer as a worker group of this many rank actors placed on ``pool`` (``impl: torch``:
+    FSDP2 over gloo on CPU, NCCL on GPU; ``impl: megatron``: ``options.tensor_parallel`` x
+    ``options.pipeline_parallel`` must divide ``ranks``, the rest is data parallelism, and
+    ``num_gpus`` > 0 unless ``options.device: cpu``; rendezvous on rank 0's node). None: the trainer
+    runs in the driver (or in processes it spawns, per the implementation's options)."""
     pool: str | None = None
     """Pool of the worker group's ranks (a Ray custom resource such as ``H800``; each rank takes one
     unit). Setting it without ``ranks`` means one rank."""

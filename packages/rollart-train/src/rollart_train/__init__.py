@@ -8,8 +8,10 @@ Public API:
   Ray actors (``rollart_train.ray_group``)
 - losses: :func:`grpo_advantages`, :func:`ppo_clip_loss`, :func:`decoupled_ppo_loss`,
   :func:`behaviour_weights`, :func:`kl_penalty`, :func:`entropy_from_logits`, :func:`token_logprobs`
-- :class:`MegatronTrainer` (extra ``[megatron]``, imported lazily from ``rollart_train.megatron_trainer``)
-  and the HF↔Megatron weight conversion in ``rollart_train.megatron_convert``
+- :class:`MegatronTrainer` (extra ``[megatron]``, imported lazily from ``rollart_train.megatron_trainer``;
+  its config in ``rollart_train.megatron_config``), its ranks in a :class:`RayTrainerGroup`
+  (``worker: megatron``, ``rollart_train.megatron_rank.MegatronRankWorker``) and the HF↔Megatron weight
+  conversion in ``rollart_train.megatron_convert``
 - :func:`create_tiny_model` — the tiny random Qwen2 + tokenizer, built in code
 
 The names are exported lazily: importing the package (or ``rollart_train.ray_group``) imports neither

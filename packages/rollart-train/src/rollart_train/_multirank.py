@@ -1,9 +1,11 @@
-"""Spawned FSDP2 ranks driven over pipes from the process that owns the :class:`TorchTrainer`.
+"""Spawned trainer ranks driven over pipes from the process that owns them (the :class:`TorchTrainer`).
 
 Every rank is a ``spawn``-ed process running :func:`_rank_main`: it joins a process group
-(gloo on CPU, NCCL on GPU; rendezvous on 127.0.0.1 and a free port; none for a single rank), builds a
-:class:`~rollart_train.torch_rank.TorchRankWorker`, then executes commands ``(method, args)`` from its
-pipe in order. The driver sends each command to every rank (the methods are collective), waits for all
+(gloo on CPU, NCCL on GPU; rendezvous on 127.0.0.1 and a free port; none for a single rank) and builds a
+rank worker, :class:`~rollart_train.torch_rank.TorchRankWorker` by default (both through
+:func:`rollart_train._rendezvous.start_rank_worker`, as a Ray group's rank actors do; the GPU check
+drives :class:`~rollart_train.megatron_rank.MegatronRankWorker` ranks this way where Ray cannot
+travel), then executes commands ``(method, args)`` from its pipe in order. The driver sends each command to every rank (the methods are collective), waits for all
 answers and returns rank 0's. Tensors come back through torch's shared-memory pickling.
 
 Why processes and pipes rather than Ray actors: the trainer must also work where Ray is not running
@@ -14,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 import traceback
 import weakref
@@ -22,49 +23,31 @@ from pathlib import Path
 from typing import Any
 
 from rollart_core.errors import TrainerError
+from rollart_train._rendezvous import free_port, start_rank_worker
 from rollart_train.torch_config import TorchTrainerConfig
 
-__all__ = ["SpawnedRanks", "free_port"]
+__all__ = ["TORCH_WORKER", "SpawnedRanks", "free_port"]
 
 log = logging.getLogger(__name__)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+TORCH_WORKER = "rollart_train.torch_rank:TorchRankWorker"
 
 
 def _rank_main(
-    rank: int, world_size: int, port: int, conn: Any, config: TorchTrainerConfig, model_path: str
+    rank: int, world_size: int, port: int, conn: Any, config: Any, model_path: str, worker_path: str
 ) -> None:
-    import datetime
-
-    import torch
     import torch.distributed as dist
 
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-    )
+    os.environ["LOCAL_RANK"] = str(rank)
     try:
-        torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 1) // world_size))
-        backend = "nccl" if config.device == "cuda" else "gloo"
-        if config.device == "cuda":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-        if world_size > 1:  # one spawned rank alone (``spawn: true``) needs no process group
-            dist.init_process_group(
-                backend,
-                rank=rank,
-                world_size=world_size,
-                timeout=datetime.timedelta(seconds=config.rank_timeout_s),
-            )
-        from rollart_train.torch_rank import TorchRankWorker
-
-        worker = TorchRankWorker(config, model_path, rank=rank, world_size=world_size)
+        worker = start_rank_worker(
+            worker_path,
+            config,
+            model_path,
+            rank=rank,
+            world_size=world_size,  # one spawned rank alone (``spawn: true``) joins no process group
+            master=("127.0.0.1", port),
+            num_threads=max(1, (os.cpu_count() or 1) // world_size),
+        )
         conn.send(("ok", worker.state()))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
@@ -105,9 +88,13 @@ def _shutdown(procs: list[Any], conns: list[Any]) -> None:
 
 
 class SpawnedRanks:
-    """``world_size`` trainer ranks in child processes; :meth:`call` runs one collective command."""
+    """``config.world_size`` trainer ranks in child processes; :meth:`call` runs one collective command.
+    ``worker``: the rank class as ``"module:Class"`` (its config has ``world_size`` and
+    ``rank_timeout_s``)."""
 
-    def __init__(self, config: TorchTrainerConfig, model_path: str | Path) -> None:
+    def __init__(
+        self, config: TorchTrainerConfig | Any, model_path: str | Path, worker: str = TORCH_WORKER
+    ) -> None:
         import torch.multiprocessing as mp
 
         self.timeout = config.rank_timeout_s
@@ -121,7 +108,7 @@ class SpawnedRanks:
                 target=_rank_main,
                 name=f"rollart-train-rank{rank}",
                 daemon=True,
-                args=(rank, config.world_size, port, child, config, str(model_path)),
+                args=(rank, config.world_size, port, child, config, str(model_path), worker),
             )
             p.start()
             child.close()

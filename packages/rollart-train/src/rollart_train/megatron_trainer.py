@@ -1,35 +1,45 @@
 """MegatronTrainer: megatron-core ``GPTModel`` with tensor / pipeline / data parallelism (GPU).
 
 Extra ``[megatron]`` (``pip install 'rollart-train[megatron]'``). Launch one process per GPU with
-``torchrun --nproc-per-node N``; ``tensor_parallel * pipeline_parallel`` must divide N, the rest is
-data parallelism. Every rank builds the trainer with the same config and calls ``train_step`` with the
-same batch (each data-parallel rank trains its share); ``named_weights`` yields full tensors in Hugging
-Face naming on global rank 0 (TP shards gathered, fused QKV / gate-up split, pipeline stages collected),
-which is what the weight store wants. A single process without torchrun forms a world of one.
+``torchrun --nproc-per-node N``, or as the ranks of a :class:`~rollart_train.RayTrainerGroup`
+(``worker: megatron``, :mod:`rollart_train.megatron_rank`); ``tensor_parallel * pipeline_parallel``
+must divide N, the rest is data parallelism. Every rank builds the trainer with the same config and
+calls ``train_step`` with the same batch (each data-parallel rank trains its share); ``named_weights``
+yields full tensors in Hugging Face naming on global rank 0 (TP shards gathered, fused QKV / gate-up
+split, pipeline stages collected), which is what the weight store wants. A single process without
+torchrun forms a world of one. ``device: cpu`` runs the same model and tensor-parallel layers over gloo
+with CPU stand-ins for Megatron's DDP, optimizer and schedule (:mod:`rollart_train._megatron_cpu`).
 
 Weights are loaded from a Hugging Face Qwen2/Llama directory (``config.json`` + safetensors) through
 :mod:`rollart_train.megatron_convert`. The loss is the same as the torch trainer's (PPO-clip or decoupled
 PPO, KL to the behaviour policy, entropy), computed on full-vocabulary logits of the last stage.
+Checkpoints (:meth:`MegatronTrainer.save`) are a Hugging Face directory plus each rank's optimizer
+state; ``resume_from`` restores weights and version on any layout, the optimizer state on the same one.
 Not done yet: sequence packing (Megatron's THD layout needs Transformer Engine attention; micro-batches
-are right-padded), a reference model for KL, and resumable optimizer checkpoints across layouts.
+are right-padded), a reference model for KL, and optimizer state across layouts.
 """
 
 from __future__ import annotations
 
-import json
-import os
+import contextlib
+import logging
 import shutil
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
-from rollart_core.errors import ConfigError, TrainerError
-from rollart_core.extras import require
+from rollart_core.errors import TrainerError
 from rollart_core.types import Trajectory
+from rollart_train._checkpoint import commit, copy_model_files, find_checkpoint, read_state, staging_dir
+from rollart_train._megatron_cpu import (
+    CpuOptimizer,
+    cuda_current_device_is_cpu,
+    forward_backward_cpu,
+    init_cpu_rng,
+)
 from rollart_train.losses import (
     decoupled_ppo_loss,
     entropy_from_logits,
@@ -37,231 +47,64 @@ from rollart_train.losses import (
     kl_penalty,
     masked_mean,
 )
-from rollart_train.megatron_convert import (
-    GptShape,
-    hf_to_megatron,
-    megatron_to_hf,
-    merge_tp_shards,
-    split_tp_shard,
+from rollart_train.megatron_config import MegatronTrainerConfig
+from rollart_train.megatron_convert import hf_to_megatron, megatron_to_hf, merge_tp_shards
+from rollart_train.megatron_model import (
+    build_gpt,
+    build_gpt_model_cpu_for_tests,
+    causal_mask,
+    global_name,
+    hf_shape,
+    init_parallel,
+    load_local,
+    read_hf,
+    require_mcore,
+    transformer_config,
 )
 
-__all__ = ["MegatronTrainer", "MegatronTrainerConfig", "build_gpt_model_cpu_for_tests", "transformer_config"]
+__all__ = [
+    "MegatronTrainer",
+    "MegatronTrainerConfig",
+    "build_gpt_model_cpu_for_tests",
+    "init_parallel",
+    "transformer_config",
+]
 
-INSTALL = "pip install 'rollart-train[megatron]'"
-
-
-class MegatronTrainerConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-    tensor_parallel: int = Field(1, ge=1)
-    pipeline_parallel: int = Field(1, ge=1)
-    lr: float = Field(1e-5, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    max_grad_norm: float = Field(1.0, gt=0)
-    loss: Literal["ppo_clip", "decoupled_ppo"] = "ppo_clip"
-    """As TorchTrainer: decoupled_ppo recomputes proximal logprobs for tokens of older versions."""
-    clip_eps: float = Field(0.2, gt=0)
-    clip_eps_high: float | None = None
-    tis_cap: float | None = Field(None, gt=0)
-    tis_mode: Literal["truncate", "mask"] = "truncate"
-    kl_coef: float = Field(0.0, ge=0)
-    """KL to the behaviour policy (no reference model in this trainer yet)."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    entropy_coef: float = Field(0.0, ge=0)
-    scale_adv_by_std: bool = True
-    micro_batch_size: int = Field(4, ge=1)
-    """Sequences per micro-batch (right-padded to the batch's longest, a multiple of 8)."""
-    bf16: bool = True
-    use_distributed_optimizer: bool = True
-    seed: int = 0
-
-
-def _mcore() -> Any:
-    return require("megatron.core", INSTALL)
-
-
-def transformer_config(
-    hf: dict[str, Any], *, tp: int = 1, pp: int = 1, bf16: bool = False, cpu_init: bool = False
-) -> Any:
-    """Megatron ``TransformerConfig`` equivalent to a Hugging Face Qwen2/Llama ``config.json``."""
-    _mcore()
-    import torch.nn.functional as F
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    if hf.get("model_type") not in ("qwen2", "llama"):
-        raise ConfigError(f"MegatronTrainer supports qwen2/llama checkpoints, not {hf.get('model_type')!r}")
-    heads = hf["num_attention_heads"]
-    return TransformerConfig(
-        num_layers=hf["num_hidden_layers"],
-        hidden_size=hf["hidden_size"],
-        num_attention_heads=heads,
-        num_query_groups=hf.get("num_key_value_heads") or heads,
-        ffn_hidden_size=hf["intermediate_size"],
-        kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
-        normalization="RMSNorm",
-        layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=hf.get("model_type") == "qwen2" or bool(hf.get("attention_bias")),
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        bf16=bf16,
-        params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
-        use_cpu_initialization=cpu_init,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
-    )
-
-
-def _build(hf: dict[str, Any], tcfg: Any, *, pre: bool, post: bool, vocab: int) -> Any:
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    return GPTModel(
-        config=tcfg,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-        vocab_size=vocab,
-        max_sequence_length=hf.get("max_position_embeddings", 4096),
-        pre_process=pre,
-        post_process=post,
-        parallel_output=False,
-        share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
-        position_embedding_type="rope",
-        rotary_base=int(hf.get("rope_theta", 10000)),
-    )
-
-
-def _read_hf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    from safetensors.torch import load_file
-
-    cfg = json.loads((path / "config.json").read_text())
-    tensors: dict[str, torch.Tensor] = {}
-    for f in sorted(path.glob("*.safetensors")):
-        tensors.update(load_file(str(f)))
-    if not tensors:
-        raise TrainerError(f"no safetensors weights in {path}")
-    return cfg, tensors
-
-
-def _causal_mask(b: int, s: int, device: torch.device) -> torch.Tensor:
-    return torch.triu(torch.ones(s, s, dtype=torch.bool, device=device), diagonal=1)[None, None].expand(
-        b, 1, s, s
-    )
-
-
-def build_gpt_model_cpu_for_tests(path: Path, hf_state: dict[str, torch.Tensor]) -> Any:
-    """A tiny GPTModel on CPU (world of one over gloo) with converted HF weights: checks the conversion
-    against the real megatron-core modules. CPU patches: the RNG tracker without CUDA
-    (``inference_rng_tracker``) and ``torch.cuda.current_device`` answering ``"cpu"`` during forward."""
-    _mcore()
-    import torch.distributed as dist
-    from megatron.core import parallel_state, tensor_parallel
-
-    from rollart_train._multirank import free_port
-
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
-    tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-    hf = json.loads((path / "config.json").read_text())
-    model = _build(hf, transformer_config(hf, cpu_init=True), pre=True, post=True, vocab=hf["vocab_size"])
-    shape = GptShape.from_hf_config(_Obj(hf))
-    full = hf_to_megatron(hf_state, shape, tied=bool(hf.get("tie_word_embeddings", False)))
-    _load_local(model, full, layer_offset=0, tp_rank=0, tp_size=1)
-    model.eval()
-
-    class _Wrapped(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.inner = model
-
-        def forward(
-            self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: Any
-        ) -> torch.Tensor:
-            mask = _causal_mask(input_ids.shape[0], input_ids.shape[1], input_ids.device)
-            # megatron-core places RoPE frequencies and its scratch buffers on torch.cuda.current_device()
-            real = torch.cuda.current_device
-            torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
-            try:
-                return self.inner(input_ids=input_ids, position_ids=position_ids, attention_mask=mask)
-            finally:
-                torch.cuda.current_device = real  # type: ignore[method-assign]
-
-    return _Wrapped()
-
-
-class _Obj:
-    def __init__(self, d: dict[str, Any]) -> None:
-        self.__dict__.update(d)
-
-
-def _global_name(local: str, offset: int) -> str:
-    """A pipeline stage's local parameter name with its layer index made global."""
-    parts = local.split(".")
-    if local.startswith("decoder.layers."):
-        parts[2] = str(int(parts[2]) + offset)
-    return ".".join(parts)
-
-
-def _load_local(
-    model: torch.nn.Module, full: dict[str, torch.Tensor], *, layer_offset: int, tp_rank: int, tp_size: int
-) -> None:
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            g = _global_name(name, layer_offset)
-            if g not in full:
-                raise TrainerError(f"no converted weight for Megatron parameter {g}")
-            shard = split_tp_shard(g, full[g], tp_rank, tp_size)
-            if g.endswith(("word_embeddings.weight", "output_layer.weight")) and shard.shape[0] != p.shape[0]:
-                padded = shard.new_zeros(p.shape)
-                padded[: shard.shape[0]] = shard
-                shard = padded
-            if shard.shape != p.shape:
-                raise TrainerError(f"{g}: converted shape {tuple(shard.shape)} != parameter {tuple(p.shape)}")
-            p.copy_(shard.to(p.dtype))
+log = logging.getLogger(__name__)
+OPTIM_DIR = "megatron_optim"
 
 
 class MegatronTrainer:
     Config = MegatronTrainerConfig
 
     def __init__(self, config: MegatronTrainerConfig | None = None, *, model_path: str | Path) -> None:
-        _mcore()
-        import torch.distributed as dist
+        require_mcore()
         from megatron.core import parallel_state, tensor_parallel
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
         self.config = c = config or MegatronTrainerConfig()
-        if not torch.cuda.is_available():
-            raise TrainerError("MegatronTrainer needs CUDA GPUs (use TorchTrainer on CPU)")
+        self.cuda = c.device == "cuda"
+        if self.cuda and not torch.cuda.is_available():
+            raise TrainerError(
+                "MegatronTrainer with device: cuda needs CUDA GPUs (device: cpu runs it over gloo for "
+                "tests; TorchTrainer trains on CPU)"
+            )
+        self.device = torch.device("cuda" if self.cuda else "cpu")
         self.model_path = Path(model_path)
-        if not dist.is_initialized():
-            if "WORLD_SIZE" not in os.environ:
-                from rollart_train._multirank import free_port
-
-                os.environ.update(
-                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1"
-                )
-            dist.init_process_group("nccl")
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
-        if dist.get_world_size() % (c.tensor_parallel * c.pipeline_parallel):
-            raise ConfigError("tensor_parallel * pipeline_parallel must divide the world size")
-        if not parallel_state.model_parallel_is_initialized():
-            parallel_state.initialize_model_parallel(c.tensor_parallel, c.pipeline_parallel)
-        tensor_parallel.model_parallel_cuda_manual_seed(c.seed)
-        hf, state = _read_hf(self.model_path)
+        self.resumed_from = find_checkpoint(c.resume_from) if c.resume_from else None
+        if c.num_threads:
+            torch.set_num_threads(c.num_threads)
+        init_parallel(c)
+        if self.cuda:
+            tensor_parallel.model_parallel_cuda_manual_seed(c.seed)
+        else:
+            init_cpu_rng(c.seed)
+        hf, state = read_hf(self.resumed_from or self.model_path)
         self.hf_config = hf
-        self.shape = GptShape.from_hf_config(_Obj(hf))
-        self.tcfg = transformer_config(hf, tp=c.tensor_parallel, pp=c.pipeline_parallel, bf16=c.bf16)
+        self.shape = hf_shape(hf)
+        self.tcfg = transformer_config(
+            hf, tp=c.tensor_parallel, pp=c.pipeline_parallel, bf16=c.bf16, cpu_init=not self.cuda
+        )
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
         self.dp_rank = parallel_state.get_data_parallel_rank()
@@ -270,20 +113,45 @@ class MegatronTrainer:
         self.last = parallel_state.is_pipeline_last_stage()
         align = 128 * c.tensor_parallel
         self.padded_vocab = (hf["vocab_size"] + align - 1) // align * align
-        model = _build(hf, self.tcfg, pre=self.first, post=self.last, vocab=self.padded_vocab).cuda()
+        self.module = build_gpt(hf, self.tcfg, pre=self.first, post=self.last, vocab=self.padded_vocab)
+        """This rank's GPTModel stage (inside Megatron DDP on CUDA)."""
+        if self.cuda:
+            self.module.cuda()
         self.layer_offset = get_transformer_layer_offset(self.tcfg)
         full = hf_to_megatron(state, self.shape, tied=bool(hf.get("tie_word_embeddings", False)))
-        _load_local(
-            model, full, layer_offset=self.layer_offset, tp_rank=self.tp_rank, tp_size=c.tensor_parallel
+        load_local(
+            self.module, full, layer_offset=self.layer_offset, tp_rank=self.tp_rank, tp_size=c.tensor_parallel
         )
         del state, full
+        self.model: Any
+        self.optimizer: Any
+        if self.cuda:
+            self.model, self.optimizer = self._ddp_and_optimizer()
+        else:
+            self.model = self.module
+            self.optimizer = CpuOptimizer(
+                self.module, lr=c.lr, weight_decay=c.weight_decay, max_grad_norm=c.max_grad_norm
+            )
+        self.pad_id = int(hf.get("pad_token_id") or 0)
+        self.version = 0
+        self.counters = {"optimizer_steps": 0, "skipped_steps": 0, "samples_seen": 0, "tokens_seen": 0}
+        self.extra_state: dict[str, Any] = {}
+        self.optimizer_restored = False
+        if self.resumed_from is not None:
+            self._load_state(self.resumed_from)
+
+    def _ddp_and_optimizer(self) -> tuple[Any, Any]:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        c = self.config
         ddp_cfg = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=False,
             use_distributed_optimizer=c.use_distributed_optimizer,
         )
-        self.model = DistributedDataParallel(config=self.tcfg, ddp_config=ddp_cfg, module=model)
-        self.optimizer = get_megatron_optimizer(
+        model = DistributedDataParallel(config=self.tcfg, ddp_config=ddp_cfg, module=self.module)
+        optimizer = get_megatron_optimizer(
             OptimizerConfig(
                 optimizer="adam",
                 lr=c.lr,
@@ -293,10 +161,12 @@ class MegatronTrainer:
                 clip_grad=c.max_grad_norm,
                 use_distributed_optimizer=c.use_distributed_optimizer,
             ),
-            [self.model],
+            [model],
         )
-        self.pad_id = int(hf.get("pad_token_id") or 0)
-        self.version = 0
+        return model, optimizer
+
+    def _on_device(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext() if self.cuda else cuda_current_device_is_cpu()
 
     # training --------------------------------------------------------------------------------
 
@@ -328,18 +198,21 @@ class MegatronTrainer:
         return micros, width
 
     def _forward(self, mb: dict[str, torch.Tensor]) -> torch.Tensor:
-        ids = mb["ids"].cuda()
+        ids = mb["ids"].to(self.device)
         pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-        return self.model(
-            input_ids=ids, position_ids=pos, attention_mask=_causal_mask(*ids.shape, ids.device)
-        )
+        with self._on_device():
+            return self.model(
+                input_ids=ids,
+                position_ids=pos,
+                attention_mask=causal_mask(ids.shape[0], ids.shape[1], ids.device),
+            )
 
     def _token_logprobs(
         self, logits: torch.Tensor, mb: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         logits = logits[:, :-1, : self.shape.vocab_size].float()
         logp_all = torch.log_softmax(logits, -1)
-        tgt = mb["ids"][:, 1:].cuda()
+        tgt = mb["ids"][:, 1:].to(self.device)
         return logp_all.gather(-1, tgt.unsqueeze(-1)).squeeze(-1), logits
 
     def train_step(self, batch: Sequence[Trajectory]) -> dict[str, float]:
@@ -359,7 +232,7 @@ class MegatronTrainer:
         if n_tokens == 0:
             raise TrainerError("batch has no generated tokens to train on")
         micros, width = self._micro_batches(batch, adv)
-        fb = get_forward_backward_func()
+        fb = get_forward_backward_func() if self.cuda else forward_backward_cpu
         stale = any(v != self.version for t in batch for v in t.token_versions() if v >= 0)
         prox: list[torch.Tensor] = []
         if c.loss == "decoupled_ppo" and stale:  # proximal logprobs: the weights before this update
@@ -394,8 +267,8 @@ class MegatronTrainer:
 
             def loss_fn(o: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
                 logp, logits = self._token_logprobs(o, mb)
-                mask, beh = mb["mask"][:, 1:].cuda(), mb["beh"][:, 1:].cuda()
-                ver, a = mb["ver"][:, 1:].cuda(), mb["adv"][:, 1:].cuda()
+                mask, beh = (mb[k][:, 1:].to(self.device) for k in ("mask", "beh"))
+                ver, a = (mb[k][:, 1:].to(self.device) for k in ("ver", "adv"))
                 p = beh if not prox else torch.where(ver == self.version, beh, prox[k])
                 loss, st = decoupled_ppo_loss(
                     logp,
@@ -425,7 +298,8 @@ class MegatronTrainer:
 
             return out, loss_fn
 
-        self.model.zero_grad_buffer()
+        if self.cuda:
+            self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         fb(
             forward_step_func=step,
@@ -438,6 +312,9 @@ class MegatronTrainer:
         )
         ok, grad_norm, _ = self.optimizer.step()
         self.version += 1
+        self.counters["optimizer_steps" if ok else "skipped_steps"] += 1
+        self.counters["samples_seen"] += len(batch)
+        self.counters["tokens_seen"] += sum(len(t.token_ids()) for t in batch)
         reduced = self._reduce_stats(stats)
         return {
             **reduced,
@@ -446,6 +323,7 @@ class MegatronTrainer:
             "reward_mean": sum(t.reward for t in batch) / len(batch),
             "train_tokens": float(n_tokens),
             "proximal_recomputed": float(bool(prox)),
+            "optimizer_steps": float(self.counters["optimizer_steps"]),
             "train_s": time.perf_counter() - t0,
             "version": float(self.version),
         }
@@ -454,7 +332,7 @@ class MegatronTrainer:
         import torch.distributed as dist
 
         keys = ["loss", "clip_frac", "approx_kl", "behav_weight", "tis_capped_frac"]
-        t = torch.tensor([stats.get(k, 0.0) for k in keys], device="cuda", dtype=torch.float64)
+        t = torch.tensor([stats.get(k, 0.0) for k in keys], device=self.device, dtype=torch.float64)
         dist.all_reduce(
             t
         )  # DP ranks hold disjoint token sums; other ranks add 0 (only last stages fill stats)
@@ -470,15 +348,15 @@ class MegatronTrainer:
 
         tp_group = parallel_state.get_tensor_model_parallel_group()
         local: list[tuple[str, torch.Tensor]] = []
-        for name, p in self.model.module.named_parameters():
-            g = _global_name(name, self.layer_offset)
+        for name, p in self.module.named_parameters():
+            g = global_name(name, self.layer_offset)
             if self.config.tensor_parallel > 1:
                 shards = [torch.empty_like(p.data) for _ in range(self.config.tensor_parallel)]
                 dist.all_gather(shards, p.data.contiguous(), group=tp_group)
                 full = merge_tp_shards(g, shards)
             else:
                 full = p.data
-            local.append((g, full.detach().cpu()))
+            local.append((g, full.detach().to("cpu", copy=True)))  # never alias the live parameters
         hf = list(megatron_to_hf(local, self.shape))
         if self.config.pipeline_parallel > 1:
             stages: list[Any] = [None] * self.config.pipeline_parallel
@@ -499,32 +377,111 @@ class MegatronTrainer:
             mb = {"ids": torch.tensor([list(token_ids)])}
             return self._token_logprobs(self._forward(mb), mb)[0][0].tolist()
 
-    def save(self, path: str | Path) -> None:
-        """HF directory (safetensors, rank 0) plus each rank's optimiser state (same layout to resume)."""
+    # checkpoints -----------------------------------------------------------------------------
+
+    def _layout(self) -> dict[str, Any]:
+        """What a saved optimizer state depends on: it reloads only under the same layout."""
+        c = self.config
+        return {
+            "tensor_parallel": c.tensor_parallel,
+            "pipeline_parallel": c.pipeline_parallel,
+            "data_parallel": self.dp_size,
+            "device": c.device,
+            "distributed_optimizer": self.cuda and c.use_distributed_optimizer,
+        }
+
+    def _param_state_file(self, root: Path) -> Path:
+        return root / OPTIM_DIR / f"param_state_tp{self.tp_rank}_pp{self.pp_rank}.pt"
+
+    def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
+        """HF directory (safetensors, config and tokenizer files, written by global rank 0) plus each
+        rank's optimizer state, then ``rollart_trainer.json``. Collective. Written into a staging
+        sibling and renamed when every rank has written its part."""
         import torch.distributed as dist
         from safetensors.torch import save_file
 
         out = Path(path)
-        weights = dict(self.named_weights())
-        if dist.get_rank() == 0:
-            out.mkdir(parents=True, exist_ok=True)
+        tmp = staging_dir(out)
+        rank = dist.get_rank()
+        weights = dict(self.named_weights())  # collective; the full dict on global rank 0 only
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            (tmp / OPTIM_DIR).mkdir(parents=True)
             save_file(
-                {k: v.contiguous() for k, v in weights.items()},
-                str(out / "model.safetensors"),
+                # own storage each: split QKV / gate-up tensors are views of one gathered tensor
+                {k: v.clone(memory_format=torch.contiguous_format) for k, v in weights.items()},
+                str(tmp / "model.safetensors"),
                 metadata={"format": "pt"},
             )
-            for f in (
-                "config.json",
-                "tokenizer.json",
-                "tokenizer_config.json",
-                "chat_template.jinja",
-                "generation_config.json",
-            ):
-                if (self.model_path / f).is_file():
-                    shutil.copy(self.model_path / f, out / f)
-            (out / "rollart_trainer.json").write_text(
-                json.dumps({"version": self.version, "trainer": "megatron"})
-            )
+            copy_model_files(self.resumed_from or self.model_path, tmp)
         dist.barrier()
-        (out / "megatron_optim").mkdir(parents=True, exist_ok=True)
-        torch.save(self.optimizer.state_dict(), out / "megatron_optim" / f"rank{dist.get_rank()}.pt")
+        if not (tmp / OPTIM_DIR).is_dir():
+            raise TrainerError(
+                f"save {out}: rank {rank} does not see the directory global rank 0 created ({tmp}): "
+                "save to a path that every rank's node shares"
+            )
+        torch.save(
+            {"layout": self._layout(), "optimizer": self.optimizer.state_dict()},
+            tmp / OPTIM_DIR / f"rank{rank}.pt",
+        )
+        if self._layout()["distributed_optimizer"]:  # the sharded moments: gathered on DP rank 0
+            self.optimizer.save_parameter_state(str(self._param_state_file(tmp)))
+        dist.barrier()
+        if rank == 0:
+            state = {
+                "format": 1,
+                "trainer": "megatron",
+                "version": self.version,
+                **self.counters,
+                "world_size": dist.get_world_size(),
+                "layout": self._layout(),
+                "extra": extra if extra is not None else self.extra_state,
+            }
+            commit(tmp, out, state)
+        dist.barrier()
+
+    def _load_state(self, ckpt: Path) -> None:
+        """Version, counters and ``extra`` from ``ckpt`` (the weights came from it already); the
+        optimizer state when it was saved under this layout."""
+        import torch.distributed as dist
+
+        state = read_state(ckpt)
+        self.version = int(state["version"])
+        for k in self.counters:
+            self.counters[k] = int(state.get(k, 0))
+        self.extra_state = dict(state.get("extra") or {})
+        blob_file = ckpt / OPTIM_DIR / f"rank{dist.get_rank()}.pt"
+        saved = state.get("layout")
+        if saved != self._layout() or not blob_file.is_file():
+            log.warning(
+                "%s: optimizer state not restored (saved under %s, running %s): weights and version %d "
+                "restored, the optimizer starts fresh",
+                ckpt,
+                saved,
+                self._layout(),
+                self.version,
+            )
+            return
+        # Megatron's optimizer state holds plain Python objects beside tensors (the weights-only
+        # unpickler may refuse them); the file is one this trainer wrote
+        blob = torch.load(blob_file, map_location="cpu", weights_only=False)
+        self.optimizer.load_state_dict(blob["optimizer"])
+        if saved["distributed_optimizer"]:
+            self.optimizer.load_parameter_state(str(self._param_state_file(ckpt)))
+        self.optimizer_restored = True
+        log.info("resumed from %s at version %d", ckpt, self.version)
+
+    def set_version(self, version: int) -> None:
+        """Continue under ``version`` (a restarted worker group keeps its versions monotone)."""
+        if version < 0:
+            raise TrainerError(f"set_version: versions are >= 0, got {version}")
+        self.version = version
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            **self.counters,
+            "extra": self.extra_state,
+            "optimizer_restored": self.optimizer_restored,
+            "resumed_from": str(self.resumed_from) if self.resumed_from else None,
+        }

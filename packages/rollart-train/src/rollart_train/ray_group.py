@@ -11,8 +11,11 @@ custom resource or GPU model, :mod:`rollart_core.resources`) and drives them fro
   placement group names are unique). :meth:`RayTrainerGroup.validate` runs the same check
   statically, so a pipeline can refuse a plan before it starts its engines.
 - **Rendezvous**: rank 0's actor reports its node IP and a free port there; every rank then joins
-  ``torch.distributed`` (gloo on CPU, NCCL with ``device: cuda``) at that address and builds a
-  :class:`~rollart_train.torch_rank.TorchRankWorker`. One rank: no process group.
+  ``torch.distributed`` (gloo on CPU, NCCL with ``device: cuda``) at that address and builds its rank
+  worker (:func:`rollart_train._rendezvous.start_rank_worker`): a
+  :class:`~rollart_train.torch_rank.TorchRankWorker` (``worker: torch``) or a
+  :class:`~rollart_train.megatron_rank.MegatronRankWorker` (``worker: megatron``, which then sets up
+  Megatron's tensor / pipeline / data-parallel groups). One torch rank: no process group.
 - **Calls** are collective (every rank gets the same arguments; a batch is ``ray.put`` once and every
   rank takes its own shard); rank 0's answer is returned.
 - **Weights**: :meth:`RayTrainerGroup.push_weights` gathers the full state dict on rank 0 (every rank
@@ -37,11 +40,8 @@ them); the rank actor class is turned into a Ray actor when a group is built.
 
 from __future__ import annotations
 
-import datetime
-import json
 import logging
 import os
-import socket
 import threading
 import time
 import uuid
@@ -55,6 +55,8 @@ from rollart_core.errors import ConfigError, RollartError, TrainerError
 from rollart_core.extras import require
 from rollart_core.resources import AffinitySpec, ClusterView, WorkerDecl
 from rollart_core.types import Trajectory
+from rollart_train._checkpoint import find_checkpoint, read_state
+from rollart_train._rendezvous import free_port, load, start_rank_worker
 
 if TYPE_CHECKING:
     import torch
@@ -68,25 +70,24 @@ log = logging.getLogger(__name__)
 
 _WORKERS: dict[str, tuple[str, str]] = {
     "torch": ("rollart_train.torch_config:TorchTrainerConfig", "rollart_train.torch_rank:TorchRankWorker"),
+    "megatron": (
+        "rollart_train.megatron_config:MegatronTrainerConfig",
+        "rollart_train.megatron_rank:MegatronRankWorker",
+    ),
 }
-"""Rank kinds: name → (per-rank config model, rank class), both as ``module:attr`` (imported on use)."""
-_STATE_FILE = "rollart_trainer.json"  # torch_rank.STATE_FILE, without importing torch here
+"""Rank kinds: name → (per-rank config model, rank class), both as ``module:attr`` (imported on use).
+A rank class is built and driven as :mod:`rollart_train._rendezvous` describes."""
 _GRACE_S = 5.0
 """After a rank raised, how long to wait for the other ranks before treating the group as diverged."""
-
-
-def _load(path: str) -> Any:
-    import importlib
-
-    module, attr = path.split(":")
-    return getattr(importlib.import_module(module), attr)
 
 
 class RayTrainerGroupConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    worker: Literal["torch"] = "torch"
-    """Rank class: ``torch`` (:class:`~rollart_train.torch_rank.TorchRankWorker`, FSDP2)."""
+    worker: Literal["torch", "megatron"] = "torch"
+    """Rank class: ``torch`` (:class:`~rollart_train.torch_rank.TorchRankWorker`, FSDP2) or ``megatron``
+    (:class:`~rollart_train.megatron_rank.MegatronRankWorker`: megatron-core with tensor / pipeline /
+    data parallelism from ``options``; extra ``[megatron]`` on the ranks' nodes)."""
     ranks: int = Field(1, ge=1)
     """Number of ranks (one Ray actor each); the per-rank ``world_size``."""
     pool: str | None = None
@@ -97,8 +98,10 @@ class RayTrainerGroupConfig(BaseModel):
     num_gpus_per_rank: float = Field(0.0, ge=0)
     """Ray GPUs reserved per rank (use with ``options.device: cuda``)."""
     options: dict[str, Any] = Field(default_factory=dict)
-    """The per-rank trainer config (:class:`~rollart_train.TorchTrainerConfig` for ``torch``);
-    ``world_size`` comes from ``ranks``, and ``spawn`` does not apply."""
+    """The per-rank trainer config (:class:`~rollart_train.TorchTrainerConfig` for ``torch``,
+    :class:`~rollart_train.megatron_config.MegatronTrainerConfig` for ``megatron``: ``tensor_parallel``
+    x ``pipeline_parallel`` must divide ``ranks``); ``world_size`` comes from ``ranks``, and ``spawn``
+    does not apply."""
     max_restarts: int = Field(0, ge=0)
     """How many times the group may rebuild its ranks after a rank died or a call timed out."""
     checkpoint_dir: str | None = None
@@ -117,7 +120,7 @@ class RayTrainerGroupConfig(BaseModel):
 
     def rank_config(self) -> Any:
         """The validated per-rank config (``world_size = ranks``); ValueError on a conflict."""
-        config_cls = _load(_WORKERS[self.worker][0])
+        config_cls = load(_WORKERS[self.worker][0])
         ws = self.options.get("world_size")
         if ws is not None and ws != self.ranks:
             raise ValueError(
@@ -129,18 +132,21 @@ class RayTrainerGroupConfig(BaseModel):
                 "options.spawn does not apply to a Ray trainer group (every rank is already "
                 "its own actor process): leave it out"
             )
-        if (self.num_gpus_per_rank > 0) != (self.options.get("device", "cpu") == "cuda"):
-            raise ValueError(
-                "options.device: cuda and num_gpus_per_rank > 0 go together (Ray hides the GPUs "
-                "from an actor that reserved none)"
-            )
         try:
-            return config_cls.model_validate({**self.options, "world_size": self.ranks})
+            config = config_cls.model_validate({**self.options, "world_size": self.ranks})
         except ValidationError as exc:
             details = "; ".join(
                 f"{'.'.join(map(str, e['loc'])) or '(root)'}: {e['msg']}" for e in exc.errors()
             )
             raise ValueError(f"options ({config_cls.__name__}): {details}") from None
+        if (self.num_gpus_per_rank > 0) != (config.device == "cuda"):
+            default = config_cls.model_fields["device"].default
+            raise ValueError(
+                f"options.device is {config.device!r} ({config_cls.__name__}'s default: {default!r}) "
+                f"but num_gpus_per_rank is {self.num_gpus_per_rank:g}: device cuda and "
+                "num_gpus_per_rank > 0 go together (Ray hides the GPUs from an actor that reserved none)"
+            )
+        return config
 
 
 class _RankActor:
@@ -161,9 +167,7 @@ class _RankActor:
         import ray
 
         ip = ray.util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind((ip, 0))
-            return ip, int(s.getsockname()[1])
+        return ip, free_port(ip)
 
     def setup(
         self,
@@ -176,24 +180,16 @@ class _RankActor:
         version: int | None,
         num_threads: int,
     ) -> dict[str, Any]:
-        import torch
-
-        torch.set_num_threads(config.num_threads or num_threads)
-        if config.device == "cuda":
-            torch.cuda.set_device(self.rank % torch.cuda.device_count())
-        if world_size > 1:
-            import torch.distributed as dist
-
-            dist.init_process_group(
-                "nccl" if config.device == "cuda" else "gloo",
-                init_method=f"tcp://{master[0]}:{master[1]}",
-                rank=self.rank,
-                world_size=world_size,
-                timeout=datetime.timedelta(seconds=config.rank_timeout_s),
-            )
-        self.worker = _load(worker_path)(config, model_path, rank=self.rank, world_size=world_size)
-        if version is not None:
-            self.worker.set_version(version)
+        self.worker = start_rank_worker(
+            worker_path,
+            config,
+            model_path,
+            rank=self.rank,
+            world_size=world_size,
+            master=master,
+            version=version,
+            num_threads=num_threads,
+        )
         self.store = store
         return self.worker.state()
 
@@ -601,8 +597,6 @@ class RayTrainerGroup:
 def _newest_checkpoint(path: str | Path | None, required: bool = False) -> Path | None:
     if path is None:
         return None
-    from rollart_train.torch_rank import find_checkpoint
-
     try:
         return find_checkpoint(path)
     except TrainerError:
@@ -612,7 +606,7 @@ def _newest_checkpoint(path: str | Path | None, required: bool = False) -> Path 
 
 
 def _checkpoint_version(ckpt: Path) -> int:
-    return int(json.loads((ckpt / _STATE_FILE).read_text())["version"])
+    return int(read_state(ckpt)["version"])
 
 
 def _placement_message(config: RayTrainerGroupConfig, cluster: ClusterView, exc: ConfigError) -> str:

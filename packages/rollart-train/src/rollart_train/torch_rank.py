@@ -15,9 +15,7 @@ same arguments. Under torchrun::
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import os
 import shutil
 import time
 from collections.abc import Iterator, Sequence
@@ -29,6 +27,14 @@ import torch
 from rollart_core.errors import TrainerError
 from rollart_core.types import Trajectory
 from rollart_train._attention import SEGMENT_ATTENTION, register_segment_attention
+from rollart_train._checkpoint import (
+    STATE_FILE,
+    commit,
+    copy_model_files,
+    find_checkpoint,
+    read_state,
+    staging_dir,
+)
 from rollart_train._packing import (
     MicroBatch,
     SeqData,
@@ -51,35 +57,8 @@ from rollart_train.torch_config import TorchTrainerConfig, lr_factor
 __all__ = ["STATE_FILE", "TorchRankWorker", "find_checkpoint"]
 
 log = logging.getLogger(__name__)
-STATE_FILE = "rollart_trainer.json"
 OPTIM_FILE = "trainer_state.pt"
-_COPY_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "generation_config.json",
-    "vocab.json",
-    "merges.txt",
-)
 _STATS = ("loss", "pg_loss", "clip_frac", "approx_kl", "behav_weight", "tis_capped_frac", "kl", "entropy")
-
-
-def find_checkpoint(path: str | Path) -> Path:
-    """``path`` if it is a checkpoint, else its newest ``checkpoint-<n>`` child; TrainerError if none."""
-    p = Path(path)
-    if (p / STATE_FILE).is_file():
-        return p
-    found = [
-        (int(c.name.rsplit("-", 1)[1]), c)
-        for c in p.glob("checkpoint-*")
-        if c.name.rsplit("-", 1)[1].isdigit() and (c / STATE_FILE).is_file()
-    ]
-    if not found:
-        raise TrainerError(
-            f"no trainer checkpoint at {p} (expected {STATE_FILE} or checkpoint-<step>/ inside)"
-        )
-    return max(found)[1]
 
 
 def _any_nonzero(a: float | list[float]) -> bool:
@@ -451,7 +430,7 @@ class TorchRankWorker:
         if self.rank != 0:
             return
         out = Path(path)
-        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+        tmp = staging_dir(out)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         save_torch_state_dict(sd, tmp, safe_serialization=True)
@@ -461,9 +440,7 @@ class TorchRankWorker:
             if self.resumed_from and not (self.model_path / "tokenizer.json").is_file()
             else self.model_path
         )
-        for f in _COPY_FILES:
-            if (src / f).is_file():
-                shutil.copy(src / f, tmp / f)
+        copy_model_files(src, tmp, skip=("config.json",))
         torch.save({"optimizer": osd, "rng": torch.get_rng_state()}, tmp / OPTIM_FILE)
         state = {
             "format": 1,
@@ -473,15 +450,12 @@ class TorchRankWorker:
             "entropy_coef": self.entropy_coef,
             "extra": extra if extra is not None else self.extra_state,
         }
-        (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
+        commit(tmp, out, state)
 
     def _load_state(self, ckpt: Path) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        state = json.loads((ckpt / STATE_FILE).read_text())
+        state = read_state(ckpt)
         blob = torch.load(ckpt / OPTIM_FILE, map_location="cpu", weights_only=True)
         set_optimizer_state_dict(
             self.model,

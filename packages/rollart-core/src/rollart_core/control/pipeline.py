@@ -22,7 +22,7 @@ from rollart_core.protocols import ChatFormat, Proxy, RewardExecutor, Trainer, W
 from rollart_core.registry import build, resolve, validate_options
 from rollart_core.resources import RayCluster, get_affinity
 
-__all__ = ["Pipeline"]
+__all__ = ["Pipeline", "trainer_group_config"]
 
 
 def _pd_roles(cfg: RunConfig) -> dict[str, set[str]]:
@@ -64,6 +64,25 @@ def overlap_warning(cfg: RunConfig) -> str | None:
 log = logging.getLogger(__name__)
 _ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
 TRAINER_GROUP = "rollart_train.ray_group:RayTrainerGroup"
+
+
+def trainer_group_config(cfg: RunConfig) -> Any:
+    """The validated config of the trainer's worker group (``trainer.ranks`` / ``trainer.pool`` set):
+    ``trainer.impl`` names the rank kind (``torch``, ``megatron``), ``trainer.options`` are each rank's
+    trainer settings (``tensor_parallel`` / ``pipeline_parallel`` for megatron). ConfigError on bad
+    options, such as TP x PP not dividing ``ranks`` or ``device: cuda`` without ``num_gpus``."""
+    t = cfg.trainer
+    options = {
+        "worker": t.impl,
+        "ranks": t.ranks or 1,
+        "pool": t.pool,
+        "num_cpus_per_rank": t.num_cpus,
+        "num_gpus_per_rank": t.num_gpus,
+        "options": t.options,
+        "max_restarts": cfg.train.max_trainer_restarts or 0,
+        "checkpoint_dir": str(cfg.output_dir),
+    }
+    return validate_options(resolve("trainer", TRAINER_GROUP), options, "trainer")
 
 
 class Pipeline:
@@ -200,18 +219,7 @@ class Pipeline:
             )
 
     def _trainer_group_config(self, cfg: RunConfig) -> Any:
-        t = cfg.trainer
-        options = {
-            "worker": t.impl,
-            "ranks": t.ranks or 1,
-            "pool": t.pool,
-            "num_cpus_per_rank": t.num_cpus,
-            "num_gpus_per_rank": t.num_gpus,
-            "options": t.options,
-            "max_restarts": cfg.train.max_trainer_restarts or 0,
-            "checkpoint_dir": str(cfg.output_dir),
-        }
-        return validate_options(resolve("trainer", TRAINER_GROUP), options, "trainer")
+        return trainer_group_config(cfg)
 
     def _engine_decls(self) -> list[Any]:
         from rollart_core.resources import WorkerDecl
