@@ -326,6 +326,13 @@ def main() -> None:
     ap.add_argument("--env-sigma", type=float, default=1.0, help="log-normal spread of the latency")
     ap.add_argument("--quick", action="store_true", help="a 2-minute smoke run per mode, one seed")
     ap.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="LEARNING_JSON",
+        help="run nothing: summarise the runs of these learning.json files together (e.g. one file per "
+        "seed and mode, each run on its own) into --out",
+    )
+    ap.add_argument(
         "--in-process-trainer",
         action="store_true",
         help="train in the control process (the config's trainer options unchanged)",
@@ -354,10 +361,16 @@ def main() -> None:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     runs: list[dict[str, Any]] = []
-    for seed in seeds:  # seeds outside: the modes interleave
-        for m in modes:
-            runs.append(_run(args, m, seed, out))
-            (out / "learning.partial.json").write_text(json.dumps(runs))
+    if args.merge:
+        for path in args.merge:
+            runs.extend(json.loads(Path(path).read_text())["runs"])
+        seeds = sorted({r["seed"] for r in runs})
+        modes = [m for m in MODES if any(r["mode"] == m for r in runs)]
+    else:
+        for seed in seeds:  # seeds outside: the modes interleave
+            for m in modes:
+                runs.append(_run(args, m, seed, out))
+                (out / "learning.partial.json").write_text(json.dumps(runs))
     budget_s = args.minutes * 60
     rows = summarise(runs, modes, args.target, budget_s)
     result = {
