@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from rollart_core.errors import ConfigError
 from rollart_core.plan.catalogue import HardwareClass
-from rollart_core.plan.simulate import GenTime, SimResult, simulate
+from rollart_core.plan.simulate import MODES, GenTime, SimResult, simulate
 from rollart_core.plan.workload import ModelProfile, TaskProfile, WorkloadProfile
 
 __all__ = ["ClassEstimate", "Plan", "TaskPlan", "estimate", "make_plan", "render_plan", "roofline_gen_time"]
@@ -103,13 +103,17 @@ def roofline_gen_time(
     steps on ``decode_hw`` (default ``hw``; PD disaggregation) in a full batch. The simulator's slots
     (devices × batch) bound decode throughput; prefill capacity is checked by the planner's stages."""
     dhw = decode_hw or hw
+    known: dict[tuple[str, bool], float] = {}  # the simulator asks once per turn: millions of times
 
     def gen_time(task: TaskProfile, turn: int, rng: random.Random) -> float:
-        ctx = task.mean_context()
-        b = max(1, max_batch(ctx, model, dhw, max_batch_cap))
-        tokens = task.prompt_tokens if turn == 0 else task.context_tokens_per_turn
-        step, _ = decode_step(b, ctx, model, dhw)
-        return prefill_seconds(tokens, model, hw) + task.output_tokens_per_turn * step
+        key = (task.name, turn == 0)
+        if key not in known:
+            ctx = task.mean_context()
+            b = max(1, max_batch(ctx, model, dhw, max_batch_cap))
+            tokens = task.prompt_tokens if turn == 0 else task.context_tokens_per_turn
+            step, _ = decode_step(b, ctx, model, dhw)
+            known[key] = prefill_seconds(tokens, model, hw) + task.output_tokens_per_turn * step
+        return known[key]
 
     return gen_time
 
@@ -253,7 +257,7 @@ def simulate_plan(
     steps: int = 6,
     alpha: int = 1,
 ) -> dict[str, SimResult]:
-    """Replay the profile on the planned pools, Sync+ and async (roofline generation times)."""
+    """Replay the profile on the planned pools, Sync+, One-off and async (roofline generation times)."""
     gens = {
         tp.task: roofline_gen_time(profile.model, catalogue[tp.prefill.hw], catalogue[tp.decode.hw])
         for tp in plan.tasks
@@ -274,7 +278,7 @@ def simulate_plan(
             env_slots=env_slots,
             gen_time=gen_time,
         )
-        for m in ("sync", "async")
+        for m in MODES
     }
 
 
@@ -310,7 +314,7 @@ def render_plan(plan: Plan) -> str:
     )
     for mode, r in plan.simulated.items():
         lines.append(
-            f"simulated {mode:<5}: {r.traj_per_s:.2f} trajectories/s, step {r.step_s:.1f} s, "
+            f"simulated {mode:<7}: {r.traj_per_s:.2f} trajectories/s, step {r.step_s:.1f} s, "
             f"aborted {r.aborted}, generation busy {r.gen_busy:.0%}"
         )
     return "\n".join(lines)
