@@ -21,13 +21,23 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 from rollart_core.errors import ConfigError
 from rollart_core.plan.catalogue import HardwareClass
 from rollart_core.plan.simulate import MODES, GenTime, SimResult, simulate
 from rollart_core.plan.workload import ModelProfile, TaskProfile, WorkloadProfile
 
-__all__ = ["ClassEstimate", "Plan", "TaskPlan", "estimate", "make_plan", "render_plan", "roofline_gen_time"]
+__all__ = [
+    "ClassEstimate",
+    "Plan",
+    "TaskPlan",
+    "estimate",
+    "make_plan",
+    "plan_pools",
+    "render_plan",
+    "roofline_gen_time",
+]
 
 PD_MARGIN = 0.10
 """PD disaggregation must save at least this fraction of cost to be proposed (KV transfer, two pools)."""
@@ -249,15 +259,10 @@ def make_plan(
     return plan
 
 
-def simulate_plan(
-    profile: WorkloadProfile,
-    plan: Plan,
-    catalogue: dict[str, HardwareClass],
-    *,
-    steps: int = 6,
-    alpha: int = 1,
-) -> dict[str, SimResult]:
-    """Replay the profile on the planned pools, Sync+, One-off and async (roofline generation times)."""
+def plan_pools(profile: WorkloadProfile, plan: Plan, catalogue: dict[str, HardwareClass]) -> dict[str, Any]:
+    """The simulator's view of the planned pools: generation slots (decode devices × batch), env slots
+    (CPU nodes × cores) and per-turn generation times from the roofline (keyword arguments of
+    :func:`~rollart_core.plan.simulate.simulate`)."""
     gens = {
         tp.task: roofline_gen_time(profile.model, catalogue[tp.prefill.hw], catalogue[tp.decode.hw])
         for tp in plan.tasks
@@ -268,18 +273,20 @@ def simulate_plan(
     def gen_time(task: TaskProfile, turn: int, rng: random.Random) -> float:
         return gens[task.name](task, turn, rng)
 
-    return {
-        m: simulate(
-            profile,
-            mode=m,
-            alpha=alpha,
-            steps=steps,
-            gen_slots=max(slots, 1),
-            env_slots=env_slots,
-            gen_time=gen_time,
-        )
-        for m in MODES
-    }
+    return {"gen_slots": max(slots, 1), "env_slots": env_slots, "gen_time": gen_time}
+
+
+def simulate_plan(
+    profile: WorkloadProfile,
+    plan: Plan,
+    catalogue: dict[str, HardwareClass],
+    *,
+    steps: int = 6,
+    alpha: int = 1,
+) -> dict[str, SimResult]:
+    """Replay the profile on the planned pools, Sync+, One-off and async (roofline generation times)."""
+    pools = plan_pools(profile, plan, catalogue)
+    return {m: simulate(profile, mode=m, alpha=alpha, steps=steps, **pools) for m in MODES}
 
 
 def render_plan(plan: Plan) -> str:

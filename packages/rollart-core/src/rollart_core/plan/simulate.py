@@ -46,7 +46,8 @@ from rollart_core.plan.workload import TaskProfile, WorkloadProfile
 
 __all__ = ["MODES", "SimResult", "simulate"]
 
-MODES = ("sync", "one_off", "async")
+Mode = Literal["sync", "one_off", "async"]
+MODES: tuple[Mode, ...] = ("sync", "one_off", "async")
 GenTime = Callable[[TaskProfile, int, random.Random], float]
 """(task, turn index, rng) → seconds for one turn's generation (prefill + decode)."""
 
@@ -370,7 +371,7 @@ class _Sim:
 def simulate(
     profile: WorkloadProfile,
     *,
-    mode: Literal["sync", "one_off", "async"] = "sync",
+    mode: Mode = "sync",
     alpha: int = 1,
     steps: int = 8,
     warmup_steps: int | None = None,
