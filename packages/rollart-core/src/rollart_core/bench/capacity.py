@@ -230,18 +230,25 @@ def _probe_trajectory(name: str) -> Any:
 
 
 async def _reward_capacity(ex: Any, workers: int, duration: float) -> dict[str, Any]:
+    """Reward calls/s with ``workers`` callers for ``duration`` seconds. Calls still running at the
+    end are waited for, not cancelled (a cancelled call drops its connection to a function runtime),
+    and only those that completed inside the window count."""
     n = [0]
+    t0 = time.perf_counter()
+    deadline = t0 + duration
 
     async def worker(w: int) -> None:
         for k in itertools.count(1):
-            await ex.score(_probe_trajectory(f"cap-{w}-{k}"))
-            n[0] += 1
+            if time.perf_counter() >= deadline:
+                return
+            await ex.score(_probe_trajectory(f"cap-{w}-{k}-{t0}"))
+            n[0] += time.perf_counter() <= deadline
 
-    s = await _for(duration, workers, worker)
+    await asyncio.gather(*(worker(w) for w in range(workers)))
     return {
-        "traj_per_s": n[0] / s,
-        "calls_per_s": n[0] / s,
+        "traj_per_s": n[0] / duration,
+        "calls_per_s": n[0] / duration,
         "calls": n[0],
         "concurrency": workers,
-        "seconds": s,
+        "seconds": duration,
     }
