@@ -207,7 +207,7 @@ def test_cli_plan_prints_plan_and_bottleneck(tmp_path: Path, capsys: pytest.Capt
     )
     out = capsys.readouterr().out
     assert "frozenlake      H800" in out and "predicted bottleneck: generation" in out
-    assert "simulated sync" in out and "simulated async" in out
+    assert "simulated sync" in out and "simulated one_off" in out and "simulated async" in out
     cat = tmp_path / "cat.yaml"
     cat.write_text("H800: {flops: 1.0e12, mem_bw: 1.0e11, mem_bytes: 1.0e11, price_per_hour: 100}\n")
     assert (

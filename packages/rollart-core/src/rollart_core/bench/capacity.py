@@ -230,9 +230,10 @@ def _probe_trajectory(name: str) -> Any:
 
 
 async def _reward_capacity(ex: Any, workers: int, duration: float) -> dict[str, Any]:
-    """Reward calls/s with ``workers`` callers for ``duration`` seconds. Calls still running at the
-    end are waited for, not cancelled (a cancelled call drops its connection to a function runtime),
-    and only those that completed inside the window count."""
+    """Reward calls/s with ``workers`` callers for ``duration`` seconds; only calls that completed
+    inside the window count. Calls still running at the end are given another ``duration`` to finish
+    before they are cancelled: a cancelled call drops its connection to a function runtime, while a
+    fixed pool's queue would take long to drain."""
     n = [0]
     t0 = time.perf_counter()
     deadline = t0 + duration
@@ -244,7 +245,13 @@ async def _reward_capacity(ex: Any, workers: int, duration: float) -> dict[str, 
             await ex.score(_probe_trajectory(f"cap-{w}-{k}-{t0}"))
             n[0] += time.perf_counter() <= deadline
 
-    await asyncio.gather(*(worker(w) for w in range(workers)))
+    tasks = [asyncio.create_task(worker(w)) for w in range(workers)]
+    await asyncio.wait(tasks, timeout=2 * duration)
+    for t in tasks:
+        t.cancel()
+    errors = [r for r in await asyncio.gather(*tasks, return_exceptions=True) if isinstance(r, Exception)]
+    if errors:
+        raise errors[0]
     return {
         "traj_per_s": n[0] / duration,
         "calls_per_s": n[0] / duration,

@@ -239,11 +239,11 @@ class _Sim:
     def _env_call(self, tr: _Traj) -> None:
         task = tr.task
         latency = task.env_latency_s.sample(self.rng)
-        timed_out = task.env_timeout_s is not None and latency > task.env_timeout_s
+        timed_out = False
+        if task.env_timeout_s is not None and latency > task.env_timeout_s:
+            latency, timed_out = task.env_timeout_s, True  # the call ends at the timeout
         fails = tr.calls == tr.fail_at
         tr.calls += 1
-        if timed_out:
-            latency = task.env_timeout_s  # type: ignore[assignment]
         if timed_out or fails:
             fate = "timed_out" if timed_out else "env_failed"
             self.env.submit(latency, lambda: self._done(tr, fate))
