@@ -72,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         metavar="STEPS",
-        help="also simulate STEPS training steps, Sync+ and async, on the planned pools",
+        help="also simulate STEPS training steps, Sync+, One-off and async, on the planned pools",
     )
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.add_argument(

@@ -37,6 +37,9 @@ Primitives and who calls them:
     score(trajectory)        run a reward function somewhere (inline, Ray, serverless); raises
                              ``RewardError`` after its retries
     stats()                  utilisation counters: busy/provisioned seconds, queueing, cold starts
+``SupportsFreshStats`` (optional executor capability, called by ``rollart bench`` between segments)
+    astats()                 ``stats()`` with the counters read now where they live (a function
+                             runtime's own ``/stats``), not the last periodic snapshot
 ``Trainer`` (rollart-train, called by the coordinator)
     train_step(batch) / named_weights() / save(path) / version
 ``SupportsWeightPush`` (optional trainer capability, called by the coordinator after a step)
@@ -81,6 +84,7 @@ __all__ = [
     "RewardFunction",
     "SupportsAgentEpisode",
     "SupportsBatchScore",
+    "SupportsFreshStats",
     "SupportsPause",
     "SupportsResume",
     "SupportsStream",
@@ -285,6 +289,14 @@ class RewardExecutor(Protocol):
     def stats(self) -> dict[str, float]:
         """Counters: ``calls``, ``failures``, ``busy_s``, ``provisioned_s``, ``utilisation``,
         ``queue_delay_s_mean``, ``cold_starts`` (those that apply to the executor)."""
+        ...
+
+
+@runtime_checkable
+class SupportsFreshStats(Protocol):
+    async def astats(self) -> dict[str, float]:
+        """:meth:`RewardExecutor.stats` with its counters read now (e.g. from a function runtime the
+        executor started: ``runtime_busy_s``, ``runtime_provisioned_s``, ``runtime_cold_starts``)."""
         ...
 
 
