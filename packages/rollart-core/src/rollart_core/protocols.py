@@ -26,6 +26,10 @@ Primitives and who calls them:
     metrics()                per-engine health, queue depth, throughput, time suspended
 ``Environment`` (rollart-env, called by the trajectory runner)
     reset(seed) / step(action_text) / close(); ``action_vocabulary`` and ``system_prompt``
+``SupportsConfigCheck`` (optional capability of an environment's class, called by the pipeline and
+``rollart check-config`` once per task, before anything starts)
+    check_config(config)     check what the validated options point to (a data file, its rows and
+                             keys; importable code; installed extras): ``ConfigError`` naming them
 ``SupportsAgentEpisode`` (optional environment kind, called by the trajectory runner instead of reset/step)
     run_episode(session)     an agent drives the whole episode through the session's model endpoint;
                              returns every model call (exact engine ids) and the agent's verdict
@@ -84,6 +88,7 @@ __all__ = [
     "RewardFunction",
     "SupportsAgentEpisode",
     "SupportsBatchScore",
+    "SupportsConfigCheck",
     "SupportsFreshStats",
     "SupportsPause",
     "SupportsResume",
@@ -204,6 +209,20 @@ class Environment(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class SupportsConfigCheck(Protocol):
+    """Implemented by an environment's *class* (a ``classmethod``): the checks its constructor would
+    make of the world its options point to, without building one (the runner builds one env per
+    trajectory, after the engines have started: too late to learn that a file is missing). Cheap and
+    without side effects; a wrapper env forwards to the env it wraps
+    (:func:`rollart_core.registry.check`)."""
+
+    def check_config(self, config: Any) -> None:
+        """Raise :class:`~rollart_core.errors.ConfigError` naming the file / row / key at fault (or
+        :class:`~rollart_core.errors.MissingExtraError` naming the install command)."""
+        ...
 
 
 @dataclass(slots=True)

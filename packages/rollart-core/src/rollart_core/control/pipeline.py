@@ -19,10 +19,10 @@ from rollart_core.config import RunConfig, TaskConfig
 from rollart_core.control.buffer import SampleBuffer
 from rollart_core.errors import ConfigError, RegistryError
 from rollart_core.protocols import ChatFormat, Proxy, RewardExecutor, Trainer, WeightStore
-from rollart_core.registry import build, resolve, validate_options
+from rollart_core.registry import build, check, resolve, validate_options
 from rollart_core.resources import RayCluster, get_affinity
 
-__all__ = ["Pipeline", "trainer_group_config"]
+__all__ = ["Pipeline", "check_tasks", "trainer_group_config"]
 
 
 def _pd_roles(cfg: RunConfig) -> dict[str, set[str]]:
@@ -33,6 +33,24 @@ def _pd_roles(cfg: RunConfig) -> dict[str, set[str]]:
             roles.setdefault(t.prefill_pool, set()).add("kv_producer")
             roles.setdefault(t.pool, set()).add("kv_consumer")
     return roles
+
+
+def check_tasks(cfg: RunConfig) -> None:
+    """Every task's components, before anything starts: each implementation's options, and each
+    environment's own check of what they point to (``SupportsConfigCheck``: a dataset's file, rows and
+    keys; an agent's code), so a user's mistake is one error naming it, at start."""
+    for i, task in enumerate(cfg.tasks):
+        check("env", task.env.impl, task.env.options, f"tasks.{i}.env.options")
+        if task.eval_env is not None:
+            check("env", task.eval_env.impl, task.eval_env.options, f"tasks.{i}.eval_env.options")
+        validate_options(
+            resolve("reward", task.reward.impl), task.reward.options, f"tasks.{i}.reward.options"
+        )
+        validate_options(
+            resolve("reward_executor", task.reward_executor.impl),
+            task.reward_executor.options,
+            f"tasks.{i}.reward_executor.options",
+        )
 
 
 def _with_engine_args(options: dict[str, Any], extra: dict[str, Any] | None) -> dict[str, Any]:
@@ -113,21 +131,7 @@ class Pipeline:
 
     async def _build(self, cfg: RunConfig) -> None:
         t0 = time.perf_counter()
-        # validate every component's options before creating or starting anything
-        for i, task in enumerate(cfg.tasks):
-            validate_options(resolve("env", task.env.impl), task.env.options, f"tasks.{i}.env.options")
-            if task.eval_env is not None:
-                validate_options(
-                    resolve("env", task.eval_env.impl), task.eval_env.options, f"tasks.{i}.eval_env.options"
-                )
-            validate_options(
-                resolve("reward", task.reward.impl), task.reward.options, f"tasks.{i}.reward.options"
-            )
-            validate_options(
-                resolve("reward_executor", task.reward_executor.impl),
-                task.reward_executor.options,
-                f"tasks.{i}.reward_executor.options",
-            )
+        check_tasks(cfg)  # every task's components, before creating or starting anything
         self._pd_kv_dir = cfg.output_dir / "kv" if _pd_roles(cfg) else None
         pd_args = self._pd_engine_args(cfg)
         engine_cfgs = [
