@@ -57,8 +57,12 @@ class EchoProxy:
     def __init__(self, script: Script) -> None:
         self.s = script
         self.version = 0
+        self.sessions: set[str] = set()
+        """Sessions generated for and not ended yet (the real proxy's routing table)."""
 
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        if request.session_id:
+            self.sessions.add(request.session_id)
         await asyncio.sleep(self.s.step_delay_s)
         if self.s.engine_down:
             raise EngineError("fake engine is down")
@@ -82,7 +86,7 @@ class EchoProxy:
         self.s.log.append(("prefetch_weights", version))
 
     def end_session(self, session_id: str) -> None:
-        pass
+        self.sessions.discard(session_id)
 
     async def metrics(self, engine_stats: bool = True, timeout: float = 5.0) -> dict[str, dict[str, Any]]:
         return {}

@@ -88,6 +88,7 @@ async def test_stale_abort_fires_on_a_hung_trajectory(fakes: ModuleType, tmp_pat
     assert summary["fates"].get("aborted_stale", 0) >= 2
     assert sum(h["aborted"] for h in summary["history"]) >= 2
     assert not any(tid.startswith("g0-") for tid in p.trainer.trained_ids)
+    assert p.proxy.sessions == set()  # the aborted ones ended their proxy sessions too
 
 
 @pytest.mark.parametrize("mode,alpha", [("sync", 0), ("one_off", 1), ("async", 1), ("async", 2)])
@@ -100,6 +101,7 @@ async def test_every_launched_trajectory_has_one_fate(
     trained = sum(h["batch_size"] for h in summary["history"])
     assert trained == len(p.trainer.trained_ids)
     assert summary["fates"]["finished"] >= trained
+    assert p.proxy.sessions == set()  # every trajectory ended its proxy session, cancelled ones too
 
 
 async def test_stale_relabel_at_the_buffer_is_counted_once(fakes: ModuleType, tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable
 from contextlib import AsyncExitStack
 from typing import Any
 
@@ -187,22 +188,35 @@ class Pipeline:
         self.buffer = SampleBuffer(cfg.train.alpha)
         self._check_store_reach(cfg)
         if group_cfg is not None:  # placed on its pool, validated with the engines before either starts
-            t1 = time.perf_counter()
             self._validate_plan(group_cfg)
-            self.trainer = await asyncio.to_thread(
-                resolve("trainer", TRAINER_GROUP),
-                group_cfg,
-                model_path=cfg.model.path,
-                weight_store=self.store,
-            )
-            self.timings["trainer_start_s"] = time.perf_counter() - t1
         self.timings["build_local_s"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        await self._start_engines(engine_cfgs)
-        self.timings["engines_start_s"] = time.perf_counter() - t0
         self.env_manager = None
-        if cfg.env_manager is not None:
-            await self._start_env_manager(cfg)
+        # The trainer group, the engines and the environment workers start side by side: each is
+        # mostly process start-up and imports, which overlap (on a busy host too). All are waited
+        # for before a failure is raised, so that __aexit__ finds and stops whatever did start.
+        starts = [
+            self._timed("engines_start_s", self._start_engines(engine_cfgs)),
+            self._timed("env_manager_start_s", self._start_env_manager(cfg)),
+        ]
+        if group_cfg is not None:
+            starts.append(self._timed("trainer_start_s", self._start_trainer_group(group_cfg)))
+        failures = [r for r in await asyncio.gather(*starts, return_exceptions=True) if r is not None]
+        if failures:
+            raise failures[0]
+
+    async def _timed(self, key: str, start: Awaitable[None]) -> None:
+        t0 = time.perf_counter()
+        await start
+        self.timings[key] = time.perf_counter() - t0
+
+    async def _start_trainer_group(self, group_cfg: Any) -> None:
+        """The trainer's rank actors on their pool (placed beside the engines: validated together)."""
+        self.trainer = await asyncio.to_thread(
+            resolve("trainer", TRAINER_GROUP),
+            group_cfg,
+            model_path=self.config.model.path,
+            weight_store=self.store,
+        )
 
     def _check_store_reach(self, cfg: RunConfig) -> None:
         """Every node must reach the weight store: a local directory does not span nodes."""

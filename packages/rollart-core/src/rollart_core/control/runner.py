@@ -168,11 +168,12 @@ async def run_trajectory(
         fatal = _fail(traj, exc, "environment")
     finally:
         traj.add_timing("total", time.perf_counter() - t_start)
+        _end_session(generator, traj)
         try:
             await env.close()
         except Exception as exc:
             log.warning("trajectory %s: env.close failed: %r", traj.traj_id, exc)
-    return await _finish(traj, generator, on_done, fatal)
+    return await _finish(traj, on_done, fatal)
 
 
 async def run_agent_trajectory(
@@ -227,22 +228,19 @@ async def run_agent_trajectory(
         fatal = _fail(traj, exc, "agent")
     finally:
         traj.add_timing("total", time.perf_counter() - t_start)
+        _end_session(generator, traj)
         try:
             await env.close()
         except Exception as exc:
             log.warning("trajectory %s: env.close failed: %r", traj.traj_id, exc)
-    return await _finish(traj, generator, on_done, fatal)
+    return await _finish(traj, on_done, fatal)
 
 
 async def _finish(
     traj: Trajectory,
-    generator: Generator,
     on_done: Callable[[Trajectory], Any] | None,
     fatal: Exception | None,
 ) -> Trajectory:
-    end_session = getattr(generator, "end_session", None)
-    if end_session is not None:  # the proxy forgets the trajectory's routing state
-        end_session(traj.traj_id)
     if on_done is not None:
         await on_done(traj)
     if fatal is not None:
@@ -317,3 +315,15 @@ def _timed(traj: Trajectory, stage: str, t0: float) -> None:
     t1 = time.perf_counter()
     traj.add_timing(stage, t1 - t0)
     record(stage, t0, t1, traj.traj_id)
+
+
+def _end_session(generator: Any, traj: Trajectory) -> None:
+    """The proxy forgets the trajectory's routing state, whatever its fate: also when it is cancelled
+    (redundant, stale, at the run's stop), or the proxy's session table grows by one per cancellation."""
+    end_session = getattr(generator, "end_session", None)
+    if end_session is None:
+        return
+    try:
+        end_session(traj.traj_id)
+    except Exception as exc:  # never mask the trajectory's own outcome
+        log.warning("trajectory %s: end_session failed: %r", traj.traj_id, exc)
