@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import time
 from collections.abc import Awaitable
 from contextlib import AsyncExitStack
+from pathlib import Path
 from typing import Any
 
 from rollart_core.config import RunConfig, TaskConfig
@@ -104,6 +106,30 @@ def trainer_group_config(cfg: RunConfig) -> Any:
     return validate_options(resolve("trainer", TRAINER_GROUP), options, "trainer")
 
 
+def weight_store_options(cfg: RunConfig) -> dict[str, Any]:
+    """The weight store's options; a filesystem store defaults to ``OUTPUT_DIR/weights``. A new run
+    (no ``resume_from``) starts at version 1, so versions an earlier run left in that directory are
+    removed (retention would otherwise keep the old newest versions and drop the new ones); a root
+    the config names that holds committed versions is refused rather than emptied."""
+    opts = dict(cfg.weight_store.options)
+    if cfg.weight_store.impl != "filesystem":
+        return opts
+    if "root" in opts:
+        root = Path(opts["root"])
+        if not cfg.train.resume_from and any(root.glob("v*/COMMITTED")):
+            raise ConfigError(
+                f"weight_store.options.root {root} holds weights of an earlier run; a new run starts "
+                "at version 1: empty the directory, choose another, or set train.resume_from"
+            )
+        return opts
+    root = cfg.output_dir / "weights"
+    if not cfg.train.resume_from and root.exists():
+        log.info("a new run: removing the earlier run's weight versions in %s", root)
+        shutil.rmtree(root)
+    opts["root"] = str(root)
+    return opts
+
+
 class Pipeline:
     """``async with Pipeline(cfg) as p:`` gives ``p.trainer``, ``p.store``, ``p.proxy``, ``p.chat``,
     ``p.buffer``, per-task ``p.rewards`` and ``p.make_env(task)``."""
@@ -144,33 +170,23 @@ class Pipeline:
             for i, g in enumerate(cfg.engines)
         ]
         self._check_model()  # a model path that is no model fails before Ray starts
-        # Ray starts while the model is created in code (a first run's tiny model: seconds of CPU in a
-        # thread here, while Ray's start is mostly its own processes): the start-up phases overlap
-        model_ready = asyncio.ensure_future(asyncio.to_thread(self._ensure_model))
+        group_cfg = self._trainer_group_config(cfg) if cfg.trainer.group else None
+        # Ray starts while the model is created in code (a first run's tiny model) and an in-process
+        # trainer is built (its imports and the model's load): seconds of CPU in a thread here, while
+        # Ray's start is mostly its own processes, so the start-up phases overlap
+        model_ready = asyncio.ensure_future(
+            asyncio.to_thread(self._prepare_local, local_trainer=group_cfg is None)
+        )
         try:
             self.timings["ray_start_s"] = self._stack.enter_context(RayCluster(cfg.ray)).start_s
         except BaseException:
             await asyncio.gather(model_ready, return_exceptions=True)
             raise
         await model_ready
-        store_opts = dict(cfg.weight_store.options)
-        if cfg.weight_store.impl == "filesystem":
-            store_opts.setdefault("root", str(cfg.output_dir / "weights"))
+        store_opts = weight_store_options(cfg)
         self.store = build(
             "weight_store", cfg.weight_store.impl, store_opts, "weight_store.options", protocol=WeightStore
         )
-        group_cfg = self._trainer_group_config(cfg) if cfg.trainer.group else None
-        if group_cfg is None:
-            t_trainer = time.perf_counter()
-            self.trainer = build(
-                "trainer",
-                cfg.trainer.impl,
-                cfg.trainer.options,
-                "trainer.options",
-                protocol=Trainer,
-                model_path=cfg.model.path,
-            )
-            self.timings["trainer_start_s"] = time.perf_counter() - t_trainer
         if (warning := overlap_warning(cfg)) is not None:
             log.warning(warning)
         self.chat = resolve("chat", cfg.model.chat_format)(cfg.model.path)
@@ -271,6 +287,22 @@ class Pipeline:
                 "to create the tiny random model there)"
             )
         return True
+
+    def _prepare_local(self, *, local_trainer: bool) -> None:
+        """The model directory, then (no worker group) the trainer in this process."""
+        self._ensure_model()
+        if local_trainer:
+            t0 = time.perf_counter()
+            cfg = self.config
+            self.trainer = build(
+                "trainer",
+                cfg.trainer.impl,
+                cfg.trainer.options,
+                "trainer.options",
+                protocol=Trainer,
+                model_path=cfg.model.path,
+            )
+            self.timings["trainer_start_s"] = time.perf_counter() - t0
 
     def _ensure_model(self) -> None:
         t0 = time.perf_counter()
