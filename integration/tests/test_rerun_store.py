@@ -11,6 +11,7 @@ import torch
 import yaml
 
 from rollart_core.config import RunConfig, load_config
+from rollart_core.control.checkpoint import set_aside_earlier_run
 from rollart_core.control.pipeline import weight_store_options
 from rollart_core.errors import ConfigError
 from rollart_weightsync.filesystem import FilesystemWeightStore
@@ -62,3 +63,25 @@ def test_a_named_root_with_an_earlier_runs_weights_is_refused(tmp_path: Path) ->
     with pytest.raises(ConfigError, match="earlier run"):
         weight_store_options(cfg)
     assert FilesystemWeightStore(root=shared).latest_version() == 60  # nothing removed
+
+
+def test_a_new_run_sets_the_earlier_run_aside_and_a_resumed_run_keeps_it(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    (out / "checkpoint-50").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text('{"step": 60}\n')
+    _earlier_run(out / "weights")
+    assert set_aside_earlier_run(out, resume_from=out / "checkpoint-50") is None
+    assert (out / "metrics.jsonl").is_file()
+
+    moved = set_aside_earlier_run(out, resume_from=None)
+    assert moved is not None and moved.parent == out.parent and moved.name.startswith("run.")
+    assert not out.exists()  # the new run starts from nothing
+    assert (moved / "metrics.jsonl").read_text() == '{"step": 60}\n'  # nothing of it deleted
+    assert (moved / "checkpoint-50").is_dir()
+    assert FilesystemWeightStore(root=moved / "weights").latest_version() == 60
+
+    (out / "logs").mkdir(parents=True)  # a directory with only the new run's log is no earlier run
+    assert set_aside_earlier_run(out, resume_from=None) is None
+    (out / "summary.json").write_text("{}")
+    again = set_aside_earlier_run(out, resume_from=None)
+    assert again is not None and again != moved and again.exists()  # same second: a distinct name

@@ -241,12 +241,16 @@ def _configured_ports(node: Any, where: str = "") -> list[tuple[str, str, int]]:
 
 def _train(cfg: Any, *, verbose: bool) -> int:
     from rollart_core.console import route_logs, startup_display, wants_live
+    from rollart_core.control.checkpoint import set_aside_earlier_run
     from rollart_core.metrics import since_process_start
     from rollart_core.report import save_timeline, write_report
     from rollart_core.resources import worker_logs_to
     from rollart_core.timeline import Timeline
 
     out: Path = cfg.output_dir
+    moved = set_aside_earlier_run(out, cfg.train.resume_from)  # before this run's log opens there
+    if moved is not None:
+        print(f"rollart: the earlier run in {out} was moved to {moved}", flush=True)
     log_file = out / "logs" / "rollart.log"
     live = wants_live()
     summary: dict[str, Any] = {}

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from rollart_core.control.pipeline import Pipeline
     from rollart_core.control.steps import Run
 
-__all__ = ["resume", "save_checkpoint"]
+__all__ = ["resume", "save_checkpoint", "set_aside_earlier_run"]
 STATE_FILE = "rollart_state.json"
 
 
@@ -95,3 +95,30 @@ async def resume(p: Pipeline, run: Run, path: Path) -> int:
     await p.proxy.update_weights(version)
     run.clock.resume_at(version)
     return int(state["step"]) + 1
+
+
+# What makes a directory an earlier run's (its logs alone do not: the CLI opens them first)
+_RUN_MARKERS = ("metrics.jsonl", "summary.json", "weights", "tensorboard", "checkpoint-*")
+
+
+def set_aside_earlier_run(output_dir: Path, resume_from: Path | None) -> Path | None:
+    """A new run (no ``resume_from``) in a directory that holds an earlier run moves that run to
+    ``OUTPUT_DIR.YYYYmmdd-HHMMSS`` (its last write) and returns where; nothing is deleted, and the
+    new run starts clean: its metrics, report, weight versions and restart checkpoints are its own
+    (an earlier run's ``checkpoint-50`` would otherwise be the "newest checkpoint" a trainer restart
+    loads). A resumed run keeps its directory."""
+    if resume_from is not None or not output_dir.is_dir():
+        return None
+    found = [p for m in _RUN_MARKERS for p in output_dir.glob(m)]
+    if not found:
+        return None
+    import time
+
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(max(p.stat().st_mtime for p in found)))
+    dest = output_dir.with_name(f"{output_dir.name}.{stamp}")
+    n = 1
+    while dest.exists():
+        n += 1
+        dest = output_dir.with_name(f"{output_dir.name}.{stamp}-{n}")
+    os.replace(output_dir, dest)
+    return dest

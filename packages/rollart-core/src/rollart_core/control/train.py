@@ -10,13 +10,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import time
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from rollart_core.config import RunConfig
 from rollart_core.control.asynchronous import run_async
-from rollart_core.control.checkpoint import resume, save_checkpoint
+from rollart_core.control.checkpoint import resume, save_checkpoint, set_aside_earlier_run
 from rollart_core.control.one_off import run_one_off
 from rollart_core.control.pipeline import Pipeline
 from rollart_core.control.rollout import Rollout, derive_seed
@@ -27,6 +28,7 @@ from rollart_core.metrics import MetricsSink, default_sinks, since_process_start
 from rollart_core.types import Fate, Trajectory
 
 __all__ = ["RECIPES", "evaluate", "rollout_step", "train"]
+log = logging.getLogger(__name__)
 
 RECIPES: dict[str, Callable[[Run], AsyncGenerator[StepRecord, None]]] = {
     "sync": run_sync,
@@ -56,6 +58,8 @@ async def train(
     an already built one (its engines serving the trainer's version) instead of building one."""
     tc = cfg.train
     history: list[dict[str, Any]] = []
+    if pipeline is None and (moved := set_aside_earlier_run(cfg.output_dir, tc.resume_from)):
+        log.info("the earlier run in %s was moved to %s", cfg.output_dir, moved)
     async with contextlib.nullcontext(pipeline) if pipeline is not None else Pipeline(cfg) as p:
         run = Run(p, cfg)
         if tc.resume_from:
