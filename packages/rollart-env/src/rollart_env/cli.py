@@ -14,11 +14,11 @@ import asyncio
 import json
 import logging
 import os
-import signal
 import sys
 from typing import Any
 
 from rollart_core.errors import ConfigError, RollartError
+from rollart_core.serving import serve_until_signalled
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -70,14 +70,7 @@ async def _serve(args: argparse.Namespace) -> None:
         raise ConfigError(f"rollart-env serve: {exc}") from None
     url = await server.start()
     print(f"serving {args.env} on {url}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        await server.stop()
+    await serve_until_signalled(server.stop)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -37,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
-import ipaddress
 import json
 import logging
 import os
@@ -52,6 +51,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from rollart_core.errors import EnvError, EnvTimeoutError
 from rollart_core.extras import require
 from rollart_core.protocols import Environment
+from rollart_core.serving import is_loopback
 from rollart_core.types import StepResult
 
 __all__ = ["API_KEY_ENV", "EnvServer", "RemoteEnv", "RemoteEnvConfig"]
@@ -66,15 +66,6 @@ its key from, when none is given: keeps them out of ``ps`` and config files."""
 
 def _dumps(obj: Any) -> str:
     return json.dumps(obj, default=str)  # info dicts may carry numpy scalars, enums, ...
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a name other than localhost: assume it reaches beyond this machine
-        return False
 
 
 @dataclass(eq=False)
@@ -142,7 +133,7 @@ class EnvServer:
 
     async def start(self) -> str:
         web = require("aiohttp.web", _INSTALL)
-        if not _is_loopback(self.host) and not self._api_keys:
+        if not is_loopback(self.host) and not self._api_keys:
             log.warning(
                 "EnvServer binds %s (beyond loopback) without an API key: anyone who reaches it can "
                 "open, drive and close environment sessions; set api_key or %s",

@@ -11,10 +11,10 @@ import argparse
 import asyncio
 import json
 import logging
-import signal
 import sys
 
 from rollart_core.errors import ConfigError
+from rollart_core.serving import serve_until_signalled
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -89,14 +89,7 @@ async def _serve(args: argparse.Namespace) -> None:
     rt = FunctionRuntime(cfg)
     url = await rt.start()
     print(f"serving {cfg.function} on {url}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        await rt.stop()
+    await serve_until_signalled(rt.stop)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -46,6 +46,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollart_core.errors import RewardError
+from rollart_core.serving import is_loopback
 from rollart_reward.metrics import UtilisationMeter
 from rollart_reward.wire import trajectory_from_dict
 
@@ -55,18 +56,6 @@ log = logging.getLogger(__name__)
 
 API_KEY_ENV = "ROLLART_REWARD_API_KEY"
 """Environment variable ``rollart-reward serve`` reads its bearer token from (keeps it out of ``ps``)."""
-
-
-def is_loopback(host: str) -> bool:
-    """True for ``localhost`` and 127.0.0.0/8, ::1: addresses no other machine can reach."""
-    import ipaddress
-
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name: it may resolve to anything
-        return False
 
 
 class FaultConfig(BaseModel):

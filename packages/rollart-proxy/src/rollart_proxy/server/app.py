@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
-import ipaddress
 import logging
 import os
 import socket
@@ -21,6 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from rollart_core.errors import ConfigError, EngineError
+from rollart_core.serving import is_loopback
 from rollart_core.types import GenerateRequest, SamplingParams
 from rollart_proxy.errors import ProxyOverloadedError, WorkerUnavailableError
 from rollart_proxy.proxy import LLMProxy
@@ -157,7 +157,7 @@ class OpenAIServer(Responses):
         """Serve in the running loop; returns the bound port."""
         import uvicorn
 
-        loopback = _is_loopback(host)
+        loopback = is_loopback(host)
         if self.enable_admin and self._admin_key is None and not loopback:
             raise ConfigError(
                 f"admin endpoints without an admin key are only served on loopback, not on {host!r}: "
@@ -520,12 +520,3 @@ class OpenAIServer(Responses):
             message = reply["choices"][0]["message"]
             self._remember(session, message.get("content"), message.get("tool_calls"), out)
         return reply
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a name other than localhost: assume it reaches beyond this machine
-        return False
