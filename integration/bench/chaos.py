@@ -3,26 +3,34 @@
     uv run --no-sync python integration/bench/chaos.py --quick [--seed 0] [--out runs/bench/chaos.json]
 
 The run: two built-in environments (FrozenLake and Sokoban), ``train.mode: async``, alpha 1; two vLLM
-CPU engines as Ray actors (``engines[].max_restarts``); the trainer as a worker group
-(``trainer.ranks``, ``train.save_every: 1``, ``max_trainer_restarts``); environments in the EnvManager
-(one Ray actor per two environments); rewards through ``reward_executor: serverless`` (a
-``rollart-reward serve`` runtime the pipeline starts).
+CPU engines as Ray actors (``engines[].max_restarts``; engine core in the actor's process,
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``); the trainer as a worker group (``trainer.ranks``,
+``train.save_every: 1``, ``max_trainer_restarts``); environments in the EnvManager (``--quick``: four
+Ray actors of four environments; else eight of four); rewards through ``reward_executor: serverless``
+(a ``rollart-reward serve`` runtime per task, which the pipeline starts). The pipeline starts the
+trainer group, the engines and the env actors side by side.
 
-Faults, on a schedule drawn from ``--seed`` (each fires when the trainer reaches a drawn version):
+Faults, on a schedule drawn from ``--seed`` (each fires when the trainer reaches a version):
 
-- ``env``: 10% of the env actors (at least one) are SIGKILLed, one at a time;
-- ``engine``: one engine actor is SIGKILLed (the other serves meanwhile; Ray restarts it and the
-  proxy's health loop brings it to the served weights);
+- ``engine``: one engine actor is SIGKILLed first of all, as soon as the run's first requests are out,
+  so that Ray's restart and the proxy's recovery (start, then the served weights, then requests) fit
+  in the run; the other engine serves meanwhile. Reported: the trainer version when it was back
+  (``engine_back_at_version``), the version it was brought to, and the requests it served after;
+- ``env``: 10% of the env actors (at least one) are SIGKILLed, one at a time, at drawn versions;
 - ``reward``: the reward runtime's own fault injection (``runtime.faults``) answers 503 to 10% of
-  calls and holds back 10% past the client's timeout, for the whole run (20% of calls fail);
-- ``trainer``: one trainer rank is SIGKILLed once (the group comes back from the newest checkpoint).
+  calls and holds back 10% for longer than the client waits even while the runtime may be cold
+  (``delay_s`` > ``cold_start_timeout_s``), for the whole run: 20% of calls fail, by 503 or by a
+  client timeout, and are retried;
+- ``trainer``: one trainer rank is SIGKILLed once, at a drawn version >= 2 (the group comes back
+  from the newest checkpoint).
 
 Checked afterwards (the table, and ``--out`` as JSON): steps done / asked; launched vs the sum of
 fates; trajectories trained twice (from the step rows' ``batch_traj_ids``); trajectories trained with
-lag > alpha (``batch_start_versions`` against the step's version); seconds lost per fault (the steps
-around it against the median step); and processes left behind: every process seen descending from
-this one during the run (sampled every 0.2 s), not alive before, still alive 15 s after the
-pipeline closed.
+lag > alpha (``batch_start_versions`` against the step's version); the killed engine back and serving
+before the run ended; seconds lost per fault (the steps around it against the median step); and
+processes left behind: every process seen descending from this one during the run (sampled every
+0.2 s), not alive before, still alive 15 s after the pipeline closed. Wall time is split into the
+pipeline's build (with its phases) and the run.
 """
 
 from __future__ import annotations
@@ -137,8 +145,11 @@ class DescendantWatch:
 def chaos_config(root: Path, *, quick: bool, seed: int) -> Any:
     from rollart_core.config import RunConfig
 
-    steps = 6 if quick else 12
-    num_envs = 10 if quick else 16  # per task; two environments per actor: 10 (16) env actors
+    # Enough steps that the killed engine is back and serving before the run ends: its restart (a new
+    # actor process, vLLM imported twice: actor and engine core, the model loaded) competes with the
+    # run for the same cores and took ~100 s, as long as ~35 median steps, on the 2-core machine.
+    steps = 40 if quick else 60
+    num_envs = 8 if quick else 16  # per task; four environments per actor: 4 (8) env actors
     reward_executor = {
         "impl": "serverless",
         "options": {
@@ -147,12 +158,14 @@ def chaos_config(root: Path, *, quick: bool, seed: int) -> Any:
                 "max_workers": 1,
                 "idle_timeout_s": 30.0,
                 # fault injection of the runtime itself: 10% 503 before running, 10% answers held
-                # back past the client's timeout (20% of calls fail; the executor retries them)
-                "faults": {"seed": seed, "error_before": 0.1, "delay": 0.1, "delay_s": 3.0},
+                # back past the client's timeout, warm or cold (20% of calls fail; the executor
+                # retries them under the same idempotency key)
+                "faults": {"seed": seed, "error_before": 0.1, "delay": 0.1, "delay_s": 8.0},
             },
             "http": {
                 "fallback": "none",
-                "timeout_s": 1.5,
+                "timeout_s": 2.0,
+                "cold_start_timeout_s": 6.0,  # < delay_s: a held-back answer times out in the cold window too
                 "retries": 5,
                 "backoff_base_s": 0.02,
                 "backoff_max_s": 0.2,
@@ -220,7 +233,7 @@ def chaos_config(root: Path, *, quick: bool, seed: int) -> Any:
             "env_manager": {
                 "num_envs": num_envs,
                 "options": {
-                    "envs_per_actor": 2,
+                    "envs_per_actor": 4,
                     "num_cpus_per_actor": 0.01,
                     "reset_timeout_s": 30,
                     "step_timeout_s": 30,
@@ -231,18 +244,26 @@ def chaos_config(root: Path, *, quick: bool, seed: int) -> Any:
     )
 
 
+ENGINE_KILL_VERSION = 0
+"""The engine dies first, as soon as the run's first requests are out: its restart (a new actor
+process, vLLM's start, the served weights) is the longest of all recoveries, and it must be back and
+serving before the run ends."""
+
+
 def schedule(seed: int, steps: int, env_actors: int) -> list[dict[str, Any]]:
     """The faults and the trainer version at which each fires (a pure function of the seed)."""
     rng = random.Random(seed)
     last = max(2, steps - 2)  # leave steps after every fault to see the recovery
-    free = list(range(1, last + 1))  # distinct versions while there are enough, so each fault's cost shows
+    # distinct versions while there are enough, so each fault's cost shows
+    free = list(range(1, last + 1))
     rng.shuffle(free)
     trainer_at = rng.choice([v for v in free if v >= 2])  # checkpoint-1 exists by then
     free.remove(trainer_at)
-    kinds = ["env"] * max(1, math.ceil(0.1 * env_actors)) + ["engine"]
-    faults = [
-        {"kind": k, "at_version": free[i % len(free)] if free else trainer_at, "pick": rng.random()}
-        for i, k in enumerate(kinds)
+    envs = max(1, math.ceil(0.1 * env_actors))
+    faults = [{"kind": "engine", "at_version": ENGINE_KILL_VERSION, "pick": rng.random()}]
+    faults += [
+        {"kind": "env", "at_version": free[i % len(free)] if free else trainer_at, "pick": rng.random()}
+        for i in range(envs)
     ]
     faults.append({"kind": "trainer", "at_version": trainer_at, "pick": rng.random()})
     return sorted(faults, key=lambda f: (f["at_version"], f["kind"]))
@@ -279,8 +300,11 @@ async def inject(p: Any, fault: dict[str, Any]) -> dict[str, Any]:
         target = f"env actor {actor.name} ({len(actor.envs)} envs)"
     elif kind == "engine":
         actor = p.actors[int(fault["pick"] * len(p.actors))]
+        worker = next(w for w in p.proxy.workers.values() if w.engine.handle is actor)
         pid = await actor.pid.remote()
-        target = f"engine actor {p.actors.index(actor)}"
+        target = f"engine actor {worker.name}"
+        os.kill(pid, signal.SIGKILL)  # a process of the Ray cluster this run started
+        return {"target": target, "pid": pid, "worker": worker.name, "served_before": worker.served}
     else:
         pids = list(p.trainer.pids)
         pid = pids[int(fault["pick"] * len(pids))]
@@ -309,8 +333,14 @@ async def chaos(quick: bool, seed: int, root: Path) -> dict[str, Any]:
             t0 = time.perf_counter()
             run = asyncio.create_task(train(cfg, sink=MemorySink(), pipeline=p))
             pending = list(plan)
-            while pending and not run.done():
-                due = [f for f in pending if p.trainer.version >= f["at_version"]]
+            engine: dict[str, Any] = {}  # the killed engine: when it was back, and on which version
+            while (pending or (engine and "back_at_version" not in engine)) and not run.done():
+                started = any(w.inflight or w.served for w in p.proxy.workers.values())
+                due = [
+                    f
+                    for f in pending
+                    if p.trainer.version >= f["at_version"] and (started or f["kind"] != "engine")
+                ]
                 for f in due:
                     pending.remove(f)
                     try:
@@ -318,10 +348,26 @@ async def chaos(quick: bool, seed: int, root: Path) -> dict[str, Any]:
                     except Exception as exc:  # e.g. the picked actor died already: say so, go on
                         what = {"target": f"{f['kind']}: not injected ({exc!r})", "pid": None}
                     fired.append({**f, **what, "t": time.perf_counter() - t0, "version": p.trainer.version})
+                    if what.get("worker"):
+                        engine = {"worker": what["worker"], "killed_at_s": fired[-1]["t"]}
                     print(
                         f"[chaos] t={fired[-1]['t']:.1f}s v{p.trainer.version}: SIGKILL {what['target']}",
                         flush=True,
                     )
+                if engine and "back_at_version" not in engine:
+                    w = p.proxy.workers[engine["worker"]]
+                    if w.healthy and w.metrics.recovered >= 1:
+                        engine.update(
+                            back_at_version=p.trainer.version,
+                            back_at_s=time.perf_counter() - t0,
+                            versions_at_back=await p.proxy.weight_versions(),
+                            served_at_back=w.served,
+                        )
+                        print(
+                            f"[chaos] t={engine['back_at_s']:.1f}s v{p.trainer.version}: engine {w.name} "
+                            f"back, versions {engine['versions_at_back']}",
+                            flush=True,
+                        )
                 await asyncio.sleep(0.05)
             error = None
             try:
@@ -332,6 +378,12 @@ async def chaos(quick: bool, seed: int, root: Path) -> dict[str, Any]:
             runtime_stats = {name: await runtime_counters(ex) for name, ex in p.rewards.items()}
             env_stats = p.env_manager.snapshot()
             proxy_metrics = await p.proxy.metrics(engine_stats=False)
+            if "served_at_back" in engine:
+                engine["served_after_back"] = (
+                    p.proxy.workers[engine["worker"]].served - engine["served_at_back"]
+                )
+            session_tables = p.proxy.session_counts()
+            build_phases = {k: v for k, v in p.timings.items() if k.endswith("start_s") or k == "model_s"}
         t_closed = time.perf_counter()
         deadline = time.monotonic() + 15
         while watch.alive(before) and time.monotonic() < deadline:
@@ -349,6 +401,9 @@ async def chaos(quick: bool, seed: int, root: Path) -> dict[str, Any]:
         leftover,
         len(watch.seen),
         {"build_s": t_built - t_wall, "run_s": t_closed - t0, "total_s": time.perf_counter() - t_wall},
+        engine,
+        session_tables,
+        build_phases,
     )
 
 
@@ -364,6 +419,9 @@ def report(
     leftover: dict[int, str],
     processes_seen: int,
     times: dict[str, float],
+    engine: dict[str, Any],
+    session_tables: dict[str, int],
+    build_phases: dict[str, float],
 ) -> dict[str, Any]:
     hist = summary.get("history", [])
     alpha = cfg.train.alpha
@@ -400,6 +458,12 @@ def report(
         "faults_by_kind": dict(faults_by_kind),
         "trainer_restarts": sum(h.get("trainer_restarts", 0) for h in hist),
         "engine_recovered": {n: m.get("recovered") for n, m in proxy_metrics.items() if isinstance(m, dict)},
+        "engine_killed": engine.get("worker"),
+        "engine_back_at_version": engine.get("back_at_version"),
+        "engine_back_after_s": engine["back_at_s"] - engine["killed_at_s"] if "back_at_s" in engine else None,
+        "engine_versions_at_back": engine.get("versions_at_back"),
+        "engine_served_after_back": engine.get("served_after_back"),
+        "proxy_session_tables": session_tables,
         "env_manager": {
             k: v
             for k, v in env_stats.items()
@@ -427,6 +491,7 @@ def report(
         "processes_seen": processes_seen,
         "final_version": summary.get("final_version"),
         "served_version": summary.get("served_version"),
+        "build_phases": build_phases,
         **times,
     }
 
@@ -446,6 +511,12 @@ def invariants(r: dict[str, Any]) -> list[str]:
         bad.append(f"{r['lag_violations']} trajectories trained with lag > alpha")
     if r["leftover_processes"]:
         bad.append(f"{len(r['leftover_processes'])} processes left behind: {r['leftover_processes']}")
+    if any(r["proxy_session_tables"].values()):
+        bad.append(f"the proxy's session tables are not empty after the run: {r['proxy_session_tables']}")
+    if r["engine_killed"] and r["engine_back_at_version"] is None:
+        bad.append(f"the killed engine {r['engine_killed']} was not back before the run ended")
+    elif r["engine_killed"] and not r["engine_served_after_back"]:
+        bad.append(f"the killed engine {r['engine_killed']} came back but served no request")
     return bad
 
 
@@ -461,6 +532,15 @@ def table(r: dict[str, Any]) -> str:
         ("reward calls", r["reward"]),
         ("trainer restarts", r["trainer_restarts"]),
         ("engines recovered", r["engine_recovered"]),
+        (
+            "killed engine back",
+            "no"
+            if r["engine_back_at_version"] is None
+            else f"{r['engine_killed']} at v{r['engine_back_at_version']} ({r['engine_back_after_s']:.0f} s after "
+            "the kill), "
+            f"versions then {r['engine_versions_at_back']}, {r['engine_served_after_back']} requests after",
+        ),
+        ("proxy session tables", r["proxy_session_tables"]),
         ("env manager", r["env_manager"]),
         ("median step", f"{r['median_step_s']:.2f} s"),
         *(
@@ -472,6 +552,10 @@ def table(r: dict[str, Any]) -> str:
         ),
         ("leftover processes", f"{len(r['leftover_processes'])} (of {r['processes_seen']} started)"),
         ("build / run / total", f"{r['build_s']:.0f} / {r['run_s']:.0f} / {r['total_s']:.0f} s"),
+        (
+            "build phases (overlapping)",
+            ", ".join(f"{k[:-2]} {v:.0f} s" for k, v in r["build_phases"].items()),
+        ),
         ("error", r["error"] or "-"),
     ]
     width = max(len(k) for k, _ in rows)
@@ -480,7 +564,7 @@ def table(r: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="6 steps, 1 trainer rank, 10 env actors (< 5 min)")
+    ap.add_argument("--quick", action="store_true", help="40 steps, 1 trainer rank, 4 env actors (< 5 min)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("runs/bench/chaos.json"))
     args = ap.parse_args(argv)

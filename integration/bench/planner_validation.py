@@ -1,22 +1,29 @@
-"""Does the planner's simulation predict a real run? Sync+ and async, measured vs simulated.
+"""Does the simulator predict the bench? Sync+, One-off, async α=1 and α=2, measured vs simulated, on
+two workloads; then what it predicts at the paper's scale.
 
-Runs a short real training job twice on this machine (tiny model, vLLM-CPU engine in a Ray actor,
-FrozenLake, torch trainer in its own process): ``sync`` with the trainer on all cores, then
-``async`` (alpha=1) with the trainer on half of them (the bench's split: training overlaps rollout
-instead of starving it). The trajectories the trainer saw and the per-step metrics of the **sync**
-run become a workload profile (:func:`rollart_core.plan.workload.profile_from_trajectories`); the
-simulator replays it in both modes, and the predictions are compared with both measured throughputs
-(trajectories/s over the steps after the first).
+1. **Measure.** Runs ``rollart bench`` itself (:func:`rollart_core.bench.harness.run_bench`, the
+   four modes interleaved over rounds) on the quick workload and on a second one (``--set
+   FIELD=VALUE``, default ``env_latency_s=0.1``); each run's bench reports go to ``OUT_DIR/<workload>/``.
+2. **Profile.** From what each run measured, two workload profiles per mode for the simulator
+   (:mod:`rollart_core.plan`); env calls follow the workload's definition (log-normal latency, the
+   10 s timeout, crashes within the first two calls), the rest is measured:
+   - *replay*: the mode's own per-turn generation latencies, turns, reward latencies, trainer step
+     and weight-update pause: does the simulator's model of the loop (barriers, admission, staleness,
+     redundancy) turn the mode's component times into its throughput?
+   - *from Sync+*: Sync+'s latencies for every mode, generation slots from the saturated capacity
+     probe (slots = turns/s at saturation × Sync+'s mean turn latency), the trainer's half-core step
+     and the contention between generation and training on shared cores from the bench's capacity
+     probe: a prediction of the overlapping modes from the one that overlaps nothing.
+3. **Compare.** Prints predicted vs measured trained trajectories/s per mode with the ratio (goal:
+   within 20%), and writes everything as JSON (``--out``).
+4. **Extrapolate.** A paper-like multi-task workload (:func:`paper_profile`: the assumptions are
+   spelled out there) planned and simulated on 64 and 128 GPUs and on a 3,000-GPU cluster.
 
-Here the trainer and the engine share the same two cores, so overlapping them (async) slows both.
-That is a property of the hardware, not of the run, and the profile says so: between the two runs a
-calibration measures it (generation latency at the sync run's concurrency alone and beside a
-half-core training step; that step against the all-core step alone) and records the two slowdowns
-as ``train.colocated_slowdown`` / ``train.train_colocated_slowdown`` of the sync profile. The async
-run's own profile already holds contended times, so it is simulated without them. ``--no-calibrate``
-leaves them at 0 (a disaggregated cluster's assumption) to show what they change.
+    uv run --no-sync python integration/bench/planner_validation.py --out runs/planval.json
+    uv run --no-sync python integration/bench/planner_validation.py --small --out /tmp/planval.json
+    uv run --no-sync python integration/bench/planner_validation.py --replay runs/planval.json   # simulate only
 
-    uv run --no-sync python integration/bench/planner_validation.py [--quick] [--steps N] [--out result.json]
+Run it under ``flock /tmp/rollart-heavy.lock`` on a shared machine (it starts vLLM and Ray).
 """
 
 from __future__ import annotations
@@ -24,230 +31,391 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
-import tempfile
+import math
+import os
+import statistics
 import time
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from rollart_core.bench.workload import train_threads
-from rollart_core.metrics import MemorySink
+from rollart_core.bench.figures import spread
+from rollart_core.bench.harness import parse_overrides, run_bench, sized
+from rollart_core.bench.report import write_reports
+from rollart_core.bench.workload import MODES
+from rollart_core.plan.catalogue import DEFAULT_CATALOGUE
+from rollart_core.plan.planner import make_plan, plan_pools
 from rollart_core.plan.simulate import simulate
-from rollart_core.plan.workload import WorkloadProfile, profile_from_trajectories
-from rollart_core.types import Trajectory
-from rollart_train.torch_trainer import TorchTrainer
+from rollart_core.plan.workload import LatencyDist, ModelProfile, TaskProfile, TrainProfile, WorkloadProfile
+
+VALIDATED = ["sync", "one_off", "async_a1", "async_a2"]
+SOURCES = ("replay", "from_sync")
+GOAL = 0.2
+"""Predicted within this fraction of measured."""
 
 
-class RecordingTrainer(TorchTrainer):
-    """The torch trainer, keeping every batch it trains on (the profile's source)."""
-
-    batches: ClassVar[list[list[Trajectory]]] = []
-
-    def train_step(self, batch: Any) -> dict[str, float]:
-        RecordingTrainer.batches.append(list(batch))
-        return super().train_step(batch)
+# 1. measure ------------------------------------------------------------------------------------------
 
 
-def _threads(mode: str) -> int:
-    return train_threads("all" if mode == "sync" else "half")  # as rollart bench splits the cores
+def measure(size_name: str, overrides: dict[str, Any], out_dir: Path, model: Path | None) -> dict[str, Any]:
+    """One ``rollart bench`` run of the validated modes; its reports in ``out_dir``."""
+    size = sized(size_name, overrides)
+    res = asyncio.run(run_bench(size_name, size, VALIDATED, out_dir, model))
+    write_reports(res, out_dir)
+    for segs in res["segments"].values():  # the plot's raw intervals: not needed here
+        for s in segs:
+            s.pop("intervals", None)
+    return res
 
 
-def measured_rate(rows: list[dict[str, Any]], skip: int = 1) -> float:
-    rows = [r for r in rows if "traj_per_s" in r][skip:]
-    return sum(r["traj_per_s"] * r["step_s"] for r in rows) / sum(r["step_s"] for r in rows)
+# 2. profile ------------------------------------------------------------------------------------------
 
 
-async def run(
-    mode: str, steps: int, root: Path, model: Path
-) -> tuple[list[dict[str, Any]], list[Trajectory], float]:
-    from tests.conftest import slice_config
-
-    from rollart_core.loop import train
-
-    cfg = slice_config(root / mode, model_path=model, steps=steps)
-    cfg.train.mode, cfg.train.alpha = mode, (1 if mode == "async" else 0)  # type: ignore[assignment]
-    cfg.trainer.impl = "__main__:RecordingTrainer"
-    cfg.trainer.options.update(spawn=True, num_threads=_threads(mode))
-    RecordingTrainer.batches = []
-    sink = MemorySink()
-    t0 = time.perf_counter()
-    await train(cfg, sink=sink)
-    # the first step's trajectories met a cold engine (compilation, first requests): warm-up, like its metrics row
-    trajs = [t for b in RecordingTrainer.batches[1:] for t in b]
-    return sink.rows, trajs, time.perf_counter() - t0
+def env_latency(size: dict[str, Any]) -> LatencyDist:
+    """The bench's env latency: log-normal around ``env_latency_s`` (its median) with ``env_sigma``."""
+    median, sigma = size["env_latency_s"], size["env_sigma"]
+    if median <= 0:
+        return LatencyDist()
+    if sigma <= 0:
+        return LatencyDist(mean=median)
+    return LatencyDist(mean=median * math.exp(sigma**2 / 2), dist="lognormal", sigma=sigma)
 
 
-async def calibrate(root: Path, model: Path, batch: list[Trajectory], concurrency: int) -> dict[str, float]:
-    """Slowdowns of generation and training when they run at the same time on this machine."""
-    from tests.conftest import slice_config
+def _samples(res: dict[str, Any], mode: str, task: str, key: str) -> list[float]:
+    return [x for s in res["segments"][mode] for x in s.get("samples", {}).get(task, {}).get(key, [])]
 
-    from rollart_core.control.pipeline import Pipeline
-    from rollart_core.types import GenerateRequest, SamplingParams
 
-    prompts = [list(u.context_ids) for t in batch for u in t.turns] or [[1, 2, 3]]
-    cfg = slice_config(root / "calibrate", model_path=model, steps=1)
-    cfg.trainer.options.update(spawn=True, num_threads=_threads("sync"))
-    async with Pipeline(cfg) as p:
-        lat: list[tuple[float, float]] = []  # (end time, latency)
+def _rows(res: dict[str, Any], mode: str, key: str) -> list[float]:
+    return [x for s in res["segments"][mode] for x in s.get(key, [])]
 
-        async def gen_loop(stop: asyncio.Event) -> None:
-            async def worker(i: int) -> None:
-                k = 0
-                while not stop.is_set():
-                    k += 1
-                    t0 = time.perf_counter()
-                    await p.proxy.generate(
-                        GenerateRequest(
-                            f"cal-{i}-{k}",
-                            prompts[(i * 7 + k) % len(prompts)],
-                            SamplingParams(max_tokens=1, temperature=1.0),
-                        )
-                    )
-                    lat.append((time.perf_counter(), time.perf_counter() - t0))
 
-            await asyncio.gather(*(worker(i) for i in range(concurrency)))
+def _mean(xs: list[float], default: float = 0.0) -> float:
+    return statistics.fmean(xs) if xs else default
 
-        def mean_latency(t0: float, t1: float) -> float:
-            xs = [x for end, x in lat if t0 <= end <= t1]
-            return sum(xs) / max(len(xs), 1)
 
-        async def timed_train() -> float:
-            t0 = time.perf_counter()
-            await asyncio.to_thread(p.trainer.train_step, batch)
-            return time.perf_counter() - t0
+def _weights(res: dict[str, Any], mode: str) -> tuple[float, float]:
+    """Weight update of ``mode``'s steps: (push the loop waits for, engines' pause)."""
+    pause = _mean(_rows(res, mode, "update_pause_s"))
+    return max(0.0, _mean(_rows(res, mode, "sync_s")) - pause), pause
 
-        await timed_train()  # warm-up (first step allocates optimizer state)
-        train_alone = min([await timed_train() for _ in range(2)])  # all cores, as in the sync run
-        p.trainer.set_num_threads(_threads("async"))  # beside generation: the async run's share
-        stop = asyncio.Event()
-        loop = asyncio.create_task(gen_loop(stop))
-        while len(lat) < 4 * concurrency:  # warm the engine (first shapes compile), then measure it alone
-            await asyncio.sleep(0.05)
-        t0 = time.perf_counter()
-        while (
-            time.perf_counter() - t0 < max(2.0, 2 * train_alone)
-            or sum(end >= t0 for end, _ in lat) < 2 * concurrency
-        ):
-            await asyncio.sleep(0.05)
-        t1 = time.perf_counter()
-        beside = [await timed_train() for _ in range(2)]
-        t2 = time.perf_counter()
-        stop.set()
-        await loop
-        gen_alone, gen_shared = mean_latency(t0, t1), mean_latency(t1, t2)
+
+def profile(res: dict[str, Any], mode: str, source: str) -> WorkloadProfile:
+    """The simulator's profile of ``mode`` from ``res`` (a bench run): ``replay`` (the mode's own
+    component times) or ``from_sync`` (Sync+'s, plus the capacity probe's contention)."""
+    size, cap = res["size"], res["capacity"]
+    spec = MODES[mode]
+    timings_of = mode if source == "replay" else "sync"
+    tasks = []
+    for t in res["config"]["tasks"]:
+        name = t["name"]
+        gen = _samples(res, timings_of, name, "generate")
+        if not gen:
+            raise SystemExit(f"{mode}: no generation samples of task {name!r} in the bench run")
+        turns = [int(x) for x in _samples(res, timings_of, name, "turns")] or [t["max_turns"]]
+        tasks.append(
+            TaskProfile(
+                name=name,
+                trajectories_per_step=t["groups_per_step"] * t["group_size"],
+                group_size=t["group_size"],
+                turns=_mean(turns),
+                turns_samples=turns,
+                generate_s=LatencyDist.of(gen),
+                env_latency_s=env_latency(size),
+                env_timeout_s=size["env_timeout_s"],
+                fail_prob=size["crash_prob"],
+                fail_within_calls=2,  # the bench's fault_within_calls
+                reward_s=LatencyDist.of(_samples(res, timings_of, name, "reward")),
+                redundancy=size["redundancy"] if spec.redundancy is None else spec.redundancy,
+            )
+        )
+    push_s, pause_s = _weights(res, "sync")
+    if source == "replay":
+        train = TrainProfile(
+            train_s=_mean(_rows(res, mode, "train_s")), sync_s=_weights(res, mode)[1], push_s=push_s
+        )
+        if spec.mode != "async":  # the loop waits for the push: the mode's own figure
+            train.push_s = _weights(res, mode)[0]
+        return WorkloadProfile(tasks=tasks, train=train)
+    contention = cap.get("contention", {})
+    overlaps = spec.mode != "sync"
+    train = TrainProfile(
+        train_s=cap["train"]["half_cores_s"] if overlaps else _mean(_rows(res, "sync", "train_s")),
+        sync_s=pause_s,
+        push_s=push_s,
+        colocated_slowdown=contention.get("gen_slowdown", 0.0) if overlaps else 0.0,
+        train_colocated_slowdown=contention.get("train_slowdown", 0.0) if overlaps else 0.0,
+    )
+    gen_turn_s = _mean([x for t in tasks for x in _samples(res, "sync", t.name, "generate")])
+    turns_per_s = cap["generate"].get("turns_per_s") or cap["generate"]["traj_per_s"] * _mean(
+        [t.turns for t in tasks], 1.0
+    )
+    return WorkloadProfile(tasks=tasks, train=train, gen_slots=max(1, round(turns_per_s * gen_turn_s)))
+
+
+def predict(
+    prof: WorkloadProfile, res: dict[str, Any], mode: str, steps: int | None, seeds: int
+) -> dict[str, Any]:
+    """Mean simulated throughput of ``mode`` over ``seeds`` runs. ``steps`` None: the bench's own
+    protocol (a segment from an empty pipeline: its warm-up steps, then its measured steps, throughput
+    over the measured ones, or over all when the size has no warm-up); else ``steps`` steps after the
+    mode's pipeline depth (the long-run steady state)."""
+    cfg = res["mode_configs"][mode]
+    warmup = None
+    if steps is None:
+        steps = cfg["steps"]
+        warmup = MODES[mode].warmup_steps() if res["size"]["warmup"] else 0
+    runs = [
+        simulate(
+            prof,
+            mode=cfg["mode"],
+            alpha=cfg["alpha"],
+            steps=steps,
+            warmup_steps=warmup,
+            max_pending_steps=cfg.get("max_pending_steps"),
+            update_on_arrival=cfg.get("update_on_arrival", True),
+            abort_stale=cfg.get("abort_stale", True),
+            seed=seed,
+        )
+        for seed in range(seeds)
+    ]
+    rates = [r.traj_per_s for r in runs]
     return {
-        "gen_latency_alone_s": gen_alone,
-        "gen_latency_beside_train_s": gen_shared,
-        "train_alone_s": train_alone,
-        "train_beside_gen_s": sum(beside) / len(beside),
-        "colocated_slowdown": max(0.0, gen_shared / gen_alone - 1),
-        "train_colocated_slowdown": max(0.0, sum(beside) / len(beside) / train_alone - 1),
+        "traj_per_s": statistics.fmean(rates),
+        "seeds": spread(rates),
+        "step_s": statistics.fmean(r.step_s for r in runs),
+        "fates": runs[0].fates,
     }
+
+
+def compare(res: dict[str, Any], steady_steps: int, seeds: int) -> dict[str, Any]:
+    """Per mode: measured, and simulated from each profile as the bench measures (segments of the
+    bench's length from an empty pipeline, ``seeds`` of them) and in the long run (``steady``)."""
+    out: dict[str, Any] = {"modes": {}, "profiles": {}}
+    for mode in VALIDATED:
+        measured = res["results"][mode]
+        row: dict[str, Any] = {
+            "measured": measured["traj_per_s"],
+            "measured_rounds": measured["rounds"]["traj_per_s"],
+        }
+        for source in SOURCES:
+            prof = profile(res, mode, source)
+            pred = predict(prof, res, mode, None, seeds)
+            row[source] = {**pred, "ratio": pred["traj_per_s"] / measured["traj_per_s"]}
+            row[source]["steady"] = predict(prof, res, mode, steady_steps, max(1, seeds // 4))
+            out["profiles"][f"{mode}/{source}"] = prof.model_dump()
+        out["modes"][mode] = row
+    return out
+
+
+# 3. report -------------------------------------------------------------------------------------------
+
+
+def print_comparison(name: str, overrides: dict[str, Any], cmp: dict[str, Any]) -> None:
+    what = " ".join(f"{k}={v}" for k, v in overrides.items()) or "the size's defaults"
+    print(
+        f"\nworkload {name} ({what}): trained trajectories/s, measured (all rounds) vs simulated as the bench "
+        "measures (segments of its length and warm-up)"
+    )
+    head = (
+        f"{'mode':<12}{'measured':>10}  {'rounds':<13}{'replay':>8}{'ratio':>7}{'from Sync+':>12}{'ratio':>7}"
+    )
+    print(head)
+    for mode, row in cmp["modes"].items():
+        rounds = row["measured_rounds"]
+        rng = "-" if rounds is None else f"{rounds['min']:.2f}–{rounds['max']:.2f}"
+        cells = []
+        for source in SOURCES:
+            r = row[source]["ratio"]
+            cells.append(f"{row[source]['traj_per_s']:>8.2f}{r:>6.2f}{'' if abs(r - 1) <= GOAL else '!'}")
+        print(f"{MODES[mode].label:<12}{row['measured']:>10.2f}  {rng:<13}{cells[0]}{cells[1]:>20}")
+    print(f"('!': off by more than {GOAL:.0%})")
+
+
+# 4. extrapolate --------------------------------------------------------------------------------------
+
+PAPER_MODEL = ModelProfile(params=32e9, num_layers=64, num_kv_heads=8, head_dim=128)
+"""A 32B dense model (Qwen3-32B-like shapes) stands in for the paper's models."""
+
+
+def paper_profile(batch: int, train_gpus: int) -> WorkloadProfile:
+    """A paper-like multi-task agentic step of ``batch`` trajectories (ASSUMED figures, not measured):
+    half SWE-style tool use (long prompts, 10 turns, sandbox calls of 2 s mean with a heavy tail and a
+    60 s timeout, tests as a 5 s reward, 2 spare rollouts per group of 8), a quarter prefill-heavy
+    game (16 short turns over a growing context) and a quarter decode-heavy single-turn reasoning.
+    Training runs on its own ``train_gpus`` H800s at 40% MFU (6 · params · tokens FLOPs); an update
+    pauses the engines 10 s, the push takes 5 s."""
+    swe = TaskProfile(
+        name="swe",
+        trajectories_per_step=batch // 2,
+        group_size=8,
+        redundancy=2,
+        prompt_tokens=4000,
+        context_tokens_per_turn=600,
+        output_tokens_per_turn=300,
+        turns=10,
+        env_latency_s=LatencyDist(mean=2.0, dist="lognormal", sigma=1.5),
+        env_timeout_s=60.0,
+        reward_s=LatencyDist(mean=5.0, dist="lognormal", sigma=1.0),
+    )
+    game = TaskProfile(
+        name="game",
+        trajectories_per_step=batch // 4,
+        group_size=8,
+        prompt_tokens=1500,
+        context_tokens_per_turn=150,
+        output_tokens_per_turn=30,
+        turns=16,
+        env_latency_s=LatencyDist(mean=0.3, dist="lognormal", sigma=1.0),
+        env_timeout_s=10.0,
+    )
+    math_task = TaskProfile(
+        name="math",
+        trajectories_per_step=batch // 4,
+        group_size=8,
+        prompt_tokens=400,
+        output_tokens_per_turn=3000,
+        turns=1,
+        env_latency_s=LatencyDist(mean=0.05),
+        reward_s=LatencyDist(mean=0.5),
+    )
+    tasks = [swe, game, math_task]
+    tokens = sum(t.trajectories_per_step * (t.prefill_tokens() + t.decode_tokens()) for t in tasks)
+    h800 = DEFAULT_CATALOGUE["H800"]
+    train_s = 6 * PAPER_MODEL.params * tokens / (train_gpus * h800.flops * 0.4)
+    return WorkloadProfile(
+        model=PAPER_MODEL, tasks=tasks, train=TrainProfile(train_s=train_s, sync_s=10.0, push_s=5.0)
+    )
+
+
+SETTINGS = [  # (name, GPUs, trajectories per step): half the GPUs roll out, half train
+    ("64 GPUs", 64, 512),
+    ("128 GPUs", 128, 512),
+    ("3,000-GPU cluster", 3000, 8192),
+]
+EXTRAPOLATED = [
+    ("Sync+", "sync", 0),
+    ("One-off", "one_off", 1),
+    ("async α=1", "async", 1),
+    ("async α=2", "async", 2),
+]
+
+
+def extrapolate(steps: int) -> list[dict[str, Any]]:
+    rows = []
+    for name, gpus, batch in SETTINGS:
+        prof = paper_profile(batch, train_gpus=gpus // 2)
+        plan = make_plan(prof, DEFAULT_CATALOGUE, gpus=gpus // 2)
+        pools = plan_pools(prof, plan, DEFAULT_CATALOGUE)
+        t0 = time.perf_counter()
+        sims = {
+            label: simulate(prof, mode=mode, alpha=alpha, steps=steps, **pools)  # type: ignore[arg-type]
+            for label, mode, alpha in EXTRAPOLATED
+        }
+        sync = sims["Sync+"].traj_per_s
+        rows.append(
+            {
+                "setting": name,
+                "gpus": gpus,
+                "trajectories_per_step": batch,
+                "pools": plan.pools,
+                "train_s": prof.train.train_s,
+                "modes": {
+                    label: {
+                        "traj_per_s": r.traj_per_s,
+                        "step_s": r.step_s,
+                        "vs_sync": r.traj_per_s / sync if sync else None,
+                        "gen_busy": r.gen_busy,
+                        "aborted": r.aborted,
+                    }
+                    for label, r in sims.items()
+                },
+                "simulated_in_s": time.perf_counter() - t0,
+            }
+        )
+        print_extrapolation(rows[-1:])
+    return rows
+
+
+def print_extrapolation(rows: list[dict[str, Any]]) -> None:
+    for row in rows:
+        pools = ", ".join(f"{k} × {v}" for k, v in row["pools"].items())
+        print(
+            f"\n{row['setting']}: {row['trajectories_per_step']} trajectories per step, rollout pools {pools}, "
+            f"train step {row['train_s']:.0f} s (simulated in {row['simulated_in_s']:.0f} s)"
+        )
+        print(f"{'mode':<12}{'traj/s':>9}{'step s':>9}{'vs Sync+':>10}{'gen busy':>10}")
+        for label, m in row["modes"].items():
+            print(
+                f"{label:<12}{m['traj_per_s']:>9.2f}{m['step_s']:>9.1f}{m['vs_sync']:>9.2f}x{m['gen_busy']:>10.0%}"
+            )
+
+
+# main ------------------------------------------------------------------------------------------------
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="6 steps per mode instead of 12")
-    ap.add_argument("--steps", type=int)
-    ap.add_argument("--seeds", type=int, default=5, help="simulator seeds to average")
-    ap.add_argument("--out", default="planner_validation.json")
-    ap.add_argument("--replay", help="a result JSON of an earlier run: simulate its measured profiles again")
     ap.add_argument(
-        "--no-calibrate", action="store_true", help="assume no contention between training and rollout"
+        "--small", "--quick", action="store_true", help="the bench's micro size: a check that it runs"
+    )
+    ap.add_argument(
+        "--set",
+        nargs="+",
+        default=["env_latency_s=0.1"],
+        metavar="FIELD=VALUE",
+        help="the second workload (bench size fields; default env_latency_s=0.1)",
+    )
+    ap.add_argument("--no-second", action="store_true", help="only the default workload")
+    ap.add_argument("--rounds", type=int, help="override the bench size's rounds")
+    ap.add_argument("--steps", type=int, help="override the bench size's measured steps per segment")
+    ap.add_argument("--sim-steps", type=int, default=40, help="steps of the long-run simulation (default 40)")
+    ap.add_argument("--seeds", type=int, default=40, help="simulated bench segments per mode (default 40)")
+    ap.add_argument(
+        "--extrapolate-steps", type=int, default=8, help="simulated steps at paper scale (0: skip)"
+    )
+    ap.add_argument("--out", default="planner_validation.json")
+    ap.add_argument(
+        "--model", help="model directory (default: the tiny model, created under the output directory)"
+    )
+    ap.add_argument(
+        "--replay", help="a JSON written earlier: simulate its measured runs again, measure nothing"
     )
     args = ap.parse_args()
-    steps = args.steps or (6 if args.quick else 12)
+    out = Path(args.out).resolve()
     if args.replay:
         old = json.loads(Path(args.replay).read_text())
-        steps, measured = old["steps"], old["measured"]
-        profiles = {m: WorkloadProfile.model_validate(p) for m, p in old["profiles"].items()}
-        calib = old.get("calibration") or {}
+        runs = {name: (w["overrides"], w["bench"]) for name, w in old["workloads"].items()}
     else:
-        measured, profiles, calib = measure(steps, calibrate_contention=not args.no_calibrate)
-    if args.no_calibrate:
-        calib = {}
-    sync_prof = profiles["sync"]  # the async run's own times already include the contention
-    sync_prof.train.colocated_slowdown = calib.get("colocated_slowdown", 0.0)
-    sync_prof.train.train_colocated_slowdown = calib.get("train_colocated_slowdown", 0.0)
-    result: dict[str, Any] = {
-        "steps": steps,
-        "measured": measured,
-        "predicted": {},
-        "calibration": calib,
-        "profiles": {m: p.model_dump() for m, p in profiles.items()},
-    }
-    report(result, measured, profiles, steps, args.seeds)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
-
-
-def measure(
-    steps: int, calibrate_contention: bool = True
-) -> tuple[dict[str, Any], dict[str, WorkloadProfile], dict[str, float]]:
-    from rollart_train.tiny import create_tiny_model
-
-    with tempfile.TemporaryDirectory(prefix="planval") as tmp:
-        root = Path(tmp)
-        model = create_tiny_model(root / "model", dtype="float32")
-        measured: dict[str, Any] = {}
-        profiles = {}
-        for mode in ("sync", "async"):
-            rows, trajs, wall = asyncio.run(run(mode, steps, root, model))
-            measured[mode] = {
-                "traj_per_s": measured_rate(rows),
-                "wall_s": wall,
-                "trained": len(trajs),
-                "train_s": sum(r["train_s"] for r in rows[1:]) / max(len(rows) - 1, 1),
-                "sync_s": sum(r["sync_s"] for r in rows[1:]) / max(len(rows) - 1, 1),
-            }
-            profiles[mode] = profile_from_trajectories(
-                trajs, rows, group_size={"frozenlake": 4}, trajectories_per_step={"frozenlake": 8}
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # as rollart bench
+        size_name = "micro" if args.small else "quick"
+        base: dict[str, Any] = {k: v for k in ("rounds", "steps") if (v := getattr(args, k)) is not None}
+        workloads = {"default": base}
+        if not args.no_second:
+            workloads["second"] = {**base, **parse_overrides(args.set)}
+        runs = {}
+        model = Path(args.model).resolve() if args.model else out.parent / f"{out.stem}-model"
+        for name, overrides in workloads.items():
+            t0 = time.perf_counter()
+            res = measure(size_name, overrides, out.parent / f"{out.stem}-{name}", model)
+            print(f"measured workload {name} in {time.perf_counter() - t0:.0f} s", flush=True)
+            runs[name] = (overrides, res)
+        # what was measured is kept before anything is simulated: --replay can start from it
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(
+            json.dumps(
+                {"workloads": {n: {"overrides": o, "bench": r} for n, (o, r) in runs.items()}}, default=str
             )
-            if mode == "sync" and calibrate_contention:
-                calib = asyncio.run(calibrate(root, model, RecordingTrainer.batches[-1], concurrency=8))
-    return measured, profiles, calib if calibrate_contention else {}
-
-
-def report(
-    result: dict[str, Any],
-    measured: dict[str, Any],
-    profiles: dict[str, WorkloadProfile],
-    steps: int,
-    seeds: int,
-) -> None:
-    rows_out = []
-    for source, prof in profiles.items():
-        for mode in ("sync", "async"):
-            rs = [simulate(prof, mode=mode, alpha=1, steps=steps, seed=s) for s in range(seeds)]  # type: ignore[arg-type]
-            pred = sum(r.traj_per_s for r in rs) / len(rs)
-            meas = measured[mode]["traj_per_s"]
-            result["predicted"][f"{mode} from {source} profile"] = pred
-            rows_out.append((source, mode, pred, meas, pred / meas))
-    print(
-        f"planner validation: {steps} steps per mode, tiny model on vLLM-CPU (sync profile: "
-        f"train {measured['sync']['train_s']:.2f} s, sync {measured['sync']['sync_s']:.2f} s per step)"
-    )
-    c = result.get("calibration") or {}
-    if c:
-        print(
-            f"contention (calibrated): generation {c['gen_latency_alone_s'] * 1e3:.0f} → "
-            f"{c['gen_latency_beside_train_s'] * 1e3:.0f} ms/turn beside training (+{c['colocated_slowdown']:.0%}), "
-            f"training {c['train_alone_s']:.2f} → {c['train_beside_gen_s']:.2f} s beside generation "
-            f"(+{c['train_colocated_slowdown']:.0%})"
         )
-    else:
-        print("contention: not calibrated (assumed none)")
-    print(f"{'profile from':<14}{'mode':<7}{'predicted':>11}{'measured':>11}{'pred/meas':>11}")
-    for source, mode, pred, meas, ratio in rows_out:
-        print(f"{source + ' run':<14}{mode:<7}{pred:>11.2f}{meas:>11.2f}{ratio:>11.2f}")
-    ratio_meas = measured["async"]["traj_per_s"] / measured["sync"]["traj_per_s"]
-    ratio_pred = (
-        result["predicted"]["async from sync profile"] / result["predicted"]["sync from sync profile"]
-    )
-    print(f"async/sync speed-up: measured {ratio_meas:.2f}, predicted from the sync profile {ratio_pred:.2f}")
-    result["speedup"] = {"measured": ratio_meas, "predicted": ratio_pred}
+    result: dict[str, Any] = {"sim_steps": args.sim_steps, "seeds": args.seeds, "workloads": {}}
+    for name, (overrides, res) in runs.items():
+        cmp = compare(res, args.sim_steps, args.seeds)
+        print_comparison(name, overrides, cmp)
+        result["workloads"][name] = {"overrides": overrides, **cmp, "bench": res}
+    if args.extrapolate_steps:
+        print("\nextrapolation (simulated, paper-like workload: ASSUMED figures, see paper_profile)")
+        result["extrapolation"] = extrapolate(args.extrapolate_steps)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1, default=str))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

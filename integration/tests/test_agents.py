@@ -407,3 +407,47 @@ async def test_enforced_enum_tool_call_trains_only_the_models_choices(
         f'\n<tool_call>\n{{"name": "calc", "arguments": {{"a": "{args["a"]}", "op": "{args["op"]}", '
         f'"b": "{args["b"]}"}}}}\n</tool_call><|im_end|>\n<|im_start|>tool\n5'
     ), call_text
+
+
+async def test_agent_over_http_keeps_its_session_binding(
+    forcing: Forcing, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``base_url``: the agent's client talks to a real uvicorn server on 127.0.0.1 with a token the
+    env got from ``POST /v1/sessions/{id}/bind`` (API key from the env variable); the trajectory holds
+    the engine's exact tokens (the agent calls the model name the bind answered), a call naming another
+    session is refused and fails the trajectory, and the bound token cannot bind other sessions."""
+    import httpx
+
+    from rollart_proxy.server import OpenAIServer
+
+    server = OpenAIServer(
+        forcing, str(model_dir), served_model_name="tiny-http", max_model_len=1024, api_key="k-agents"
+    )
+    port = await server.start("127.0.0.1", 0)
+    monkeypatch.setenv("ROLLART_TEST_AGENT_KEY", "k-agents")
+    http = {"base_url": f"http://127.0.0.1:{port}/v1", "api_key_env": "ROLLART_TEST_AGENT_KEY"}
+    try:
+        forcing.script, forcing.seen = [CALL, "the answer is 5"], []
+        traj = await run(forcing, model_dir, "tool_agent", "http-1", **http)
+        assert traj.fate is Fate.FINISHED, traj.error
+        assert traj.info["agent_calls"] == 2 and traj.info["segments"] == 1
+        seen = [s for s in forcing.seen if s[0] == "http-1"]
+        assert traj.token_ids() == seen[-1][1] + seen[-1][2]
+        assert [t.output_ids for t in traj.turns] == [s[2] for s in seen]
+
+        foreign = await run(forcing, model_dir, "foreign_agent", "http-2", **http)
+        assert foreign.fate is Fate.ENV_FAILED and "another session" in (foreign.error or "")
+        assert not any(s[0] == "someone-else" for s in forcing.seen)
+
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", trust_env=False) as c:
+            key = {"Authorization": "Bearer k-agents"}
+            bound = (await c.post("/v1/sessions/http-3/bind", headers=key)).json()
+            as_bound = {"Authorization": f"Bearer {bound['token']}"}
+            assert (await c.post("/v1/sessions/x/bind", headers=as_bound)).status_code == 403
+            assert (await c.post("/v1/sessions/http-3/bind")).status_code == 401  # no key
+            other = await c.post("/v1/sessions/http-3/release", json={"token": "nope"}, headers=key)
+            assert other.status_code == 404
+            done = await c.post("/v1/sessions/http-3/release", json={"token": bound["token"]}, headers=key)
+            assert done.json() == {"session_id": "http-3", "calls": [], "refused": 0}
+    finally:
+        await server.stop()

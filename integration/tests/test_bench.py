@@ -85,3 +85,26 @@ def test_rollart_bench_micro(tmp_path: Path, tiny_model: Path) -> None:
     assert res["mode_configs"]["admission"]["abort_stale"] is False
     assert res["results"]["admission"]["bottleneck"] and "async_a1" in res["goals"]
     assert "must be trained within alpha+1 = 2 steps" in r.stdout  # the staleness window of async α=1
+    # the staleness window's bound: async modes measured their groups' lifetimes (launch → taken)
+    for mode in ("async_a1", "admission"):
+        m = res["results"][mode]
+        assert all(v > 0 for v in m["group_lifetime_s"].values()) and set(m["group_lifetime_s"]) == {
+            "calc",
+            "lake",
+        }
+        assert all(m["group_rollout_s"][t] <= m["group_lifetime_s"][t] + 1e-6 for t in ("calc", "lake"))
+        assert m["window_bound_traj_per_s"] > 0
+        assert m["achieved_over_min_bound"] == pytest.approx(
+            m["traj_per_s"] / min(m["bound_traj_per_s"], m["window_bound_traj_per_s"])
+        )
+    assert res["results"]["sync"]["window_bound_traj_per_s"] is None
+    assert res["results"]["async_a1"]["rounds"]["vs_sync"]["rounds"] and "Little's law" in r.stdout
+    # elastic reward through the real function runtime, which the bench started and stopped
+    rw = res["results"]["async_a1"]["reward"]
+    assert rw["runtime_calls"] > 0 and rw["runtime_provisioned_s"] > 0, rw
+    assert 0 < rw["runtime_utilisation"] <= 1 and rw["runtime_cold_starts"] >= 0
+    assert "reward through the function runtime" in r.stdout
+    runtimes = [e for e in res["reward_executors"] if e["executor"] == "serverless"]
+    assert len(runtimes) == 1 and runtimes[0]["url"].startswith("http://127.0.0.1:")
+    assert not Path(f"/proc/{runtimes[0]['pid']}").exists(), "the reward runtime outlived the bench"
+    assert res["results"]["admission"]["reward"]["utilisation"] > 0  # the colocated pool's share used

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from rollart_core.control.pipeline import Pipeline
 from rollart_core.loop import train
 
 from .conftest import slice_config
@@ -52,7 +53,11 @@ async def test_mode_invariants(
     cfg.train.mode, cfg.train.alpha = mode, alpha  # type: ignore[assignment]
     cfg.train.update_on_arrival = on_arrival
     sink = _Collect()
-    summary = await train(cfg, sink=sink)
+    async with Pipeline(cfg) as p:  # built here to read the proxy's tables once every trajectory ended
+        summary = await train(cfg, sink=sink, pipeline=p)
+        # the proxy's per-session tables hold nothing once the run stopped (finished, aborted and
+        # cancelled trajectories alike ended their sessions): they do not grow with the run's length
+        assert p.proxy.session_counts() == {"sessions": 0, "sessions_in_flight": 0, "requests_in_flight": 0}
     hist = summary["history"]
     assert summary["final_version"] == 3 and [h["version"] for h in hist] == [1, 2, 3]
     # async swaps new weights in as soon as they land, so the engines serve the last version when

@@ -1,11 +1,15 @@
 """Prefill/decode disaggregation wired by the pipeline from a run config: a task with ``pd: on``
 and a ``prefill_pool`` gets KV-producer engines in its prefill group and KV-consumer engines in its
-decode group (vLLM CPU engines in Ray actors), the PD router in front of the proxy, and weight
-updates that reach both pools."""
+decode group (vLLM CPU engines in Ray actors), the PD router in front of the proxy, weight updates
+that reach both pools, and a killed prefill worker that comes back on the served version before it
+prefills again."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +27,7 @@ def pd_config(root: Path) -> RunConfig:
         "impl": "vllm",
         "count": 1,
         "num_cpus": 0.25,
+        "max_restarts": 1,
         "options": {"max_model_len": 512, "dtype": "float32", "max_num_seqs": 16},
     }
     return RunConfig.model_validate(
@@ -87,3 +92,24 @@ async def test_pipeline_runs_pd_tasks_through_both_pools(tmp_path: Path) -> None
         assert again.pd_path == "pd" and again.versions == [1] * 8 and again.prefill_version == 1
         paths = (await p.proxy.metrics())["pd"]["paths"]
         assert paths["pd"] == 2 and paths["decode_only"] >= len(trajs)
+
+        # the prefill worker's actor is SIGKILLed: PD requests fall back to a local prefill meanwhile;
+        # Ray restarts the actor (engines[].max_restarts), the proxy's health loop starts it and brings
+        # it to version 1, and only then does it prefill again: no request ever sees version 0
+        pre = workers["pre-0"]
+        old_pid = await pre.engine.pid()
+        os.kill(old_pid, signal.SIGKILL)  # a process of the Ray cluster this pipeline started
+        during: list[str] = []
+        deadline = time.monotonic() + 600
+        while not (pre.healthy and pre.metrics.recovered >= 1):
+            assert time.monotonic() < deadline, "the prefill worker did not come back within 600 s"
+            out = await p.proxy.generate(req(f"during-{len(during)}"))
+            assert out.versions == [1] * 8 and out.prefill_version in (None, 1), out
+            during.append(out.pd_path)
+            await asyncio.sleep(0.5)  # a request every half second while it is away
+        assert "local_fallback" in during and set(during) <= {"local_fallback", "pd"}
+        assert pre.metrics.restarts_seen == 1 and await pre.engine.pid() != old_pid
+        assert await p.proxy.weight_versions() == {"pre-0": 1, "dec-0": 1}
+        back = await p.proxy.generate(req("pd-back"))
+        assert back.pd_path == "pd" and back.prefill_worker == "pre-0" and back.prefill_version == 1
+        assert back.versions == [1] * 8

@@ -17,7 +17,8 @@ import pytest
 
 from rollart_core.config import RunConfig
 from rollart_core.control.buffer import SampleBuffer
-from rollart_core.errors import EngineError, WeightSyncError
+from rollart_core.errors import ConfigError, EngineError, WeightSyncError
+from rollart_core.protocols import AgentCall, AgentEpisode, AgentSession
 from rollart_core.types import GenerateOutput, GenerateRequest, RewardResult, StepResult, Trajectory
 
 
@@ -40,6 +41,14 @@ class Script:
     step_delay_s: float = 0.001
     envs_made: list[tuple[str, bool]] = field(default_factory=list)
     """(task, held_out) of every environment the pipeline built."""
+    agent: bool = False
+    """Tasks run the fake agent (``ScriptedAgentEnv``) instead of ``CountdownEnv``."""
+    agent_episodes: int = 0
+    config_error_after: int | None = None
+    """Envs built after this many raise a ConfigError (as a dataset file that went missing would)."""
+    config_error_in_reset: bool = False
+    """Env resets raise a ConfigError (as an agent's endpoint that cannot be built would)."""
+    envs_built: int = 0
 
 
 class EchoProxy:
@@ -48,8 +57,12 @@ class EchoProxy:
     def __init__(self, script: Script) -> None:
         self.s = script
         self.version = 0
+        self.sessions: set[str] = set()
+        """Sessions generated for and not ended yet (the real proxy's routing table)."""
 
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        if request.session_id:
+            self.sessions.add(request.session_id)
         await asyncio.sleep(self.s.step_delay_s)
         if self.s.engine_down:
             raise EngineError("fake engine is down")
@@ -73,7 +86,7 @@ class EchoProxy:
         self.s.log.append(("prefetch_weights", version))
 
     def end_session(self, session_id: str) -> None:
-        pass
+        self.sessions.discard(session_id)
 
     async def metrics(self, engine_stats: bool = True, timeout: float = 5.0) -> dict[str, dict[str, Any]]:
         return {}
@@ -140,6 +153,8 @@ class CountdownEnv:
         self.seed = -1
 
     async def reset(self, seed: int) -> tuple[str, dict[str, Any]]:
+        if self.s.config_error_in_reset:
+            raise ConfigError("fake endpoint: model dir has no tokenizer.json")
         if self.s.fail_resets > 0:
             self.s.fail_resets -= 1
             raise RuntimeError("fake env failed to reset")
@@ -155,6 +170,34 @@ class CountdownEnv:
         self.left -= 1
         done = self.left <= 0
         return StepResult("obs", 1.0 if done else 0.0, done, False, {"success": done})
+
+    async def close(self) -> None:
+        pass
+
+
+class ScriptedAgentEnv:
+    """Fake agent env (``SupportsAgentEpisode``): three model calls through the session's generator;
+    every other episode rewrites its history before the third (its prompt does not extend the
+    sequence so far). Logs ``("agent", trajectory id, calls, rewrites)``."""
+
+    def __init__(self, script: Script) -> None:
+        self.s = script
+
+    async def run_episode(self, session: AgentSession) -> AgentEpisode:
+        rewrite = self.s.agent_episodes % 2 == 1
+        self.s.agent_episodes += 1
+        calls: list[AgentCall] = []
+        prompt = [1, 2]
+        for k in range(3):
+            if k == 2 and rewrite:
+                prompt = [9, 9]  # an edited history: a new sequence
+            out = await session.generator.generate(
+                GenerateRequest(f"{session.session_id}-c{k}", prompt, session.sampling, session.session_id)
+            )
+            calls.append(AgentCall(prompt, out.token_ids, out.logprobs, out.versions, out.finish_reason))
+            prompt = [*prompt, *out.token_ids, 3]
+        self.s.log.append(("agent", session.session_id, len(calls), int(rewrite)))
+        return AgentEpisode(calls, answer="a", reward=1.0, info={"success": True})
 
     async def close(self) -> None:
         pass
@@ -198,11 +241,17 @@ class FakePipeline:
         self.buffer = SampleBuffer(config.train.alpha)
         self.timings: dict[str, float] = {}
 
-    def make_env(self, task: Any, index: int, *, held_out: bool = False) -> CountdownEnv:
+    def make_env(self, task: Any, index: int, *, held_out: bool = False) -> CountdownEnv | ScriptedAgentEnv:
         self.script.envs_made.append((task.name, held_out))
-        return CountdownEnv(self.script)
+        self.script.envs_built += 1
+        if (
+            self.script.config_error_after is not None
+            and self.script.envs_built > self.script.config_error_after
+        ):
+            raise ConfigError("dataset data.jsonl, line 3: no key 'answer'")
+        return ScriptedAgentEnv(self.script) if self.script.agent else CountdownEnv(self.script)
 
-    async def acquire_env(self, task: Any, index: int) -> CountdownEnv:
+    async def acquire_env(self, task: Any, index: int) -> CountdownEnv | ScriptedAgentEnv:
         return self.make_env(task, index)
 
 

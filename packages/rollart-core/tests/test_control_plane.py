@@ -13,7 +13,7 @@ import pytest
 from rollart_core.control.clock import ClockError, VersionClock
 from rollart_core.control.steps import RunStalled
 from rollart_core.control.train import train
-from rollart_core.errors import RollartError
+from rollart_core.errors import ConfigError, RollartError
 from rollart_core.metrics import MemorySink
 
 
@@ -88,6 +88,7 @@ async def test_stale_abort_fires_on_a_hung_trajectory(fakes: ModuleType, tmp_pat
     assert summary["fates"].get("aborted_stale", 0) >= 2
     assert sum(h["aborted"] for h in summary["history"]) >= 2
     assert not any(tid.startswith("g0-") for tid in p.trainer.trained_ids)
+    assert p.proxy.sessions == set()  # the aborted ones ended their proxy sessions too
 
 
 @pytest.mark.parametrize("mode,alpha", [("sync", 0), ("one_off", 1), ("async", 1), ("async", 2)])
@@ -100,6 +101,7 @@ async def test_every_launched_trajectory_has_one_fate(
     trained = sum(h["batch_size"] for h in summary["history"])
     assert trained == len(p.trainer.trained_ids)
     assert summary["fates"]["finished"] >= trained
+    assert p.proxy.sessions == set()  # every trajectory ended its proxy session, cancelled ones too
 
 
 async def test_stale_relabel_at_the_buffer_is_counted_once(fakes: ModuleType, tmp_path: Path) -> None:
@@ -150,6 +152,40 @@ async def test_async_alpha_zero_is_on_policy(fakes: ModuleType, tmp_path: Path) 
     summary, s, _ = await _train(fakes, tmp_path, mode="async", alpha=0, steps=3)
     assert [e[2] for e in s.log if e[0] == "train_step"] == [[0], [1], [2]]
     assert summary["fates"].get("aborted_stale", 0) == 0
+
+
+async def test_step_metrics_count_agent_calls_segments_and_rewrites(
+    fakes: ModuleType, tmp_path: Path
+) -> None:
+    # every other agent episode rewrites its history: each step's row sums its own trajectories'
+    summary, s, _ = await _train(fakes, tmp_path, fakes.Script(agent=True), mode="sync", steps=3)
+    episodes = {e[1]: e[2:] for e in s.log if e[0] == "agent"}
+    assert sum(r for _, r in episodes.values()) >= 3  # the run did rewrite
+    for h in summary["history"]:
+        mine = [episodes[tid] for tid in h["batch_traj_ids"]]
+        assert h["agent_episodes"] == len(mine) == h["batch_size"]
+        assert h["agent_calls"] == sum(c for c, _ in mine)
+        assert h["agent_rewrites"] == sum(r for _, r in mine)
+        assert h["agent_segments"] == len(mine) + h["agent_rewrites"]
+    # a run without agent tasks has no agent keys
+    plain, _, _ = await _train(fakes, tmp_path / "plain", mode="sync", steps=1)
+    assert not any(k.startswith("agent_") for k in plain["history"][0])
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize(
+    "script,words",
+    [
+        ({"config_error_after": 5}, r"building the environment: dataset data.jsonl, line 3: no key 'answer'"),
+        ({"config_error_in_reset": True}, r"running an episode: fake endpoint: model dir has no tokenizer"),
+    ],
+)
+async def test_a_config_error_mid_run_stops_the_run_naming_the_stage(
+    fakes: ModuleType, tmp_path: Path, mode: str, script: dict, words: str
+) -> None:
+    # not counted as env_failed episode after episode until a relaunch budget or a stall says so
+    with pytest.raises(ConfigError, match=rf"^env: task 't', {words}"):
+        await _train(fakes, tmp_path, fakes.Script(**script), mode=mode, alpha=1, steps=3)
 
 
 def test_version_clock_invariants() -> None:

@@ -112,11 +112,15 @@ def test_async_equals_sync_without_overlap_to_gain() -> None:
     prof = _sim_profile(LatencyDist(mean=1.0), train_s=0.0)
     prof.train.sync_s = 0.0
     sync = simulate(prof, mode="sync", steps=6)
-    asyn = simulate(prof, mode="async", alpha=1, steps=6)
+    asyn = simulate(prof, mode="async", alpha=1, max_pending_steps=1, steps=6)
     # every trajectory takes 5 env calls + 4 turns = 7 s; 64 of them per step in both modes
     assert sync.traj_per_s == pytest.approx(64 / 7.0, rel=1e-6)
     assert asyn.traj_per_s == pytest.approx(sync.traj_per_s, rel=0.05)
     assert asyn.aborted == 0
+    # the loop's default depth, alpha + 1 steps of groups in flight: twice the groups at once, each
+    # living 7 s (Little's law)
+    deep = simulate(prof, mode="async", alpha=1, steps=6)
+    assert deep.traj_per_s == pytest.approx(2 * 64 / 7.0, rel=0.05) and deep.aborted == 0
 
 
 def test_shared_hardware_slows_only_the_overlap() -> None:
@@ -135,7 +139,7 @@ def test_shared_hardware_slows_only_the_overlap() -> None:
 def test_simulation_scales_to_thousands_of_gpus() -> None:
     task = TaskProfile(
         name="swe",
-        trajectories_per_step=8192,
+        trajectories_per_step=4096,
         group_size=16,
         prompt_tokens=4000,
         context_tokens_per_turn=500,
@@ -147,8 +151,9 @@ def test_simulation_scales_to_thousands_of_gpus() -> None:
     prof = WorkloadProfile(model=MODEL, tasks=[task], train=TrainProfile(train_s=120, sync_s=10))
     # (how fast it runs is for a benchmark, not a test: CI machines are shared)
     plan = make_plan(prof, DEFAULT_CATALOGUE, gpus=2048, simulate_steps=3)
-    assert plan.simulated["async"].trained >= 8192
-    assert plan.simulated["async"].traj_per_s >= plan.simulated["sync"].traj_per_s
+    assert plan.simulated["async"].trained >= 4096
+    sim = {m: r.traj_per_s for m, r in plan.simulated.items()}
+    assert min(sim["async"], sim["one_off"]) >= sim["sync"], sim  # (one measured async step: noisy)
 
 
 def test_profile_from_trajectories() -> None:
@@ -202,7 +207,7 @@ def test_cli_plan_prints_plan_and_bottleneck(tmp_path: Path, capsys: pytest.Capt
     )
     out = capsys.readouterr().out
     assert "frozenlake      H800" in out and "predicted bottleneck: generation" in out
-    assert "simulated sync" in out and "simulated async" in out
+    assert "simulated sync" in out and "simulated one_off" in out and "simulated async" in out
     cat = tmp_path / "cat.yaml"
     cat.write_text("H800: {flops: 1.0e12, mem_bw: 1.0e11, mem_bytes: 1.0e11, price_per_hour: 100}\n")
     assert (

@@ -333,3 +333,47 @@ def test_sums_data_set_is_the_generators_output(tmp_path: Path) -> None:
     assert all(r["a"] + r["b"] == r["answer"] <= 9 and f"{r['a']} plus {r['b']}" in r["prompt"] for r in rows)
     env = _env(path, id_key="id", heldout_size=64, match="number", action_vocabulary=DIGITS)
     assert len(env.heldout_rows) == 64
+
+
+@pytest.mark.parametrize(
+    "case,words",
+    [
+        ("missing", ["nope.jsonl", "cannot read the file"]),
+        ("empty", ["empty.jsonl", "holds no rows"]),
+        ("no_key", ["keyless.jsonl", "line 2", "no key 'answer'"]),
+    ],
+)
+async def test_a_bad_data_set_stops_check_config_train_and_the_pipeline_at_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str, words: list[str]
+) -> None:
+    """Before anything starts (no model made, no Ray, no engine): one line naming the task's options,
+    the file, the row and the key, exit code 2 from the CLI."""
+    import yaml
+
+    from rollart_core.cli import main
+    from rollart_core.config import load_config
+    from rollart_core.control.pipeline import Pipeline
+
+    paths = {
+        "missing": tmp_path / "nope.jsonl",
+        "empty": tmp_path / "empty.jsonl",
+        "no_key": _write_jsonl(tmp_path / "keyless.jsonl", [_rows(1)[0], {"prompt": "What is 3?"}]),
+    }
+    paths["empty"].write_text("\n")
+    cfg = yaml.safe_load((ROOT / "examples" / "dataset_math.yaml").read_text())
+    cfg["model"] = {"path": str(tmp_path / "model"), "create_tiny": True}
+    cfg["output_dir"] = str(tmp_path / "run")
+    cfg["tasks"][0]["env"]["options"] = {"path": str(paths[case]), "split": "all"}
+    config = tmp_path / "cfg.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    for command in ("check-config", "train"):
+        rc = main([command, str(config)])
+        out, err = capsys.readouterr()
+        assert rc == 2 and "Traceback" not in out + err, (out, err)
+        assert len(err.strip().splitlines()) == 1 and err.startswith("rollart: error: tasks.0.env.options: ")
+        assert all(w in err for w in words), err
+    assert not (tmp_path / "run").exists() and not (tmp_path / "model").exists()
+    pipeline = Pipeline(load_config(config))
+    with pytest.raises(ConfigError, match=words[-1]):
+        await pipeline.__aenter__()
+    assert pipeline.timings == {} and not (tmp_path / "model").exists()  # failed before any phase

@@ -130,6 +130,7 @@ async def test_retries_on_503_and_timeouts_never_double_count(runtime: str) -> N
     s, c = stats(runtime), ex.stats()
     assert s["fault_error_before"] > 0 and s["fault_error_after"] > 0 and s["fault_delay"] > 0
     assert c["retries"] > 0 and c["http_attempts"] > 30
+    assert c["http_timeouts"] >= s["fault_delay"]  # every held-back answer was a client timeout
     # every trajectory's function ran exactly once, however often it was retried
     assert s["executions"] == 30 and s["max_executions_per_key"] == 1
     for t in ts[:5]:

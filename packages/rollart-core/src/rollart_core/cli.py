@@ -37,7 +37,10 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="show every log (vLLM, Ray, rollart INFO) on the console, and tracebacks",
     )
-    c = sub.add_parser("check-config", help="validate a config file and print it resolved")
+    c = sub.add_parser(
+        "check-config",
+        help="validate a config file (and each task's environment, reward and executor) and print it resolved",
+    )
     c.add_argument("config")
     c.add_argument("-v", "--verbose", action="store_true", help="show tracebacks")
     r = sub.add_parser(
@@ -72,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         metavar="STEPS",
-        help="also simulate STEPS training steps, Sync+ and async, on the planned pools",
+        help="also simulate STEPS training steps, Sync+, One-off and async, on the planned pools",
     )
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.add_argument(
@@ -168,6 +171,9 @@ def _run(args: argparse.Namespace) -> int:
         print(run_plan(cfg, args))
         return 0
     if args.command == "check-config":
+        from rollart_core.control.pipeline import check_tasks
+
+        check_tasks(cfg)  # what the run would check first: each task's env, reward and executor
         print(cfg.model_dump_json(indent=2))
         return 0
     if args.steps is not None:
@@ -190,7 +196,10 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _preflight(cfg: Any) -> None:
-    """User mistakes found before anything starts: a model directory without weights, a port in use."""
+    """User mistakes found before anything starts: a model directory without weights, a port in use,
+    a task whose environment cannot work (a dataset file that is missing, empty or lacks a key)."""
+    from rollart_core.control.pipeline import check_tasks
+
     model = Path(cfg.model.path)
     if model.is_dir() and (model / "config.json").is_file() and not any(model.glob("*.safetensors")):
         raise ConfigError(
@@ -205,6 +214,7 @@ def _preflight(cfg: Any) -> None:
                 s.bind((host, port))
             except OSError as exc:
                 raise ConfigError(f"{where}: port {port} on {host} is in use ({exc.strerror})") from None
+    check_tasks(cfg)
 
 
 def _configured_ports(node: Any, where: str = "") -> list[tuple[str, str, int]]:

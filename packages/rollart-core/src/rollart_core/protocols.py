@@ -26,6 +26,10 @@ Primitives and who calls them:
     metrics()                per-engine health, queue depth, throughput, time suspended
 ``Environment`` (rollart-env, called by the trajectory runner)
     reset(seed) / step(action_text) / close(); ``action_vocabulary`` and ``system_prompt``
+``SupportsConfigCheck`` (optional capability of an environment's class, called by the pipeline and
+``rollart check-config`` once per task, before anything starts)
+    check_config(config)     check what the validated options point to (a data file, its rows and
+                             keys; importable code; installed extras): ``ConfigError`` naming them
 ``SupportsAgentEpisode`` (optional environment kind, called by the trajectory runner instead of reset/step)
     run_episode(session)     an agent drives the whole episode through the session's model endpoint;
                              returns every model call (exact engine ids) and the agent's verdict
@@ -37,6 +41,9 @@ Primitives and who calls them:
     score(trajectory)        run a reward function somewhere (inline, Ray, serverless); raises
                              ``RewardError`` after its retries
     stats()                  utilisation counters: busy/provisioned seconds, queueing, cold starts
+``SupportsFreshStats`` (optional executor capability, called by ``rollart bench`` between segments)
+    astats()                 ``stats()`` with the counters read now where they live (a function
+                             runtime's own ``/stats``), not the last periodic snapshot
 ``Trainer`` (rollart-train, called by the coordinator)
     train_step(batch) / named_weights() / save(path) / version
 ``SupportsWeightPush`` (optional trainer capability, called by the coordinator after a step)
@@ -81,6 +88,8 @@ __all__ = [
     "RewardFunction",
     "SupportsAgentEpisode",
     "SupportsBatchScore",
+    "SupportsConfigCheck",
+    "SupportsFreshStats",
     "SupportsPause",
     "SupportsResume",
     "SupportsStream",
@@ -202,6 +211,20 @@ class Environment(Protocol):
     async def close(self) -> None: ...
 
 
+@runtime_checkable
+class SupportsConfigCheck(Protocol):
+    """Implemented by an environment's *class* (a ``classmethod``): the checks its constructor would
+    make of the world its options point to, without building one (the runner builds one env per
+    trajectory, after the engines have started: too late to learn that a file is missing). Cheap and
+    without side effects; a wrapper env forwards to the env it wraps
+    (:func:`rollart_core.registry.check`)."""
+
+    def check_config(self, config: Any) -> None:
+        """Raise :class:`~rollart_core.errors.ConfigError` naming the file / row / key at fault (or
+        :class:`~rollart_core.errors.MissingExtraError` naming the install command)."""
+        ...
+
+
 @dataclass(slots=True)
 class AgentSession:
     """What the runner hands an agent episode: the trajectory's session on the proxy."""
@@ -285,6 +308,14 @@ class RewardExecutor(Protocol):
     def stats(self) -> dict[str, float]:
         """Counters: ``calls``, ``failures``, ``busy_s``, ``provisioned_s``, ``utilisation``,
         ``queue_delay_s_mean``, ``cold_starts`` (those that apply to the executor)."""
+        ...
+
+
+@runtime_checkable
+class SupportsFreshStats(Protocol):
+    async def astats(self) -> dict[str, float]:
+        """:meth:`RewardExecutor.stats` with its counters read now (e.g. from a function runtime the
+        executor started: ``runtime_busy_s``, ``runtime_provisioned_s``, ``runtime_cold_starts``)."""
         ...
 
 

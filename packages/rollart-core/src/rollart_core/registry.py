@@ -15,7 +15,7 @@ from pydantic import BaseModel, ValidationError
 
 from rollart_core.errors import ConfigError, MissingExtraError, RegistryError
 
-__all__ = ["GROUPS", "available", "build", "resolve", "validate_options"]
+__all__ = ["GROUPS", "available", "build", "check", "resolve", "validate_options"]
 
 GROUPS = ("engine", "env", "env_manager", "reward", "reward_executor", "trainer", "weight_store", "proxy")
 T = TypeVar("T")
@@ -76,6 +76,22 @@ def validate_options(cls: Any, options: dict[str, Any], where: str) -> BaseModel
         return config_cls.model_validate(options)
     except ValidationError as exc:
         raise ConfigError(_format_validation(exc, prefix=where)) from None
+
+
+def check(group: str, impl: str, options: dict[str, Any], where: str) -> BaseModel | None:
+    """Resolve ``impl``, validate its options and, if its class implements
+    :class:`~rollart_core.protocols.SupportsConfigCheck`, run its ``check_config`` (a ConfigError it
+    raises is prefixed with ``where``). Builds nothing; returns the validated options."""
+    from rollart_core.protocols import SupportsConfigCheck
+
+    cls = resolve(group, impl)
+    cfg = validate_options(cls, options, where)
+    if cfg is not None and isinstance(cls, SupportsConfigCheck):
+        try:
+            cls.check_config(cfg)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from exc
+    return cfg
 
 
 @overload

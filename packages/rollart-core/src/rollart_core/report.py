@@ -40,6 +40,7 @@ _PHASES = (
     "ray_start_s",
     "build_local_s",
     "engines_start_s",
+    "env_manager_start_s",
     "eval0_s",
     "first_step_s",
     "wall_s",

@@ -351,9 +351,16 @@ class DatasetEnv:
     profile = "decode_heavy"
     """Routing hint: a prompt and a short reply; set a task's ``pool`` for long-prompt data sets."""
 
+    @classmethod
+    def check_config(cls, config: DatasetConfig) -> None:
+        """Read and validate the file for these options (``SupportsConfigCheck``): a missing, empty
+        or unparsable file, a row without a key or with a bad value, a split without rows is a
+        ConfigError naming the file, the row and the key, before a run starts anything."""
+        _prepare(config.model_dump_json(), *_file_version(config.path))
+
     def __init__(self, config: DatasetConfig) -> None:
         self.config = config
-        # a missing, empty or unparsable file, or a bad row, fails here, naming the file and the row
+        # the same checks as check_config (cached: the file is read and its rows checked once)
         self._split = _prepare(config.model_dump_json(), *_file_version(config.path))
         self.system_prompt = config.system_prompt
         self.action_vocabulary = tuple(config.action_vocabulary) if config.action_vocabulary else None

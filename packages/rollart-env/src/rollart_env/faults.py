@@ -130,6 +130,13 @@ class FaultyEnv:
 
     Config = FaultyEnvConfig
 
+    @classmethod
+    def check_config(cls, config: FaultyEnvConfig) -> None:
+        """The wrapped env's own check (``SupportsConfigCheck``)."""
+        from rollart_core.registry import check
+
+        check("env", config.env.impl, config.env.options, "env.options")
+
     def __init__(
         self,
         config: FaultyEnvConfig | None = None,
@@ -228,6 +235,13 @@ class StragglerEnv:
 
     Config = StragglerEnvConfig
     _instances = itertools.count()
+
+    @classmethod
+    def check_config(cls, config: StragglerEnvConfig) -> None:
+        """The wrapped env's own check (``SupportsConfigCheck``), without numbering an instance."""
+        from rollart_core.registry import check
+
+        check("env", config.env.impl, config.env.options, "env.options")
 
     def __init__(self, config: StragglerEnvConfig) -> None:
         from rollart_core.registry import build

@@ -14,23 +14,36 @@ Sessions are bounded: at most ``max_sessions`` at once (a create beyond it gets 
 vanished without ``DELETE`` leaks nothing); calls to it then get 404. A session's call in progress
 keeps it alive.
 
-Errors come back as ``{"error": ..., "type": ...}`` with status 404 (unknown or expired session),
-413 (body too large), 422 (bad body), 429 (``max_sessions`` reached) or 500 (the environment
-raised); the client raises
+Closed by default (the conventions of ``rollart-proxy``'s server and ``rollart-reward serve``):
+
+- **Bind**: 127.0.0.1 unless told otherwise; binding beyond loopback without an API key logs a WARNING.
+- **API keys** (``api_key``, or env ``ROLLART_ENV_API_KEY``, comma-separated for several clients):
+  when set, every endpoint (``/health`` included) needs ``Authorization: Bearer <key>`` (401
+  without, or with a wrong one). :class:`RemoteEnv` sends its ``api_key`` (or the same variable).
+- **Sessions** belong to the key that created them: resetting, stepping or deleting another key's
+  session gets 403. Without API keys every client is the same anonymous principal.
+- **Bounded**: bodies (413), sessions (429, idle expiry).
+- The served environment is fixed by the server's owner (clients cannot choose code to load).
+
+Errors come back as ``{"error": ..., "type": ...}`` with status 401 (no or wrong API key), 403
+(another key's session), 404 (unknown or expired session), 413 (body too large), 422 (bad body),
+429 (``max_sessions`` reached) or 500 (the environment raised); the client raises
 :class:`~rollart_core.errors.EnvError` naming the cause, or
-:class:`~rollart_core.errors.EnvTimeoutError` when a call exceeds its timeout. The server binds
-127.0.0.1 unless told otherwise; the served environment is fixed by the server's owner (clients
-cannot choose code to load).
+:class:`~rollart_core.errors.EnvTimeoutError` when a call exceeds its timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
+import ipaddress
 import json
 import logging
+import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,20 +54,35 @@ from rollart_core.extras import require
 from rollart_core.protocols import Environment
 from rollart_core.types import StepResult
 
-__all__ = ["EnvServer", "RemoteEnv", "RemoteEnvConfig"]
+__all__ = ["API_KEY_ENV", "EnvServer", "RemoteEnv", "RemoteEnvConfig"]
 
 log = logging.getLogger(__name__)
 _INSTALL = "pip install 'rollart-env[remote]'"
+
+API_KEY_ENV = "ROLLART_ENV_API_KEY"
+"""Environment variable the server reads its API keys from (comma-separated) and :class:`RemoteEnv`
+its key from, when none is given: keeps them out of ``ps`` and config files."""
 
 
 def _dumps(obj: Any) -> str:
     return json.dumps(obj, default=str)  # info dicts may carry numpy scalars, enums, ...
 
 
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name other than localhost: assume it reaches beyond this machine
+        return False
+
+
 @dataclass(eq=False)
 class _Session:
     env: Environment
     last_used: float
+    owner: str | None = None
+    """The principal (API key) that created it; None without API keys."""
     busy: int = 0
     """Calls in progress: a busy session never expires."""
 
@@ -64,7 +92,8 @@ class EnvServer:
 
     ``max_sessions``: sessions held at once (more creates get 429). ``idle_ttl_s``: a session unused
     for this long is closed (None: never; then only ``DELETE`` frees one). ``max_body_bytes``: larger
-    request bodies get 413."""
+    request bodies get 413. ``api_key``: bearer token(s) every request must carry; None reads
+    ``ROLLART_ENV_API_KEY`` (comma-separated), an empty string or list means none."""
 
     def __init__(
         self,
@@ -75,6 +104,7 @@ class EnvServer:
         max_sessions: int = 256,
         idle_ttl_s: float | None = 600.0,
         max_body_bytes: int = 1 << 20,
+        api_key: str | Sequence[str] | None = None,
     ) -> None:
         if max_sessions < 1:
             raise ValueError("max_sessions must be >= 1")
@@ -85,6 +115,15 @@ class EnvServer:
         self.max_sessions = max_sessions
         self.idle_ttl_s = idle_ttl_s
         self.max_body_bytes = max_body_bytes
+        if api_key is None:
+            api_key = os.environ.get(API_KEY_ENV, "")
+        keys = [k.strip() for k in api_key.split(",")] if isinstance(api_key, str) else list(api_key)
+        # a principal names a key without holding it (what a session's owner is recorded as)
+        self._api_keys = [
+            (k.encode(), "key-" + hashlib.sha256(k.encode()).hexdigest()[:16]) for k in keys if k
+        ]
+        self.unauthorized = 0
+        """Requests refused for a missing or wrong API key (401) or another key's session (403)."""
         self._sessions: dict[str, _Session] = {}
         self.created = 0
         self.expired = 0
@@ -103,7 +142,14 @@ class EnvServer:
 
     async def start(self) -> str:
         web = require("aiohttp.web", _INSTALL)
-        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._errors_as_json(web)])
+        if not _is_loopback(self.host) and not self._api_keys:
+            log.warning(
+                "EnvServer binds %s (beyond loopback) without an API key: anyone who reaches it can "
+                "open, drive and close environment sessions; set api_key or %s",
+                self.host,
+                API_KEY_ENV,
+            )
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._guard(web)])
         app.add_routes(
             [
                 web.get("/health", self._health),
@@ -116,7 +162,12 @@ class EnvServer:
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
+        try:
+            await site.start()
+        except OSError:  # e.g. the address is taken or not on this machine: leave nothing behind
+            await self._runner.cleanup()
+            self._runner = None
+            raise
         self.port = self._runner.addresses[0][1]  # the bound port when port=0
         if self.idle_ttl_s is not None:
             self._reaper = asyncio.create_task(self._reap_loop(), name="rollart-env-server-reaper")
@@ -174,11 +225,32 @@ class EnvServer:
 
     # handlers --------------------------------------------------------------------------------
 
-    def _errors_as_json(self, web: Any) -> Any:
-        """Router and body-size refusals (404, 405, 413) in the same JSON shape as the handlers' errors."""
+    def _authorize(self, authorization: str | None) -> tuple[str | None, str | None]:
+        """``(principal, None)``, or ``(None, why)`` for a request that must get 401."""
+        if not self._api_keys:
+            return None, None
+        scheme, _, value = (authorization or "").partition(" ")
+        token = value.strip().encode() if scheme.lower() == "bearer" and value.strip() else None
+        if token is None:
+            return None, "missing API key (Authorization: Bearer <key>)"
+        for key, principal in self._api_keys:
+            if hmac.compare_digest(token, key):
+                return principal, None
+        return None, "invalid API key"
+
+    def _guard(self, web: Any) -> Any:
+        """The API key check (before any body is read), then router and body-size refusals (404,
+        405, 413) in the same JSON shape as the handlers' errors."""
 
         @web.middleware
-        async def errors(request: Any, handler: Any) -> Any:
+        async def guard(request: Any, handler: Any) -> Any:
+            principal, denied = self._authorize(request.headers.get("Authorization"))
+            if denied is not None:
+                self.unauthorized += 1
+                resp = self._error(401, denied)
+                resp.headers["WWW-Authenticate"] = "Bearer"
+                return resp
+            request["rollart_principal"] = principal
             try:
                 return await handler(request)
             except web.HTTPException as exc:
@@ -189,7 +261,20 @@ class EnvServer:
                     resp.headers["Allow"] = exc.headers["Allow"]
                 return resp
 
-        return errors
+        return guard
+
+    def _session_of(self, request: Any, *, pop: bool = False) -> tuple[_Session | None, Any]:
+        """The request's session if its key may use it: ``(session, None)`` or ``(None, error response)``."""
+        sid = request.match_info["sid"]
+        session = self._sessions.get(sid)
+        if session is None:
+            return None, self._error(404, "unknown or expired session")
+        if session.owner != request.get("rollart_principal"):
+            self.unauthorized += 1
+            return None, self._error(403, "this session belongs to another API key")
+        if pop:
+            del self._sessions[sid]
+        return session, None
 
     @staticmethod
     def _json(data: Any, status: int = 200) -> Any:
@@ -242,7 +327,7 @@ class EnvServer:
         finally:
             self._creating -= 1
         sid = uuid.uuid4().hex
-        self._sessions[sid] = _Session(env, time.monotonic())
+        self._sessions[sid] = _Session(env, time.monotonic(), owner=request.get("rollart_principal"))
         self.created += 1
         vocab = list(env.action_vocabulary) if env.action_vocabulary else None
         return self._json({"session": sid, "action_vocabulary": vocab, "system_prompt": env.system_prompt})
@@ -251,9 +336,9 @@ class EnvServer:
         self, request: Any, key: str, kind: type, call: Callable[[Environment, Any], Any], usage: str
     ) -> Any:
         """Run ``call(env, body[key])`` on the request's session, which stays alive while it runs."""
-        session = self._sessions.get(request.match_info["sid"])
+        session, refused = self._session_of(request)
         if session is None:
-            return self._error(404, "unknown or expired session")
+            return refused
         session.busy += 1
         try:
             value = await self._body(request, key, kind)
@@ -288,9 +373,9 @@ class EnvServer:
         return await self._use(request, "action", str, step, '{"action": <str>}')
 
     async def _close(self, request: Any) -> Any:
-        session = self._sessions.pop(request.match_info["sid"], None)
+        session, refused = self._session_of(request, pop=True)
         if session is None:
-            return self._error(404, "unknown or expired session")
+            return refused
         try:
             await session.env.close()
         except Exception as exc:
@@ -305,6 +390,8 @@ class RemoteEnvConfig(BaseModel):
     """Base URL of an :class:`EnvServer`, e.g. ``http://127.0.0.1:8765``."""
     timeout_s: float = Field(30.0, gt=0)
     """Per request (create/reset/step/close)."""
+    api_key: str | None = Field(None, repr=False, min_length=1)
+    """Bearer token sent as ``Authorization: Bearer ...``; None: ``$ROLLART_ENV_API_KEY`` if set."""
 
 
 class RemoteEnv:
@@ -320,9 +407,13 @@ class RemoteEnv:
         self._http: Any = None
 
     @classmethod
-    async def connect(cls, url: str, timeout_s: float = 30.0) -> RemoteEnv:
-        env = cls(RemoteEnvConfig(url=url, timeout_s=timeout_s))
-        await env.start()
+    async def connect(cls, url: str, timeout_s: float = 30.0, api_key: str | None = None) -> RemoteEnv:
+        env = cls(RemoteEnvConfig(url=url, timeout_s=timeout_s, api_key=api_key))
+        try:
+            await env.start()
+        except BaseException:
+            await env.close()  # its HTTP client, which a failed connect would leak
+            raise
         return env
 
     async def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -330,13 +421,14 @@ class RemoteEnv:
         if self._http is None:
             self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.config.timeout_s))
         url = self.config.url.rstrip("/") + path
+        headers = {"Content-Type": "application/json"}
+        token = self.config.api_key or os.environ.get(API_KEY_ENV) or None
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
         t0 = time.perf_counter()
         try:
             async with self._http.request(
-                method,
-                url,
-                data=None if body is None else _dumps(body),
-                headers={"Content-Type": "application/json"},
+                method, url, data=None if body is None else _dumps(body), headers=headers
             ) as resp:
                 data = await resp.json(content_type=None)
                 status = resp.status

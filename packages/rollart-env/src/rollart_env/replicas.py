@@ -99,6 +99,13 @@ class ReplicatedEnv:
 
     Config = ReplicatedEnvConfig
 
+    @classmethod
+    def check_config(cls, config: ReplicatedEnvConfig) -> None:
+        """The replicated env's own check (``SupportsConfigCheck``)."""
+        from rollart_core.registry import check
+
+        check("env", config.env.impl, config.env.options, "env.options")
+
     def __init__(
         self,
         replicas: Sequence[Environment] | ReplicatedEnvConfig,

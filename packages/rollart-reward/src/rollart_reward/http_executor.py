@@ -195,8 +195,10 @@ class HttpExecutor:
                 call.method, call.path, json=call.body, headers=call.headers, timeout=timeout
             )
         except httpx.TimeoutException as exc:
+            self.counters["http_timeouts"] += 1
             raise Retryable(f"timed out after {timeout:.1f}s: {type(exc).__name__}") from None
         except httpx.TransportError as exc:
+            self.counters["http_transport_errors"] += 1
             raise Retryable(f"transport error: {exc!r}") from None
         self.counters[f"http_{r.status_code}"] += 1
         if r.headers.get(COLD_START_HEADER) == "1":

@@ -6,9 +6,14 @@ trainer gets all cores in Sync+ and half of them in the modes that overlap it wi
 (``ModeSpec.train_cores``); the modes run
 interleaved, one segment of ``steps`` training steps each per round (A B C … A B C …), so noise on
 a shared machine hits all of them. Before the rounds, each stage's standalone capacity is measured
-in the same run (generation alone on a saturating load, the trainer alone, env calls alone, reward
-calls alone) and turned into a throughput bound. Every stage's busy intervals are recorded
-(:mod:`rollart_core.timeline`) for utilisation and the timeline plot.
+in the same run (:mod:`.capacity`) and turned into a throughput bound. Every stage's busy intervals
+are recorded (:mod:`rollart_core.timeline`) for utilisation, the staleness window's bound and the
+timeline plot; the figures are computed in :mod:`.figures`.
+
+Rewards: the ``elastic`` kind scores through the real serverless path, a function runtime
+(``rollart-reward serve``) that the ``serverless`` executor starts itself and the bench stops at the
+end; its own counters (utilisation, cold starts) are read around every segment. ``inline_standin``
+(in-process coroutines) is kept as the ablation it replaced; ``colocated`` is a fixed pool.
 
     rollart bench --quick [--out runs/bench] [--modes sync async_a1 ...]
 
@@ -19,19 +24,27 @@ Writes ``bench.json`` (every figure, machine, config), ``summary.md``, ``timelin
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import logging
 import os
 import platform
 import time
 from collections import Counter
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
+from rollart_core.bench.capacity import measure_capacity
+from rollart_core.bench.figures import (
+    aggregate,
+    episode_sums,
+    goals,
+    group_sums,
+    reward_delta,
+    steady_window,
+)
+from rollart_core.bench.samples import latency_samples
 from rollart_core.bench.workload import (
     DEFAULT_MODES,
     MODES,
@@ -43,32 +56,79 @@ from rollart_core.bench.workload import (
 )
 from rollart_core.config import RunConfig
 from rollart_core.control.buffer import SampleBuffer
-from rollart_core.errors import ConfigError, EnvError
+from rollart_core.errors import ConfigError
 from rollart_core.metrics import MemorySink
+from rollart_core.protocols import SupportsFreshStats
 from rollart_core.registry import build
-from rollart_core.timeline import STAGES, CpuMeter, Timeline, bottleneck_bound
+from rollart_core.timeline import CpuMeter, Timeline, bottleneck_bound
 
-__all__ = ["aggregate", "run_bench", "run_bench_cli", "steady_window"]
+__all__ = ["RewardExecutors", "run_bench", "run_bench_cli"]
 
 log = logging.getLogger(__name__)
 SHARED = ("generate", "train")
 """Stages that share this machine's cores (engine and trainer): their times add up per trajectory."""
 
 
-def _rewards(p: Any, cfg: RunConfig) -> dict[str, Any]:
-    return {
-        t.name: build(
-            "reward_executor",
-            t.reward_executor.impl,
-            t.reward_executor.options,
-            f"tasks.{i}.reward_executor.options",
-            fn=build("reward", t.reward.impl, t.reward.options, f"tasks.{i}.reward.options"),
-        )
-        for i, t in enumerate(cfg.tasks)
-    }
+class RewardExecutors:
+    """Every reward executor of the run, built once per (executor, reward) config and shared by the
+    modes and the capacity probe: a function runtime starts once, its workers and counters run on
+    across segments, and :meth:`aclose` stops it (and every process it started)."""
+
+    def __init__(self) -> None:
+        self._built: dict[str, Any] = {}
+
+    def of(self, cfg: RunConfig) -> dict[str, Any]:
+        """The executor of each task of ``cfg``."""
+        return {t.name: self._get(t, i) for i, t in enumerate(cfg.tasks)}
+
+    def _get(self, task: Any, i: int) -> Any:
+        key = json.dumps([task.reward_executor.model_dump(), task.reward.model_dump()], sort_keys=True)
+        if key not in self._built:
+            self._built[key] = build(
+                "reward_executor",
+                task.reward_executor.impl,
+                task.reward_executor.options,
+                f"tasks.{i}.reward_executor.options",
+                fn=build("reward", task.reward.impl, task.reward.options, f"tasks.{i}.reward.options"),
+            )
+        return self._built[key]
+
+    def described(self) -> list[dict[str, Any]]:
+        """What was built: impl, and for a runtime the executor started, its URL and process id."""
+        return [
+            {
+                "executor": json.loads(k)[0]["impl"],
+                "url": getattr(ex, "url", None) or None,
+                "pid": getattr(ex, "pid", None),
+            }
+            for k, ex in self._built.items()
+        ]
+
+    async def aclose(self) -> None:
+        errors = []
+        for ex in self._built.values():
+            aclose = getattr(ex, "aclose", None)  # a runtime the executor started: stop it
+            if aclose is not None:
+                try:
+                    await aclose()
+                except Exception as exc:  # stop the others first, then say so
+                    errors.append(exc)
+        if errors:
+            raise errors[0]
 
 
-def _use(p: Any, cfg: RunConfig, threads: int) -> None:
+async def stats_of(executors: dict[str, Any]) -> dict[str, float]:
+    """Counters of the distinct executors in ``executors`` (read now where they can be), summed."""
+    out: dict[str, float] = {}
+    for ex in {id(e): e for e in executors.values()}.values():
+        stats = await ex.astats() if isinstance(ex, SupportsFreshStats) else ex.stats()
+        for k, v in stats.items():
+            if isinstance(v, int | float) and not isinstance(v, bool):
+                out[k] = out.get(k, 0.0) + float(v)
+    return out
+
+
+def _use(p: Any, cfg: RunConfig, threads: int, rewards: RewardExecutors) -> None:
     """Point the shared pipeline at one mode's config: its tasks, reward executors, a fresh buffer,
     and the trainer's share of the cores (``threads``)."""
     set_threads = getattr(p.trainer, "set_num_threads", None)
@@ -78,7 +138,7 @@ def _use(p: Any, cfg: RunConfig, threads: int) -> None:
         )
     set_threads(threads)
     p.config = cfg
-    p.rewards = _rewards(p, cfg)
+    p.rewards = rewards.of(cfg)
     p.buffer = SampleBuffer(cfg.train.alpha)
 
 
@@ -88,165 +148,22 @@ async def _sync_engines(p: Any) -> None:
         await p.proxy.update_weights(p.trainer.version)
 
 
-async def measure_capacity(
-    p: Any, free: RunConfig, faulty: RunConfig, size: BenchSize, inflight: int, reward_kinds: list[str]
-) -> dict[str, Any]:
-    """Standalone capacity of each stage, in its own unit and in trajectories/s of this workload."""
-    from rollart_core.bench.workload import reward_executor
-    from rollart_core.control.rollout import Rollout
-
-    free = free.model_copy(deep=True)
-    for t in free.tasks:
-        t.redundancy = 0
-    _use(p, free, train_threads("all"))
-    num_groups = sum(t.groups_per_step for t in free.tasks)
-    # generation alone: envs and rewards free, a saturating number of trajectories at once
-    warm = Rollout(p)
-    for ti in range(len(free.tasks)):
-        warm.launch_group(ti, tag="warm")
-    await warm.wait_all()
-    ro = Rollout(p)
-    n_groups = max(1, inflight // (size.group_size * len(free.tasks)))
-    t0 = time.perf_counter()
-    for _ in range(n_groups):
-        for ti in range(len(free.tasks)):
-            ro.launch_group(ti, tag="cap")
-    await ro.wait_all()
-    gen_s = time.perf_counter() - t0
-    done = [t for t in ro.drain_finished() if t.fate is not None and t.fate.value == "finished"]
-    if not done:
-        raise ConfigError("capacity probe: no trajectory finished (check the engine logs)")
-    gen_tokens = sum(t.num_generated() for t in done)
-    ctx_tokens = sum(len(tu.context_ids) for t in done for tu in t.turns)
-    turns = {task.name: [len(t.turns) for t in done if t.task == task.name] for task in free.tasks}
-    cap: dict[str, Any] = {
-        "generate": {
-            "traj_per_s": len(done) / gen_s,
-            "gen_tok_per_s": gen_tokens / gen_s,
-            "prompt_tok_per_s": ctx_tokens / gen_s,
-            "trajectories": len(done),
-            "seconds": gen_s,
-        }
-    }
-    # trainer alone: one batch-sized step (after a warm-up step) on whole groups from the probe
-    groups: dict[str, list[Any]] = {}
-    for t in done:
-        groups.setdefault(t.group_id, []).append(t)
-    batch = [t for g in list(groups.values())[:num_groups] for t in g]
-    await asyncio.to_thread(p.trainer.train_step, batch)
-    t0 = time.perf_counter()
-    await asyncio.to_thread(p.trainer.train_step, batch)
-    train_s = time.perf_counter() - t0
-    tokens = sum(len(t.token_ids()) for t in batch)
-    cap["train"] = {
-        "traj_per_s": len(batch) / train_s,
-        "tok_per_s": tokens / train_s,
-        "batch": len(batch),
-        "seconds": train_s,
-    }
-    await asyncio.wrap_future(p.store.push(p.trainer.version, dict(p.trainer.named_weights())))
-    await p.proxy.update_weights(p.trainer.version)
-    # env calls alone (with the bench's latency and crashes), ``inflight`` episodes at once
-    mean_turns = {k: max(1, round(sum(v) / len(v))) if v else 1 for k, v in turns.items()}
-    cap["env"] = await _env_capacity(p, faulty, mean_turns, inflight, size.capacity_s)
-    # reward calls alone, per executor kind, ``inflight`` callers at once
-    base_reward = faulty.tasks[0].reward
-    for kind in reward_kinds:
-        ex = build(
-            "reward_executor",
-            reward_executor(kind, size).impl,
-            reward_executor(kind, size).options,
-            "reward_executor",
-            fn=build("reward", base_reward.impl, base_reward.options, "reward"),
-        )
-        cap[f"reward_{kind}"] = await _reward_capacity(ex, inflight, size.capacity_s)
-    cap["mean_turns"] = mean_turns
-    cap["inflight"] = inflight
-    return cap
-
-
-async def _for(duration: float, workers: int, work: Any) -> float:
-    """Run ``work(w)`` in ``workers`` loops for ``duration`` seconds, then cancel what is still running
-    (only what completed inside the window counts); returns the window's length."""
-    tasks = [asyncio.create_task(work(w)) for w in range(workers)]
-    t0 = time.perf_counter()
-    done, _ = await asyncio.wait(tasks, timeout=duration)
-    for t in tasks:
-        t.cancel()
-    results = await asyncio.gather(*tasks, return_exceptions=True)
-    errors = [r for r in results if isinstance(r, Exception)]
-    if errors:
-        raise errors[0]
-    return time.perf_counter() - t0 if len(done) == len(tasks) else duration
-
-
-async def _env_capacity(
-    p: Any, cfg: RunConfig, turns: dict[str, int], workers: int, duration: float
-) -> dict[str, Any]:
-    """Env calls/s with ``workers`` episodes at once; trajectories/s = calls/s / calls per episode."""
-    calls, crashes = [0], [0]
-    per_episode = {k: 1 + v for k, v in turns.items()}
-
-    async def worker(w: int) -> None:
-        ti = w % len(cfg.tasks)
-        task = cfg.tasks[ti]
-        for k in itertools.count(1):
-            env = p.make_env(task, ti)
-            action = env.action_vocabulary[1 % len(env.action_vocabulary)] if env.action_vocabulary else "?"
-            try:
-                await env.reset(w * 100_003 + k)
-                calls[0] += 1
-                for _ in range(turns[task.name]):
-                    step = await env.step(action)
-                    calls[0] += 1
-                    if step.terminated or step.truncated:
-                        break
-            except EnvError:  # an injected crash ends the episode, as in a real run
-                crashes[0] += 1
-            finally:
-                await env.close()
-
-    s = await _for(duration, workers, worker)
-    mean_calls = sum(per_episode.values()) / len(per_episode)
-    return {
-        "traj_per_s": calls[0] / s / mean_calls,
-        "calls_per_s": calls[0] / s,
-        "calls_per_traj": mean_calls,
-        "crashes": crashes[0],
-        "concurrency": workers,
-        "seconds": s,
-    }
-
-
-async def _reward_capacity(ex: Any, workers: int, duration: float) -> dict[str, Any]:
-    from rollart_core.types import Trajectory
-
-    n = [0]
-
-    async def worker(w: int) -> None:
-        for k in itertools.count(1):
-            await ex.score(Trajectory(f"cap-{w}-{k}", "t", "e", "g", 0, 0))
-            n[0] += 1
-
-    s = await _for(duration, workers, worker)
-    return {
-        "traj_per_s": n[0] / s,
-        "calls_per_s": n[0] / s,
-        "calls": n[0],
-        "concurrency": workers,
-        "seconds": s,
-    }
-
-
 async def run_segment(
-    p: Any, cfg: RunConfig, keep_intervals: bool, threads: int, warmup: int | None
+    p: Any,
+    cfg: RunConfig,
+    keep_intervals: bool,
+    threads: int,
+    warmup: int | None,
+    rewards: RewardExecutors,
 ) -> dict[str, Any]:
     """One mode for ``cfg.train.steps`` steps on the shared pipeline (its trainer on ``threads``
-    threads), with its busy intervals; the steady state starts after ``warmup`` steps (None: no
-    steady state, throughput over the whole segment)."""
+    threads), with its busy intervals, its groups' lifetimes, its reward executor's counters and the
+    latency samples of its stages; the steady state starts after ``warmup`` steps (None: no steady
+    state, throughput over the whole segment)."""
     from rollart_core.control.train import train
 
-    _use(p, cfg, threads)
+    _use(p, cfg, threads, rewards)
+    reward_before = await stats_of(p.rewards)
     rows = MemorySink()
     async with CpuMeter() as cpu:
         with Timeline() as tl:
@@ -254,6 +171,7 @@ async def run_segment(
             summary = await train(cfg, sink=rows, pipeline=p)
             t1 = time.perf_counter()
     await _sync_engines(p)
+    reward_after = await stats_of(p.rewards)
     hist = summary["history"]
     seg = {
         "wall_s": t1 - t0,
@@ -269,11 +187,17 @@ async def run_segment(
         "step_s": [h["step_s"] for h in hist],
         "wait_s": [h["wait_s"] for h in hist],
         "train_s": [h.get("train_s", 0.0) for h in hist],
+        "sync_s": [h.get("sync_s", 0.0) for h in hist],
+        "update_pause_s": [h.get("update_pause_s", 0.0) for h in hist],
         "lag_max": max((h["lag_max"] for h in hist), default=0),
         "aborted_stale_early": sum(h["aborted"] for h in hist),
         "dropped_groups": len(summary["dropped_groups"]),
         "stages": tl.summary((t0, t1)),
         "cpu_busy": cpu.busy((t0, t1)),
+        "groups": group_sums(tl.intervals, "group", (t0, t1)),
+        "groups_rollout": group_sums(tl.intervals, "group_rollout", (t0, t1)),
+        "reward": reward_delta(reward_before, reward_after),
+        "samples": latency_samples(tl.intervals),
     }
     window = steady_window(hist, warmup) if warmup is not None else None
     if window is not None:
@@ -289,129 +213,12 @@ async def run_segment(
             "stages": tl.summary((w0, w1)),
             "window": (w0 - t0, w1 - t0),
             "cpu_busy": cpu.busy((w0, w1)),
+            "groups": group_sums(tl.intervals, "group", (w0, w1)),
+            "groups_rollout": group_sums(tl.intervals, "group_rollout", (w0, w1)),
         }
     if keep_intervals:
         seg["intervals"] = [(st, round(s - t0, 4), round(e - t0, 4)) for st, s, e, _ in tl.intervals]
     return seg
-
-
-def episode_sums(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
-    """Per task: [total seconds, count] of the episodes that finished in these step rows (launch
-    to fate, wall time), so that means can be taken over any set of rows."""
-    return merge_sums(
-        {task: [h["episode_s_by_task"][task] * n, n] for task, n in h["finished_by_task"].items()}
-        for h in rows
-    )
-
-
-def merge_sums(parts: Iterable[dict[str, list[float]]]) -> dict[str, list[float]]:
-    """Add per-task [total, count] pairs."""
-    out: dict[str, list[float]] = {}
-    for part in parts:
-        for task, (total, n) in part.items():
-            acc = out.setdefault(task, [0.0, 0])
-            acc[0] += total
-            acc[1] += n
-    return out
-
-
-def steady_window(
-    hist: list[dict[str, Any]], warmup: int
-) -> tuple[tuple[float, float], list[dict[str, Any]]] | None:
-    """The steady state of a segment's step rows (``elapsed``: seconds since the segment's start at
-    the end of the step): from the end of step ``warmup`` (0: the start) to the end of the last, and
-    the rows of the steps measured in it. None without a step after the warm-up."""
-    if len(hist) <= warmup:
-        return None
-    return (hist[warmup - 1]["elapsed"] if warmup else 0.0, hist[-1]["elapsed"]), hist[warmup:]
-
-
-def aggregate(
-    segments: dict[str, list[dict[str, Any]]], bounds: dict[str, dict[str, Any]], baseline: str = "sync"
-) -> dict[str, dict[str, Any]]:
-    """Per mode: throughput over all its segments, ratios to ``baseline``, achieved/bound,
-    wall-weighted utilisation per stage, fates. Where every segment has a steady state, throughput
-    and utilisation are taken over it (after each segment's warm-up steps: its pipeline depth);
-    otherwise over whole segments."""
-    out: dict[str, dict[str, Any]] = {}
-    steady = all("steady" in s for segs in segments.values() for s in segs)
-    for mode, all_segs in segments.items():
-        fates: Counter[str] = Counter()
-        for s in all_segs:
-            fates.update(s["fates"])
-        segs = [s["steady"] for s in all_segs] if steady else all_segs
-        wall = sum(s["wall_s"] for s in segs)
-        traj_per_s = sum(s["trained"] for s in segs) / wall
-        trained_tok, wasted_tok = (
-            sum(s[k] for s in all_segs) for k in ("trained_gen_tokens", "wasted_gen_tokens")
-        )
-        episodes = merge_sums(s["episodes"] for s in segs)
-        step_s = [x for s in segs for x in s["step_s"]]
-        out[mode] = {
-            "basis": "steady" if steady else "segment",
-            "segments": len(segs),
-            "wall_s": wall,
-            "steps": sum(s["steps"] for s in all_segs),
-            "trained": sum(s["trained"] for s in segs),
-            "traj_per_s": traj_per_s,
-            "tok_per_s": sum(s["gen_tokens"] for s in segs) / wall,
-            "traj_per_s_segment": sum(s["trained"] for s in all_segs) / sum(s["wall_s"] for s in all_segs),
-            "launched": sum(s["launched"] for s in all_segs),
-            "fates": dict(fates),
-            "trained_by_task": dict(sum((Counter(s["trained_by_task"]) for s in all_segs), Counter())),
-            "step_s_mean": sum(sum(s["step_s"]) for s in all_segs)
-            / max(1, sum(s["steps"] for s in all_segs)),
-            "measured_step_s_mean": sum(step_s) / max(1, len(step_s)),
-            "gen_waste": wasted_tok / (wasted_tok + trained_tok) if wasted_tok + trained_tok else None,
-            "episode_s": {task: total / n for task, (total, n) in episodes.items() if n},
-            "lag_max": max(s["lag_max"] for s in all_segs),
-            "utilisation": {
-                st: sum(s["stages"][st]["utilisation"] * s["wall_s"] for s in segs) / wall for st in STAGES
-            },
-            "mean_concurrency": {
-                st: sum(s["stages"][st]["mean_concurrency"] * s["wall_s"] for s in segs) / wall
-                for st in STAGES
-            },
-            "cpu_busy": (
-                sum(s["cpu_busy"] * s["wall_s"] for s in segs) / wall
-                if all(s.get("cpu_busy") is not None for s in segs)
-                else None
-            ),
-            "bound_traj_per_s": bounds[mode]["bound"],
-            "bottleneck": bounds[mode]["bottleneck"],
-            "achieved_over_bound": traj_per_s / bounds[mode]["bound"],
-        }
-    if baseline in out:
-        for r in out.values():
-            r["vs_sync"] = r["traj_per_s"] / out[baseline]["traj_per_s"]
-            r["tok_vs_sync"] = (
-                r["tok_per_s"] / out[baseline]["tok_per_s"] if out[baseline]["tok_per_s"] else None
-            )
-    return out
-
-
-def goals(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The issue's goals, for each async mode that ran; a mode with env replicas (``_r3``) is also
-    compared with Sync+ given the same replicas (``vs_sync_r3``, like for like)."""
-    out: dict[str, Any] = {}
-    for a in [
-        m
-        for m in ("async_a1", "async_a2", "async_a4", "async_a1_r3", "async_a2_r3", "async_a4_r3")
-        if m in results
-    ]:
-        g: dict[str, Any] = {}
-        bases = [("sync_r3", 4.6)] if a.endswith("_r3") else []
-        for base, target in (*bases, ("sync", 4.6), ("one_off", 1.35), ("admission", 1.31)):
-            if base in results:
-                ratio = results[a]["traj_per_s"] / results[base]["traj_per_s"]
-                g[f"vs_{base}"] = {"ratio": ratio, "goal": target, "met": ratio >= target}
-        g["of_bound"] = {
-            "ratio": results[a]["achieved_over_bound"],
-            "goal": 0.9,
-            "met": results[a]["achieved_over_bound"] >= 0.9,
-        }
-        out[a] = g
-    return out
 
 
 def machine() -> dict[str, Any]:
@@ -473,33 +280,46 @@ async def run_bench(
         (c.train.max_pending_steps or 1) * num_groups * (size.group_size + c.tasks[0].redundancy)
         for c in cfgs.values()
     )
-    kinds = sorted({MODES[m].reward for m in modes})
     segments: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    rewards = RewardExecutors()
     async with Pipeline(base) as p:
-        info["build_s"] = dict(p.timings)
-        t0 = time.perf_counter()
-        cap = await measure_capacity(p, free, base, size, inflight, kinds)
-        info["capacity_probe_s"] = time.perf_counter() - t0
-        log.info("capacity: %s", cap)
-        for r in range(size.rounds):
-            for m in modes:
-                seg = await run_segment(
-                    p,
-                    cfgs[m],
-                    keep_intervals=r == size.rounds - 1,
-                    threads=train_threads(MODES[m].train_cores),
-                    warmup=MODES[m].warmup_steps() if size.warmup else None,
-                )
-                seg["round"] = r
-                segments[m].append(seg)
-                print(
-                    f"round {r + 1}/{size.rounds} {m:<22} {seg['trained'] / seg['wall_s']:7.2f} traj/s "
-                    f"({seg['trained']} trained in {seg['wall_s']:.1f}s)",
-                    flush=True,
-                )
+        try:
+            info["build_s"] = dict(p.timings)
+            t0 = time.perf_counter()
+            by_kind = {MODES[m].reward: next(iter(rewards.of(cfgs[m]).values())) for m in modes}
+            cap = await measure_capacity(
+                p, free, base, size, inflight, by_kind, lambda c, n: _use(p, c, n, rewards)
+            )
+            info["capacity_probe_s"] = time.perf_counter() - t0
+            log.info("capacity: %s", cap)
+            for r in range(size.rounds):
+                for m in modes:
+                    seg = await run_segment(
+                        p,
+                        cfgs[m],
+                        keep_intervals=r == size.rounds - 1,
+                        threads=train_threads(MODES[m].train_cores),
+                        warmup=MODES[m].warmup_steps() if size.warmup else None,
+                        rewards=rewards,
+                    )
+                    seg["round"] = r
+                    segments[m].append(seg)
+                    print(
+                        f"round {r + 1}/{size.rounds} {m:<22} {seg['trained'] / seg['wall_s']:7.2f} traj/s "
+                        f"({seg['trained']} trained in {seg['wall_s']:.1f}s)",
+                        flush=True,
+                    )
+        finally:  # a runtime an executor started stops with the run, however it ends
+            info["reward_executors"] = rewards.described()
+            await rewards.aclose()
     capacity = {k: v["traj_per_s"] for k, v in cap.items() if k in ("generate", "train", "env")}
     bounds = {
-        m: bottleneck_bound({**capacity, "reward": cap[f"reward_{MODES[m].reward}"]["traj_per_s"]}, SHARED)
+        m: {
+            **bottleneck_bound(
+                {**capacity, "reward": cap[f"reward_{MODES[m].reward}"]["traj_per_s"]}, SHARED
+            ),
+            "window": window_spec(cfgs[m]),
+        }
         for m in modes
     }
     results = aggregate(segments, bounds)
@@ -514,6 +334,18 @@ async def run_bench(
         "config": json.loads(base.model_dump_json()),
         "mode_configs": {m: json.loads(c.train.model_dump_json()) for m, c in cfgs.items()},
         "wall_s": time.perf_counter() - t_run,
+    }
+
+
+def window_spec(cfg: RunConfig) -> dict[str, Any] | None:
+    """What the staleness window's bound needs from an async mode's config: admission's depth (steps
+    of groups in flight, ``max_pending_steps``, default alpha + 1), the batch mix and group sizes."""
+    if cfg.train.mode != "async":
+        return None
+    return {
+        "depth": cfg.train.max_pending_steps or cfg.train.alpha + 1,
+        "mix": {t.name: t.groups_per_step for t in cfg.tasks},
+        "group_size": {t.name: t.group_size for t in cfg.tasks},
     }
 
 

@@ -28,52 +28,81 @@ def _fmt_ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
 
+def fmt_spread(sp: dict[str, Any] | None, pct: bool = False) -> str:
+    """``median [min–max]`` of a per-round spread (just the value with one round)."""
+    if sp is None:
+        return "-"
+    one = (lambda x: f"{x:.0%}") if pct else (lambda x: f"{x:.2f}x")
+    if sp["min"] == sp["max"]:
+        return one(sp["median"])
+    lo, hi = (
+        (f"{sp['min'] * 100:.0f}", f"{sp['max']:.0%}") if pct else (f"{sp['min']:.2f}", f"{sp['max']:.2f}")
+    )
+    return f"{one(sp['median'])} [{lo}–{hi}]"
+
+
 def table_rows(res: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    results = res["results"]
+    bases = [b for b in ("one_off", "admission") if b in results]
     head = [
         "mode",
         "traj/s",
         "vs Sync+",
+        *[f"vs {MODES[b].label or b}" for b in bases],
         "whole-segment traj/s",
         "gen tok/s",
-        "vs Sync+",
+        "tok vs Sync+",
         "bound traj/s",
         "achieved/bound",
+        "window bound traj/s",
+        "of min bound",
         "cpu busy",
         *[f"util {_SHORT[s]}" for s in STAGES],
         "step s",
         "episode s",
+        "group life s",
         "gen waste",
+        "reward runtime",
         "launched",
         "fates",
     ]
     rows = []
-    for m, r in res["results"].items():
+    for m, r in results.items():
+        rounds = r["rounds"]
         fates = " ".join(f"{k}={v}" for k, v in sorted(r["fates"].items()))
-        seg_ratio = (
-            r["traj_per_s_segment"] / res["results"]["sync"]["traj_per_s_segment"]
-            if "sync" in res["results"]
-            else None
-        )
+        window = r.get("window_bound_traj_per_s")
         rows.append(
             [
                 MODES[m].label or m,
                 f"{r['traj_per_s']:.2f}",
-                _fmt_ratio(r.get("vs_sync")),
-                f"{r['traj_per_s_segment']:.2f} ({_fmt_ratio(seg_ratio)})",
+                fmt_spread(rounds.get("vs_sync")),
+                *[fmt_spread(rounds.get(f"vs_{b}")) for b in bases],
+                f"{r['traj_per_s_segment']:.2f} ({fmt_spread(rounds.get('segment_vs_sync'))})",
                 f"{r['tok_per_s']:.0f}",
-                _fmt_ratio(r.get("tok_vs_sync")),
+                fmt_spread(rounds.get("tok_vs_sync")),
                 f"{r['bound_traj_per_s']:.2f} ({r['bottleneck']})",
-                f"{r['achieved_over_bound']:.0%}",
+                fmt_spread(rounds["of_bound"], pct=True),
+                "-" if window is None else f"{window:.2f}",
+                fmt_spread(rounds["of_min_bound"], pct=True),
                 "-" if r.get("cpu_busy") is None else f"{r['cpu_busy']:.0%}",
                 *[f"{r['utilisation'][s]:.0%}" for s in STAGES],
                 f"{r['measured_step_s_mean']:.2f}",
                 " ".join(f"{k} {v:.1f}" for k, v in sorted(r["episode_s"].items())),
+                " ".join(f"{k} {v:.1f}" for k, v in sorted(r.get("group_lifetime_s", {}).items())) or "-",
                 "-" if r["gen_waste"] is None else f"{r['gen_waste']:.0%}",
+                _runtime_cell(r.get("reward")),
                 str(r["launched"]),
                 fates,
             ]
         )
     return head, rows
+
+
+def _runtime_cell(rw: dict[str, Any] | None) -> str:
+    """The function runtime's own utilisation and cold starts (``-``: the mode used none)."""
+    if not rw or "runtime_provisioned_s" not in rw:
+        return "-"
+    return f"{rw.get('runtime_utilisation', 0.0):.0%} busy, {rw.get('runtime_cold_starts', 0):.0f} cold"
 
 
 def _capacity_lines(res: dict[str, Any]) -> list[str]:
@@ -99,11 +128,84 @@ def _goal_lines(res: dict[str, Any]) -> list[str]:
     out = []
     for a, g in res["goals"].items():
         parts = [
-            f"{k}: {v['ratio']:.2f} (goal {v['goal']}, {'met' if v['met'] else 'NOT met'})"
+            f"{k}: {v['ratio']:.2f}{_rounds_note(v.get('rounds'))} (goal {v['goal']}, "
+            f"{'met' if v['met'] else 'NOT met'})"
             for k, v in g.items()
         ]
         out.append(f"{MODES[a].label}: " + "; ".join(parts))
     return out
+
+
+def _rounds_note(sp: dict[str, Any] | None) -> str:
+    if sp is None or len(sp["rounds"]) < 2:
+        return ""
+    return f" [rounds {sp['min']:.2f}–{sp['max']:.2f}, median {sp['median']:.2f}]"
+
+
+def reward_lines(res: dict[str, Any]) -> list[str]:
+    """Each mode's reward executor: a function runtime's own utilisation and cold starts, a fixed
+    pool's utilisation; and elastic-through-the-runtime against the in-process stand-in, where a
+    mode that differs from another only in that ran."""
+    out = []
+    for m, r in res["results"].items():
+        rw = r.get("reward") or {}
+        kind = MODES[m].reward
+        if "runtime_provisioned_s" in rw:
+            billed = rw.get("runtime_utilisation_billed")
+            out.append(
+                f"{MODES[m].label}: reward through the function runtime: {rw.get('runtime_calls', 0):.0f} calls, "
+                f"utilisation {rw.get('runtime_utilisation', 0.0):.0%} of its workers' provisioned time "
+                f"({rw.get('runtime_busy_s', 0.0):.1f} of {rw['runtime_provisioned_s']:.1f} s"
+                f"{'' if billed is None else f'; {billed:.0%} of billed time'}), "
+                f"{rw.get('runtime_cold_starts', 0):.0f} cold starts "
+                f"(mean {rw.get('runtime_cold_start_s_mean', 0.0):.2f} s), "
+                f"{rw.get('runtime_workers', 0):.0f} workers at the end"
+            )
+        elif kind == "colocated" and rw.get("provisioned_s"):
+            out.append(
+                f"{MODES[m].label}: colocated reward pool utilisation {rw.get('utilisation', 0.0):.0%} "
+                f"({rw.get('busy_s', 0.0):.1f} of {rw['provisioned_s']:.1f} slot-seconds)"
+            )
+    for m in res["results"]:
+        twin = _elastic_twin(m, res["results"])
+        if twin is None:
+            continue
+        a, b = res["results"][twin], res["results"][m]
+        ratio = a["traj_per_s"] / b["traj_per_s"]
+        out.append(
+            f"elastic reward through the runtime vs the in-process stand-in ({MODES[twin].label} vs "
+            f"{MODES[m].label}): {a['traj_per_s']:.2f} vs {b['traj_per_s']:.2f} traj/s = {ratio:.2f}x"
+            f"{_rounds_note(_pair_spread(res, twin, m))}"
+        )
+    return out
+
+
+def _elastic_twin(mode: str, results: dict[str, Any]) -> str | None:
+    """The mode that ran the same spec as ``mode`` (an ``inline_standin`` one) but with ``elastic``."""
+    spec = MODES[mode]
+    if spec.reward != "inline_standin":
+        return None
+    want = spec.model_dump(exclude={"reward", "label"})
+    return next(
+        (
+            m
+            for m in results
+            if MODES[m].reward == "elastic" and MODES[m].model_dump(exclude={"reward", "label"}) == want
+        ),
+        None,
+    )
+
+
+def _pair_spread(res: dict[str, Any], a: str, b: str) -> dict[str, Any] | None:
+    from rollart_core.bench.figures import spread
+
+    def rate(seg: dict[str, Any]) -> float:
+        s = seg.get("steady", seg)
+        return s["trained"] / s["wall_s"]
+
+    mine = {s.get("round", i): s for i, s in enumerate(res["segments"][a])}
+    theirs = {s.get("round", i): s for i, s in enumerate(res["segments"][b])}
+    return spread(rate(mine[r]) / rate(theirs[r]) for r in mine if r in theirs)
 
 
 def window_lines(res: dict[str, Any]) -> list[str]:
@@ -118,11 +220,26 @@ def window_lines(res: dict[str, Any]) -> list[str]:
         eps = ", ".join(f"{k} {v:.1f} s" for k, v in sorted(r["episode_s"].items()))
         stale = r["fates"].get("aborted_stale", 0) / max(1, r["launched"])
         waste = "-" if r["gen_waste"] is None else f"{r['gen_waste']:.0%}"
-        out.append(
+        line = (
             f"{MODES[m].label}: a trajectory must be trained within alpha+1 = {cfg['alpha'] + 1} steps of its "
             f"start, {window:.1f} s at the measured step time; finished episodes took {eps} on average; "
             f"{stale:.0%} of launches aborted stale; {waste} of generated tokens went to trajectories cancelled, stale or failed"
         )
+        spec = res["bounds"][m].get("window")
+        if spec and r.get("window_bound_traj_per_s") is not None:
+            life = r["group_lifetime_s"]
+            rollout = r.get("group_rollout_s", {})
+            lives = ", ".join(
+                f"{k} {v:.1f} s ({rollout.get(k, 0.0):.1f} rollout + {v - rollout.get(k, 0.0):.1f} in the buffer)"
+                for k, v in sorted(life.items())
+            )
+            line += (
+                f". Window bound: at most {spec['depth']} steps x {sum(spec['mix'].values())} groups in flight, "
+                f"groups living {lives} from launch until taken: {r['window_bound_traj_per_s']:.2f} traj/s "
+                f"(Little's law); achieved {r['achieved_over_min_bound']:.0%} of min(compute "
+                f"{r['bound_traj_per_s']:.2f}, window {r['window_bound_traj_per_s']:.2f})"
+            )
+        out.append(line)
     return out
 
 
@@ -142,7 +259,15 @@ def print_table(res: dict[str, Any]) -> str:
         "  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)),
     ]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-    lines += ["", *window_lines(res), "", *_goal_lines(res), f"total {res['wall_s']:.0f}s"]
+    lines += [
+        "",
+        *window_lines(res),
+        "",
+        *reward_lines(res),
+        "",
+        *_goal_lines(res),
+        f"total {res['wall_s']:.0f}s",
+    ]
     return "\n".join(lines)
 
 
@@ -169,6 +294,10 @@ def markdown(res: dict[str, Any]) -> str:
         "",
         *[f"- {x}" for x in window_lines(res)],
         "",
+        "Reward executors:",
+        "",
+        *[f"- {x}" for x in reward_lines(res)],
+        "",
         "Goals:",
         "",
         *[f"- {x}" for x in _goal_lines(res)],
@@ -182,7 +311,15 @@ def markdown(res: dict[str, Any]) -> str:
         "flight when a segment ended); step s: mean measured step; episode s: mean wall time, launch to "
         "finish, of the episodes that finished, per task; gen waste: share of the generated tokens (whole segments) "
         "that went to trajectories cancelled as redundant, aborted or dropped stale, failed or timed out, "
-        "against those trained (what was still in the pipeline when a segment ended is neither).",
+        "against those trained (what was still in the pipeline when a segment ended is neither). "
+        "Ratios (vs Sync+, vs One-off, vs admission-only, achieved/bound, of min bound) are taken per round "
+        "(every mode ran once per round) and given as median [min–max] over rounds; traj/s is over all rounds. "
+        "bound: the compute bound (the slowest stage alone); window bound (async): admission keeps at most "
+        "max_pending_steps steps of groups in flight, so by Little's law trained traj/s <= depth x groups "
+        "per step x batch / (group-seconds per batch), with each group's life measured from launch until the "
+        "trainer took it (group life s); of min bound: achieved / min(bound, window bound). reward runtime: the "
+        "function runtime's own busy share of its workers' provisioned time, and its cold starts, in the mode's "
+        "segments.",
         "",
     ]
     return "\n".join(md)
@@ -253,6 +390,8 @@ def write_reports(res: dict[str, Any], out_dir: Path) -> list[Path]:
         *[f"<li>{html.escape(x)}</li>" for x in _capacity_lines(res)],
         "</ul><h2>Staleness window (async)</h2><ul>",
         *[f"<li>{html.escape(x)}</li>" for x in window_lines(res)],
+        "</ul><h2>Reward executors</h2><ul>",
+        *[f"<li>{html.escape(x)}</li>" for x in reward_lines(res)],
         "</ul><h2>Goals</h2><ul>",
         *[f"<li>{html.escape(x)}</li>" for x in _goal_lines(res)],
         "</ul>",

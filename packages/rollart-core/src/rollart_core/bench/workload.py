@@ -11,6 +11,12 @@ Every environment call pays a log-normal latency and an episode may crash (rolla
 ``straggler``, ``rollart_env.faults.StragglerEnv``, which numbers its instances so that the members of
 one group straggle and fail independently); every reward call pays a log-normal cost (rollart-reward's
 ``bursty``, ``rollart_reward.faults.BurstyReward``).
+
+Reward executors (:attr:`ModeSpec.reward`): ``elastic`` is rollart-reward's ``serverless`` executor,
+which starts a function runtime (``rollart-reward serve``, a Ray actor's child on this machine) that
+scales its workers with the load, from zero, up to ``elastic_max_workers``; ``inline_standin`` scores
+in-process (every call at once, the stand-in the bench used before it had the runtime);
+``colocated`` is a fixed pool of ``colocated_workers`` slots.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollart_core.config import ComponentConfig, RunConfig
+from rollart_core.errors import ConfigError
 
 __all__ = [
     "MODES",
@@ -70,6 +77,8 @@ class BenchSize(_Model):
     reward_sigma: float = Field(1.0, ge=0)
     colocated_workers: int = Field(3, ge=1)
     """Slots of the colocated (dedicated, fixed) reward worker."""
+    elastic_max_workers: int = Field(16, ge=1)
+    """Most workers (one call at a time each) the elastic reward's function runtime scales out to."""
     capacity_s: float = Field(1.5, gt=0)
     """Duration of each standalone env / reward capacity probe."""
     lr: float = 1e-4
@@ -90,6 +99,7 @@ SIZES: dict[str, BenchSize] = {
         env_latency_s=0.01,
         reward_s=0.01,
         capacity_s=0.5,
+        elastic_max_workers=4,
     ),
     "quick": BenchSize(),
     "full": BenchSize(rounds=3, steps=5, groups_per_step=4),
@@ -102,9 +112,11 @@ class ModeSpec(_Model):
     redundancy: int | None = Field(None, ge=0)
     """Extra trajectories launched per group (cancelled once the group's first ``group_size``
     finish); None: the size's ``redundancy``; 0: none."""
-    reward: Literal["elastic", "colocated"] = "elastic"
-    """``elastic``: every call runs at once (in-process coroutines, standing in for serverless
-    offload); ``colocated``: a fixed pool of ``colocated_workers`` slots (the ``pool`` executor)."""
+    reward: Literal["elastic", "inline_standin", "colocated"] = "elastic"
+    """``elastic``: through a serverless function runtime the executor starts (rollart-reward's
+    ``serverless``), scaled out on demand; ``inline_standin``: every call at once in-process (the
+    ablation: what ``elastic`` stood in for before); ``colocated``: a fixed pool of
+    ``colocated_workers`` slots (the ``pool`` executor)."""
     abort_stale: bool = True
     async_weight_sync: bool = True
     update_on_arrival: bool = True
@@ -207,6 +219,14 @@ MODES: dict[str, ModeSpec] = {
         update_on_arrival=False,
         train_cores="half",
         label="async α=1, weights swapped after Get Batch",
+    ),
+    "abl_inline_standin": ModeSpec(
+        mode="async",
+        alpha=1,
+        max_pending_steps=2,
+        reward="inline_standin",
+        train_cores="half",
+        label="async α=1, in-process reward stand-in",
     ),
     "abl_trainer_all_cores": ModeSpec(
         mode="async", alpha=1, max_pending_steps=2, label="async α=1, trainer on all cores"
@@ -318,6 +338,20 @@ def train_threads(train_cores: Literal["all", "half"]) -> int:
 
 
 def reward_executor(kind: str, size: BenchSize) -> ComponentConfig:
+    """The executor config of a :attr:`ModeSpec.reward` kind."""
     if kind == "colocated":
         return ComponentConfig(impl="pool", options={"workers": size.colocated_workers, "retries": 0})
-    return ComponentConfig(impl="inline")
+    if kind == "inline_standin":
+        return ComponentConfig(impl="inline")
+    if kind == "elastic":
+        return ComponentConfig(
+            impl="serverless",
+            options={
+                # a Ray actor on the machine's CPU share: a quarter of a logical CPU, like the engine
+                "num_cpus": 0.25,
+                "runtime": {"max_workers": size.elastic_max_workers},
+                # the real path or an error: no quiet fallback to in-process scoring
+                "http": {"fallback": "none", "max_concurrency": 256},
+            },
+        )
+    raise ConfigError(f"unknown bench reward kind {kind!r} (elastic, inline_standin, colocated)")

@@ -7,16 +7,23 @@ started at policy version ``v`` may be handed to the trainer at version ``t`` on
 With a batch ``mix`` (groups per task), a batch holds exactly that many groups of each task, the
 oldest ready ones: without it a fast task (short episodes) would fill the batches while a slow
 task's groups wait and go stale, and the run would train mostly on the fast task.
+
+Every group's life is recorded on the active :class:`~rollart_core.timeline.Timeline` (lane: its
+task) when it leaves: ``group`` from its announcement (launch) until it is taken (trained or dropped),
+``group_rollout`` until its last trajectory got a fate; ``rollart bench`` turns them into the
+staleness window's bound (Little's law over the groups in flight).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from rollart_core.errors import ConfigError
+from rollart_core.timeline import record
 from rollart_core.types import Fate, Trajectory
 
 __all__ = ["SampleBuffer"]
@@ -33,6 +40,8 @@ class SampleBuffer:
         self._groups: dict[str, list[Trajectory]] = {}
         self._task: dict[str, str | None] = {}
         self._order: list[str] = []
+        self._life: dict[str, list[float]] = {}
+        """Per pending group: [announced at, last trajectory's fate at] (``time.perf_counter``)."""
         self._changed = asyncio.Condition()
         self.fates: Counter[str] = Counter()
         self.consumed = 0
@@ -51,6 +60,8 @@ class SampleBuffer:
         self._groups[group_id] = []
         self._task[group_id] = task
         self._order.append(group_id)
+        now = time.perf_counter()
+        self._life[group_id] = [now, now]
 
     async def put(self, traj: Trajectory) -> None:
         if traj.fate is None:
@@ -60,6 +71,7 @@ class SampleBuffer:
         self.fates[traj.fate.value] += 1
         async with self._changed:
             self._groups[traj.group_id].append(traj)
+            self._life[traj.group_id][1] = time.perf_counter()
             self._changed.notify_all()
 
     def _ready(self) -> list[str]:
@@ -143,7 +155,10 @@ class SampleBuffer:
             out.append(t)
         self._order.remove(group)
         del self._expected[group]
-        del self._task[group]
+        task = self._task.pop(group)
+        launched, complete = self._life.pop(group)
+        record("group", launched, time.perf_counter(), task or "")
+        record("group_rollout", launched, complete, task or "")
         return out
 
     async def wait_for(self, choose: Callable[[], T | None]) -> T:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable
 from contextlib import AsyncExitStack
 from typing import Any
 
@@ -19,10 +20,10 @@ from rollart_core.config import RunConfig, TaskConfig
 from rollart_core.control.buffer import SampleBuffer
 from rollart_core.errors import ConfigError, RegistryError
 from rollart_core.protocols import ChatFormat, Proxy, RewardExecutor, Trainer, WeightStore
-from rollart_core.registry import build, resolve, validate_options
+from rollart_core.registry import build, check, resolve, validate_options
 from rollart_core.resources import RayCluster, get_affinity
 
-__all__ = ["Pipeline", "trainer_group_config"]
+__all__ = ["Pipeline", "check_tasks", "trainer_group_config"]
 
 
 def _pd_roles(cfg: RunConfig) -> dict[str, set[str]]:
@@ -33,6 +34,24 @@ def _pd_roles(cfg: RunConfig) -> dict[str, set[str]]:
             roles.setdefault(t.prefill_pool, set()).add("kv_producer")
             roles.setdefault(t.pool, set()).add("kv_consumer")
     return roles
+
+
+def check_tasks(cfg: RunConfig) -> None:
+    """Every task's components, before anything starts: each implementation's options, and each
+    environment's own check of what they point to (``SupportsConfigCheck``: a dataset's file, rows and
+    keys; an agent's code), so a user's mistake is one error naming it, at start."""
+    for i, task in enumerate(cfg.tasks):
+        check("env", task.env.impl, task.env.options, f"tasks.{i}.env.options")
+        if task.eval_env is not None:
+            check("env", task.eval_env.impl, task.eval_env.options, f"tasks.{i}.eval_env.options")
+        validate_options(
+            resolve("reward", task.reward.impl), task.reward.options, f"tasks.{i}.reward.options"
+        )
+        validate_options(
+            resolve("reward_executor", task.reward_executor.impl),
+            task.reward_executor.options,
+            f"tasks.{i}.reward_executor.options",
+        )
 
 
 def _with_engine_args(options: dict[str, Any], extra: dict[str, Any] | None) -> dict[str, Any]:
@@ -113,21 +132,7 @@ class Pipeline:
 
     async def _build(self, cfg: RunConfig) -> None:
         t0 = time.perf_counter()
-        # validate every component's options before creating or starting anything
-        for i, task in enumerate(cfg.tasks):
-            validate_options(resolve("env", task.env.impl), task.env.options, f"tasks.{i}.env.options")
-            if task.eval_env is not None:
-                validate_options(
-                    resolve("env", task.eval_env.impl), task.eval_env.options, f"tasks.{i}.eval_env.options"
-                )
-            validate_options(
-                resolve("reward", task.reward.impl), task.reward.options, f"tasks.{i}.reward.options"
-            )
-            validate_options(
-                resolve("reward_executor", task.reward_executor.impl),
-                task.reward_executor.options,
-                f"tasks.{i}.reward_executor.options",
-            )
+        check_tasks(cfg)  # every task's components, before creating or starting anything
         self._pd_kv_dir = cfg.output_dir / "kv" if _pd_roles(cfg) else None
         pd_args = self._pd_engine_args(cfg)
         engine_cfgs = [
@@ -183,22 +188,35 @@ class Pipeline:
         self.buffer = SampleBuffer(cfg.train.alpha)
         self._check_store_reach(cfg)
         if group_cfg is not None:  # placed on its pool, validated with the engines before either starts
-            t1 = time.perf_counter()
             self._validate_plan(group_cfg)
-            self.trainer = await asyncio.to_thread(
-                resolve("trainer", TRAINER_GROUP),
-                group_cfg,
-                model_path=cfg.model.path,
-                weight_store=self.store,
-            )
-            self.timings["trainer_start_s"] = time.perf_counter() - t1
         self.timings["build_local_s"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        await self._start_engines(engine_cfgs)
-        self.timings["engines_start_s"] = time.perf_counter() - t0
         self.env_manager = None
-        if cfg.env_manager is not None:
-            await self._start_env_manager(cfg)
+        # The trainer group, the engines and the environment workers start side by side: each is
+        # mostly process start-up and imports, which overlap (on a busy host too). All are waited
+        # for before a failure is raised, so that __aexit__ finds and stops whatever did start.
+        starts = [
+            self._timed("engines_start_s", self._start_engines(engine_cfgs)),
+            self._timed("env_manager_start_s", self._start_env_manager(cfg)),
+        ]
+        if group_cfg is not None:
+            starts.append(self._timed("trainer_start_s", self._start_trainer_group(group_cfg)))
+        failures = [r for r in await asyncio.gather(*starts, return_exceptions=True) if r is not None]
+        if failures:
+            raise failures[0]
+
+    async def _timed(self, key: str, start: Awaitable[None]) -> None:
+        t0 = time.perf_counter()
+        await start
+        self.timings[key] = time.perf_counter() - t0
+
+    async def _start_trainer_group(self, group_cfg: Any) -> None:
+        """The trainer's rank actors on their pool (placed beside the engines: validated together)."""
+        self.trainer = await asyncio.to_thread(
+            resolve("trainer", TRAINER_GROUP),
+            group_cfg,
+            model_path=self.config.model.path,
+            weight_store=self.store,
+        )
 
     def _check_store_reach(self, cfg: RunConfig) -> None:
         """Every node must reach the weight store: a local directory does not span nodes."""

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 
 from rollart_core.control.clock import VersionClock
 from rollart_core.control.ledger import FateLedger
-from rollart_core.control.runner import run_trajectory
-from rollart_core.errors import EnvError, EnvTimeoutError
+from rollart_core.control.runner import FATAL, run_trajectory
+from rollart_core.errors import ConfigError, EnvError, EnvTimeoutError, RollartError
 from rollart_core.types import Fate, Trajectory
 
 if TYPE_CHECKING:
@@ -50,6 +50,9 @@ class Rollout:
         self.groups_launched = 0
         self._group_finished: dict[str, int] = {}
         self.cancelled_redundant = 0
+        self.fatal: RollartError | None = None
+        """A user's mistake a trajectory hit (a ConfigError building or running its environment):
+        every trajectory would hit it, so the loop stops on it (naming the stage) at its next wait."""
         self._task_index = {t.name: i for i, t in enumerate(p.config.tasks)}
 
     @property
@@ -108,6 +111,9 @@ class Rollout:
                 traj.fate, traj.error = Fate.TIMED_OUT, f"no environment: {exc}"
             except EnvError as exc:
                 traj.fate, traj.error = Fate.ENV_FAILED, f"no environment: {exc}"
+            except FATAL as exc:
+                traj.fate, traj.error = Fate.ENV_FAILED, f"no environment: {exc}"
+                self._stop(task.name, "building the environment", exc)
             else:
                 ahead = traj.start_version > self.clock.served
                 await run_trajectory(
@@ -126,6 +132,8 @@ class Rollout:
                 )
         except asyncio.CancelledError:
             pass  # cancelled by us (stale or shutting down); the fate is already set
+        except FATAL as exc:  # the runner recorded the fate, then raised it: the run stops
+            self._stop(task.name, "running an episode", exc)
         except Exception as exc:  # the runner records every fate itself; this is a bug guard
             log.exception("trajectory %s: runner crashed", traj.traj_id)
             traj.fate, traj.error = Fate.ENV_FAILED, repr(exc)
@@ -145,6 +153,12 @@ class Rollout:
             self.ledger.record(traj)
             self.finished.append(traj)
             await p.buffer.put(traj)
+
+    def _stop(self, task: str, doing: str, exc: Exception) -> None:
+        if self.fatal is None:
+            log.error("task %s: %s failed: %s", task, doing, exc)
+            self.fatal = ConfigError(f"env: task {task!r}, {doing}: {exc}")
+            self.fatal.__cause__ = exc
 
     async def wait_served(self, version: int) -> None:
         """Until the engines serve ``version`` or newer (the loop's update notifies the buffer)."""

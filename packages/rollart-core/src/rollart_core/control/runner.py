@@ -1,7 +1,10 @@
 """The trajectory runner: drives one trajectory env ↔ proxy ↔ reward, on its own (R2).
 
 No batch barrier: each trajectory awaits only its own generation, environment and reward calls.
-Every trajectory ends with exactly one fate; failures are recorded, never raised to the caller.
+Every trajectory ends with exactly one fate; failures are recorded, never raised to the caller,
+except a user's mistake that every trajectory would hit (a :class:`ConfigError` or a missing extra
+from the environment): the fate is recorded, then it is raised, so the run stops naming it instead
+of failing episode after episode.
 """
 
 from __future__ import annotations
@@ -12,7 +15,14 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
-from rollart_core.errors import EngineError, EnvError, EnvTimeoutError, RewardError
+from rollart_core.errors import (
+    ConfigError,
+    EngineError,
+    EnvError,
+    EnvTimeoutError,
+    MissingExtraError,
+    RewardError,
+)
 from rollart_core.protocols import AgentCall, AgentSession, ChatFormat, Environment, SupportsAgentEpisode
 from rollart_core.timeline import record
 from rollart_core.types import (
@@ -29,6 +39,8 @@ __all__ = ["Generator", "Scorer", "assemble_agent_turns", "run_agent_trajectory"
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+FATAL = (ConfigError, MissingExtraError)
+"""Errors that are the run's, not the trajectory's: recorded as its fate, then raised."""
 
 
 class Generator(Protocol):
@@ -89,6 +101,7 @@ async def run_trajectory(
         )
     if not sampling.stop_token_ids:
         sampling = sampling.model_copy(update={"stop_token_ids": tuple(chat.stop_token_ids())})
+    fatal: Exception | None = None
     try:
         t0 = time.perf_counter()
         obs, info = await _within(env.reset(traj.seed), env_timeout_s, "reset")
@@ -152,19 +165,15 @@ async def run_trajectory(
         traj.fate = traj.fate or Fate.CANCELLED_REDUNDANT
         raise
     except Exception as exc:  # a stage failed: the trajectory gets the fate naming it, the run goes on
-        _fail(traj, exc, "environment")
+        fatal = _fail(traj, exc, "environment")
     finally:
         traj.add_timing("total", time.perf_counter() - t_start)
+        _end_session(generator, traj)
         try:
             await env.close()
         except Exception as exc:
             log.warning("trajectory %s: env.close failed: %r", traj.traj_id, exc)
-    end_session = getattr(generator, "end_session", None)
-    if end_session is not None:  # the proxy forgets the trajectory's routing state
-        end_session(traj.traj_id)
-    if on_done is not None:
-        await on_done(traj)
-    return traj
+    return await _finish(traj, on_done, fatal)
 
 
 async def run_agent_trajectory(
@@ -183,8 +192,10 @@ async def run_agent_trajectory(
     (:func:`assemble_agent_turns`) and score it: the agent's own reward, else ``scorer``.
 
     Fates, never raised: the agent failed or made no model call → ``env_failed``; it ran past its
-    episode timeout (or ``env_timeout_s``) → ``timed_out``; generation / reward errors as usual."""
+    episode timeout (or ``env_timeout_s``) → ``timed_out``; generation / reward errors as usual
+    (a FATAL error is recorded, then raised, as in :func:`run_trajectory`)."""
     t_start = time.perf_counter()
+    fatal: Exception | None = None
     try:
         if before_first_turn is not None:
             await before_first_turn()
@@ -214,18 +225,26 @@ async def run_agent_trajectory(
         traj.fate = traj.fate or Fate.CANCELLED_REDUNDANT
         raise
     except Exception as exc:  # a stage failed: the trajectory gets the fate naming it, the run goes on
-        _fail(traj, exc, "agent")
+        fatal = _fail(traj, exc, "agent")
     finally:
         traj.add_timing("total", time.perf_counter() - t_start)
+        _end_session(generator, traj)
         try:
             await env.close()
         except Exception as exc:
             log.warning("trajectory %s: env.close failed: %r", traj.traj_id, exc)
-    end_session = getattr(generator, "end_session", None)
-    if end_session is not None:
-        end_session(traj.traj_id)
+    return await _finish(traj, on_done, fatal)
+
+
+async def _finish(
+    traj: Trajectory,
+    on_done: Callable[[Trajectory], Any] | None,
+    fatal: Exception | None,
+) -> Trajectory:
     if on_done is not None:
         await on_done(traj)
+    if fatal is not None:
+        raise fatal
     return traj
 
 
@@ -259,9 +278,9 @@ def assemble_agent_turns(traj: Trajectory, calls: list[AgentCall], chat: ChatFor
     traj.info["segments"] = segments
 
 
-def _fail(traj: Trajectory, exc: Exception, who: str) -> None:
+def _fail(traj: Trajectory, exc: Exception, who: str) -> Exception | None:
     """The fate of a trajectory whose ``exc`` escaped: the engine's, the reward's, a timeout, or else
-    the environment's (or the agent's) failure."""
+    the environment's (or the agent's) failure. Returns ``exc`` if the run must stop on it (FATAL)."""
     if isinstance(exc, EngineError):
         traj.fate, traj.error = Fate.GENERATION_FAILED, str(exc)
     elif isinstance(exc, RewardError):
@@ -271,6 +290,7 @@ def _fail(traj: Trajectory, exc: Exception, who: str) -> None:
     else:
         log.warning("trajectory %s: %s failed: %r", traj.traj_id, who, exc)
         traj.fate, traj.error = Fate.ENV_FAILED, str(exc) if isinstance(exc, EnvError) else repr(exc)
+    return exc if isinstance(exc, FATAL) else None
 
 
 async def _within(call: Awaitable[T], timeout: float | None, what: str) -> T:
@@ -295,3 +315,15 @@ def _timed(traj: Trajectory, stage: str, t0: float) -> None:
     t1 = time.perf_counter()
     traj.add_timing(stage, t1 - t0)
     record(stage, t0, t1, traj.traj_id)
+
+
+def _end_session(generator: Any, traj: Trajectory) -> None:
+    """The proxy forgets the trajectory's routing state, whatever its fate: also when it is cancelled
+    (redundant, stale, at the run's stop), or the proxy's session table grows by one per cancellation."""
+    end_session = getattr(generator, "end_session", None)
+    if end_session is None:
+        return
+    try:
+        end_session(traj.traj_id)
+    except Exception as exc:  # never mask the trajectory's own outcome
+        log.warning("trajectory %s: end_session failed: %r", traj.traj_id, exc)

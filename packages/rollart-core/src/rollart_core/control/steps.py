@@ -6,8 +6,8 @@ training protocol and records its own timing in the step's :class:`StepRecord`:
 
 ==================  ===========================================================================
 ``get_batch``       1. Get Batch: wait for the step's groups behind the staleness gate; never
-                    silently: a failed background task (a push, the producer) or a stalled /
-                    failing rollout raises, naming the stage
+                    silently: a failed background task (a push, the producer), a stalled /
+                    failing rollout or a user's mistake an episode hit raises, naming the stage
 ``sync_weights``    2-5. Suspend → Update → Resume → Recompute KV on every engine (each engine
                     pauses with its requests kept, swaps in the version, re-prefills the running
                     requests and resumes: its pause is only its own swap)
@@ -117,6 +117,7 @@ async def get_batch(run: Run, rec: StepRecord, *, relaunch: bool = False) -> lis
     t0 = time.perf_counter()
 
     def replace(group: str, task: str | None) -> None:
+        _check_fatal(run)  # a group failed on a user's mistake: that, not a spent relaunch budget
         if not relaunch:
             return
         if run.relaunches >= run.cfg.train.max_group_relaunches:
@@ -142,6 +143,8 @@ async def get_batch(run: Run, rec: StepRecord, *, relaunch: bool = False) -> lis
             await asyncio.wait(
                 [taking, *run.background], timeout=_POLL_S, return_when=asyncio.FIRST_COMPLETED
             )
+            if run.rollout.fatal is not None:
+                break
             _check_beside(run)
             if not taking.done():
                 _check_progress(run)
@@ -149,6 +152,10 @@ async def get_batch(run: Run, rec: StepRecord, *, relaunch: bool = False) -> lis
         if not taking.done():
             taking.cancel()
             await asyncio.gather(taking, return_exceptions=True)
+    if run.rollout.fatal is not None:
+        if not taking.cancelled():
+            taking.exception()  # retrieved: the fatal error below is the one to tell
+        raise run.rollout.fatal
     batch = taking.result()
     rec.wait_s += time.perf_counter() - t0
     rec.batch = batch
@@ -157,6 +164,11 @@ async def get_batch(run: Run, rec: StepRecord, *, relaunch: bool = False) -> lis
 
 def _failed(task: asyncio.Task[Any]) -> bool:
     return task.done() and not task.cancelled() and task.exception() is not None
+
+
+def _check_fatal(run: Run) -> None:
+    if run.rollout.fatal is not None:
+        raise run.rollout.fatal
 
 
 def _check_beside(run: Run) -> None:
@@ -280,6 +292,7 @@ def step_metrics(run: Run, rec: StepRecord) -> dict[str, Any]:
     for t in finished:
         episodes.setdefault(t.task, []).append(t.timings.get("episode", 0.0))
     return {
+        **_agent_metrics(finished),
         **m,
         "step_s": step_s,
         "wait_s": rec.wait_s,
@@ -308,4 +321,19 @@ def step_metrics(run: Run, rec: StepRecord) -> dict[str, Any]:
             for task, n in Counter(t.task for t in batch).items()
         },
         "fates": run.rollout.ledger.take_step(),
+    }
+
+
+def _agent_metrics(finished: list[Trajectory]) -> dict[str, int]:
+    """Agent episodes finished this step (only when there are any): their model calls, the sequences
+    they were trained as, and the history rewrites that split them (a sequence beyond the first)."""
+    agents = [t for t in finished if "agent_calls" in t.info]
+    if not agents:
+        return {}
+    segments = [int(t.info.get("segments", 1)) for t in agents]
+    return {
+        "agent_episodes": len(agents),
+        "agent_calls": sum(int(t.info["agent_calls"]) for t in agents),
+        "agent_segments": sum(segments),
+        "agent_rewrites": sum(n - 1 for n in segments),
     }

@@ -21,13 +21,23 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 from rollart_core.errors import ConfigError
 from rollart_core.plan.catalogue import HardwareClass
-from rollart_core.plan.simulate import GenTime, SimResult, simulate
+from rollart_core.plan.simulate import MODES, GenTime, SimResult, simulate
 from rollart_core.plan.workload import ModelProfile, TaskProfile, WorkloadProfile
 
-__all__ = ["ClassEstimate", "Plan", "TaskPlan", "estimate", "make_plan", "render_plan", "roofline_gen_time"]
+__all__ = [
+    "ClassEstimate",
+    "Plan",
+    "TaskPlan",
+    "estimate",
+    "make_plan",
+    "plan_pools",
+    "render_plan",
+    "roofline_gen_time",
+]
 
 PD_MARGIN = 0.10
 """PD disaggregation must save at least this fraction of cost to be proposed (KV transfer, two pools)."""
@@ -103,13 +113,17 @@ def roofline_gen_time(
     steps on ``decode_hw`` (default ``hw``; PD disaggregation) in a full batch. The simulator's slots
     (devices × batch) bound decode throughput; prefill capacity is checked by the planner's stages."""
     dhw = decode_hw or hw
+    known: dict[tuple[str, bool], float] = {}  # the simulator asks once per turn: millions of times
 
     def gen_time(task: TaskProfile, turn: int, rng: random.Random) -> float:
-        ctx = task.mean_context()
-        b = max(1, max_batch(ctx, model, dhw, max_batch_cap))
-        tokens = task.prompt_tokens if turn == 0 else task.context_tokens_per_turn
-        step, _ = decode_step(b, ctx, model, dhw)
-        return prefill_seconds(tokens, model, hw) + task.output_tokens_per_turn * step
+        key = (task.name, turn == 0)
+        if key not in known:
+            ctx = task.mean_context()
+            b = max(1, max_batch(ctx, model, dhw, max_batch_cap))
+            tokens = task.prompt_tokens if turn == 0 else task.context_tokens_per_turn
+            step, _ = decode_step(b, ctx, model, dhw)
+            known[key] = prefill_seconds(tokens, model, hw) + task.output_tokens_per_turn * step
+        return known[key]
 
     return gen_time
 
@@ -245,15 +259,10 @@ def make_plan(
     return plan
 
 
-def simulate_plan(
-    profile: WorkloadProfile,
-    plan: Plan,
-    catalogue: dict[str, HardwareClass],
-    *,
-    steps: int = 6,
-    alpha: int = 1,
-) -> dict[str, SimResult]:
-    """Replay the profile on the planned pools, Sync+ and async (roofline generation times)."""
+def plan_pools(profile: WorkloadProfile, plan: Plan, catalogue: dict[str, HardwareClass]) -> dict[str, Any]:
+    """The simulator's view of the planned pools: generation slots (decode devices × batch), env slots
+    (CPU nodes × cores) and per-turn generation times from the roofline (keyword arguments of
+    :func:`~rollart_core.plan.simulate.simulate`)."""
     gens = {
         tp.task: roofline_gen_time(profile.model, catalogue[tp.prefill.hw], catalogue[tp.decode.hw])
         for tp in plan.tasks
@@ -264,18 +273,20 @@ def simulate_plan(
     def gen_time(task: TaskProfile, turn: int, rng: random.Random) -> float:
         return gens[task.name](task, turn, rng)
 
-    return {
-        m: simulate(
-            profile,
-            mode=m,
-            alpha=alpha,
-            steps=steps,
-            gen_slots=max(slots, 1),
-            env_slots=env_slots,
-            gen_time=gen_time,
-        )
-        for m in ("sync", "async")
-    }
+    return {"gen_slots": max(slots, 1), "env_slots": env_slots, "gen_time": gen_time}
+
+
+def simulate_plan(
+    profile: WorkloadProfile,
+    plan: Plan,
+    catalogue: dict[str, HardwareClass],
+    *,
+    steps: int = 6,
+    alpha: int = 1,
+) -> dict[str, SimResult]:
+    """Replay the profile on the planned pools, Sync+, One-off and async (roofline generation times)."""
+    pools = plan_pools(profile, plan, catalogue)
+    return {m: simulate(profile, mode=m, alpha=alpha, steps=steps, **pools) for m in MODES}
 
 
 def render_plan(plan: Plan) -> str:
@@ -310,7 +321,7 @@ def render_plan(plan: Plan) -> str:
     )
     for mode, r in plan.simulated.items():
         lines.append(
-            f"simulated {mode:<5}: {r.traj_per_s:.2f} trajectories/s, step {r.step_s:.1f} s, "
+            f"simulated {mode:<7}: {r.traj_per_s:.2f} trajectories/s, step {r.step_s:.1f} s, "
             f"aborted {r.aborted}, generation busy {r.gen_busy:.0%}"
         )
     return "\n".join(lines)

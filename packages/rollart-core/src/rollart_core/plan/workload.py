@@ -109,6 +109,15 @@ class TaskProfile(_Model):
     """Measured turns per trajectory (the simulator replays them; ``turns`` is their mean)."""
     env_latency_s: LatencyDist = LatencyDist()
     """Per environment call: the reset and every step."""
+    env_timeout_s: float | None = Field(None, gt=0)
+    """An env call longer than this ends its trajectory ``timed_out`` at the timeout (the task's
+    ``env_timeout_s``)."""
+    fail_prob: float = Field(0.0, ge=0, le=1)
+    """Per trajectory: probability that one of its env calls fails (``env_failed``)."""
+    fail_within_calls: int = Field(1, ge=1)
+    """The failing call is drawn uniformly from the first this-many calls (0 = the reset)."""
+    redundancy: int = Field(0, ge=0)
+    """Extra trajectories launched per group, cancelled once ``group_size`` finished."""
     reward_s: LatencyDist = LatencyDist()
     reward_serverless: bool = True
     generate_s: LatencyDist | None = None
@@ -140,7 +149,10 @@ class TrainProfile(_Model):
     train_s: float = Field(0.0, ge=0)
     """Seconds per training step (the whole batch)."""
     sync_s: float = Field(0.0, ge=0)
-    """Seconds per weight update (push + engines load)."""
+    """Seconds the engines are suspended per weight update (Suspend → Update → Resume)."""
+    push_s: float = Field(0.0, ge=0)
+    """Seconds from the end of a train step until its weights are staged on the engines (the loop
+    waits for it in Sync+ and One-off; in async it runs beside the next step)."""
     colocated_slowdown: float = Field(0.0, ge=0)
     """Generation runs this much slower (0.5 = 1.5× latency) while the trainer runs, when both share
     the same hardware (the CPU default); 0 for disaggregated clusters."""

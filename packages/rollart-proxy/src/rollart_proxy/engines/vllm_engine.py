@@ -85,6 +85,19 @@ def vllm_ipc_dir() -> str | None:
     return _ipc_dir
 
 
+def _node_ip() -> str:
+    """This node's address in the Ray cluster (127.0.0.1 on a loopback cluster), or 127.0.0.1 for an
+    engine outside Ray (it serves this host)."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return str(ray.util.get_node_ip_address())
+    except ImportError:
+        pass
+    return "127.0.0.1"
+
+
 def _on_cpu() -> bool:
     from vllm.platforms import current_platform
 
@@ -189,6 +202,9 @@ class VllmEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(self.config.kv_cache_gib))))
+        # vLLM binds its engine-core message queue to VLLM_HOST_IP, else to the address of the default
+        # route (non-loopback on a machine that has one): take the node's address the cluster uses
+        os.environ.setdefault("VLLM_HOST_IP", _node_ip())
         if _on_cpu():
             # One engine-core process runs the model itself instead of spawning a worker process
             # that imports torch and vLLM again: the engine starts in ~10 s instead of ~45 s on the

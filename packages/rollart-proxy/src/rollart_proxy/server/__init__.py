@@ -10,7 +10,9 @@ Endpoints:
 - ``POST /v1/chat/completions``, ``POST /v1/completions`` (``stream: true`` too), ``GET /v1/models``
 - ``GET /v1/sessions/{id}`` (records of a session), ``POST /v1/sessions/{id}/drain`` (take them),
   ``POST /v1/sessions/{id}/abort`` (abort the trajectory's in-flight request),
-  ``DELETE /v1/sessions/{id}`` (end the session: records and stickiness dropped)
+  ``DELETE /v1/sessions/{id}`` (end the session: records and stickiness dropped),
+  ``POST /v1/sessions/{id}/bind`` (a token that may call only this session, for an agent's client) and
+  ``POST /v1/sessions/{id}/release`` ``{"token"}`` (revoke it: the session's calls and refusals)
 - ``POST /admin/suspend``, ``POST /admin/resume``, ``POST /admin/update_weights`` ``{"version"}``,
   ``GET /admin/weight_versions``, ``GET /metrics`` (per worker), ``GET /health``
 
@@ -32,8 +34,9 @@ Closed by default:
   or adding turns to a session needs that key or the admin token (403 otherwise). Without API keys
   every client is the same anonymous principal.
 - **Bounded**: bodies (413), session records and owners (``max_sessions``, oldest dropped first), and
-  the proxy's queues (429). Chat templating and (de)tokenisation run in worker threads, off the
-  event loop.
+  the proxy's queues (429). Chat templating and (de)tokenisation of long inputs and outputs run in
+  worker threads (a typical turn's stay on the loop: the tokenizer holds the GIL, so a thread only
+  adds its hop; see ``responses.INLINE_CHARS``).
 
 Modules: :mod:`.app` (:class:`OpenAIServer`: the routes, access checks, serving), :mod:`.models`
 (request bodies), :mod:`.responses` (JSON and server-sent-event answers), :mod:`.sessions`
@@ -42,7 +45,13 @@ server uses: :mod:`.chat_template`, :mod:`.chat_tokens` (token-exact multi-turn 
 :mod:`.tools` (tool calls), :mod:`.forced_call` (enforced calls over ``enum`` arguments).
 """
 
-from rollart_proxy.server.app import ADMIN_KEY_ENV, API_KEY_ENV, OpenAIServer
-from rollart_proxy.server.sessions import SessionRecorder
+from rollart_core.extras import require
 
-__all__ = ["API_KEY_ENV", "ADMIN_KEY_ENV", "OpenAIServer", "SessionRecorder"]
+INSTALL = "pip install 'rollart-proxy[server]'"
+for _module in ("fastapi", "jinja2", "jsonschema"):  # a missing one names the extra, not a traceback
+    require(_module, INSTALL)
+
+from rollart_proxy.server.app import ADMIN_KEY_ENV, API_KEY_ENV, OpenAIServer  # noqa: E402
+from rollart_proxy.server.sessions import SessionRecorder  # noqa: E402
+
+__all__ = ["API_KEY_ENV", "ADMIN_KEY_ENV", "INSTALL", "OpenAIServer", "SessionRecorder"]

@@ -28,8 +28,15 @@ from rollart_proxy.server.chat_template import ChatTemplate
 from rollart_proxy.server.chat_tokens import GeneratedMessages, message_key, splice_encode
 from rollart_proxy.server.forced_call import CallPlan, generate_call, plan_call
 from rollart_proxy.server.guard import _ApiError, _error, _Guard
-from rollart_proxy.server.models import ChatBody, CompletionBody, UpdateWeightsBody, _Common, _message_dict
-from rollart_proxy.server.responses import Responses
+from rollart_proxy.server.models import (
+    ChatBody,
+    CompletionBody,
+    ReleaseBody,
+    UpdateWeightsBody,
+    _Common,
+    _message_dict,
+)
+from rollart_proxy.server.responses import INLINE_CHARS, INLINE_TOKENS, Responses, off_loop
 from rollart_proxy.server.sessions import _ADMIN, _BOUND, SessionRecorder
 from rollart_proxy.server.tools import (
     ToolCallParser,
@@ -124,10 +131,14 @@ class OpenAIServer(Responses):
     def bind_session(self, session_id: str) -> str:
         """A client token that may call only ``session_id`` (as ``Authorization: Bearer <token>``):
         calls naming another session (or none) get 403 and are counted in ``refused``. For agent
-        episodes: the agent gets a client bound to its trajectory."""
+        episodes: the agent gets a client bound to its trajectory. Over HTTP:
+        ``POST /v1/sessions/{id}/bind`` (by the session's owner; not with a bound token) and
+        ``POST /v1/sessions/{id}/release`` ``{"token"}``."""
         token = "rollart-session-" + uuid.uuid4().hex
         self._bound[token.encode()] = session_id
         self.refused.setdefault(session_id, 0)
+        # unowned: nobody else may read it; owned (by the caller of POST .../bind): stays theirs
+        self.recorder.claim(session_id, _BOUND + session_id)
         return token
 
     def release_session(self, token: str) -> dict[str, Any]:
@@ -251,9 +262,11 @@ class OpenAIServer(Responses):
             if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str):
                 if len(body.prompt) != 1:
                     raise _ApiError(400, "only one prompt per request is supported", param="prompt")
-                prompt_ids = await asyncio.to_thread(self.template.encode, body.prompt[0])
+                prompt_ids = await off_loop(
+                    len(body.prompt[0]), INLINE_CHARS, self.template.encode, body.prompt[0]
+                )
             elif isinstance(body.prompt, str):
-                prompt_ids = await asyncio.to_thread(self.template.encode, body.prompt)
+                prompt_ids = await off_loop(len(body.prompt), INLINE_CHARS, self.template.encode, body.prompt)
             else:
                 prompt_ids = list(body.prompt)  # token ids
                 if any(t < 0 for t in prompt_ids):  # type: ignore[operator]
@@ -279,8 +292,11 @@ class OpenAIServer(Responses):
             kwargs: dict[str, Any] = (
                 {"tools": body.tools} if body.tools and body.tool_choice != "none" else {}
             )
+            size = sum(len(m["content"]) for m in msgs) + (len(body.tools_key()) if kwargs else 0)
             try:
-                prompt_ids, _ = await asyncio.to_thread(
+                prompt_ids, _ = await off_loop(
+                    size,
+                    INLINE_CHARS,
                     splice_encode,
                     lambda ms: self.template.render(template_messages(ms), **kwargs),
                     self.template.encode,
@@ -292,7 +308,9 @@ class OpenAIServer(Responses):
                 raise _ApiError(400, f"chat template: {e}", param="messages") from None
             if body.tools_active():
                 try:
-                    plan = await asyncio.to_thread(
+                    plan = await off_loop(
+                        size,
+                        INLINE_CHARS,
                         plan_call,
                         self.template.render,
                         self.template.encode,
@@ -318,6 +336,32 @@ class OpenAIServer(Responses):
         async def drain(session_id: str, request: Request) -> dict[str, Any]:
             self._check_owner(session_id, request)
             return {"session_id": session_id, "calls": self.recorder.drain(session_id)}
+
+        @app.post("/v1/sessions/{session_id}/bind")
+        async def bind(session_id: str, request: Request) -> dict[str, Any]:
+            principal = self._principal(request)
+            if principal is not None and principal.startswith(_BOUND):
+                raise _ApiError(403, "a session-bound token may not bind sessions", "permission_denied")
+            if not self.recorder.claim(session_id, principal):
+                raise _ApiError(
+                    403, f"session {session_id!r} belongs to another API key", "permission_denied"
+                )
+            if len(self._bound) >= self.recorder.max_sessions:
+                raise _ApiError(429, "too many session-bound tokens; release some", "rate_limit_exceeded")
+            return {
+                "session_id": session_id,
+                "token": self.bind_session(session_id),
+                "session_header": self.session_header,
+                "task_header": self.task_header,
+                "model": self.model_name,
+            }
+
+        @app.post("/v1/sessions/{session_id}/release")
+        async def release(session_id: str, body: ReleaseBody, request: Request) -> dict[str, Any]:
+            self._check_owner(session_id, request)
+            if self._bound.get(body.token.encode()) != session_id:
+                raise _ApiError(404, f"no token bound to session {session_id!r} is that one", param="token")
+            return {"session_id": session_id, **self.release_session(body.token)}
 
         @app.post("/v1/sessions/{session_id}/abort")
         async def abort(session_id: str, request: Request) -> dict[str, Any]:
@@ -405,14 +449,15 @@ class OpenAIServer(Responses):
     async def _check_tools(self, body: ChatBody) -> None:
         try:
             if body.tools:
-                check_tools(body.tools)
+                check_tools(body.tools, body.tools_key())
             check_tool_choice(body.tool_choice, body.tools)
             if body.tools_active():
                 if self.tool_parser is None:
                     raise ToolsError(
                         "this server has no tool parser (tool_parser=None): tools are not served", "tools"
                     )
-                await asyncio.to_thread(self.tool_parser.load)
+                if not self.tool_parser.loaded:  # the first tools request imports vLLM: seconds
+                    await asyncio.to_thread(self.tool_parser.load)
         except ToolsError as e:
             raise _ApiError(400, str(e), param=e.param) from None
 
@@ -447,7 +492,9 @@ class OpenAIServer(Responses):
             )
         out = await self.proxy.generate(req)
         self._record(session, endpoint, prompt_ids, out, sampling)
-        reply = await asyncio.to_thread(self._response, endpoint, body, out, prompt_ids)  # detokenises
+        reply = await off_loop(  # detokenises
+            len(out.token_ids), INLINE_TOKENS, self._response, endpoint, body, out, prompt_ids
+        )
         if endpoint == "chat":
             message = reply["choices"][0]["message"]
             self._remember(session, message.get("content"), message.get("tool_calls"), out)
@@ -530,7 +577,8 @@ class OpenAIServer(Responses):
                 f"this client is bound to session {bound!r}; it may not call session {session!r}",
                 "permission_denied",
             )
-        if session is not None and not self.recorder.claim(session, principal):
+        is_bound = principal is not None and principal.startswith(_BOUND)  # to this session (checked above)
+        if session is not None and not is_bound and not self.recorder.claim(session, principal):
             raise _ApiError(403, f"session {session!r} belongs to another API key", "permission_denied")
         return sampling, session
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
-__all__ = ["ChatBody", "ChatMessage", "CompletionBody", "UpdateWeightsBody"]
+from rollart_proxy.server.tools import tools_key
+
+__all__ = ["ChatBody", "ChatMessage", "CompletionBody", "ReleaseBody", "UpdateWeightsBody"]
 
 
 class _Common(BaseModel):
@@ -112,9 +114,16 @@ class ChatBody(_Common):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    _tools_key: str | None = PrivateAttr(None)
 
     def tools_active(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
+
+    def tools_key(self) -> str:
+        """``tools_key(tools, tool_choice)``, computed once per request (what the caches are keyed by)."""
+        if self._tools_key is None:
+            self._tools_key = tools_key(self.tools, self.tool_choice)
+        return self._tools_key
 
 
 class UpdateWeightsBody(BaseModel):
@@ -125,6 +134,13 @@ class UpdateWeightsBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     version: int = Field(ge=0)
+
+
+class ReleaseBody(BaseModel):
+    """``POST /v1/sessions/{id}/release``: the session-bound token to revoke."""
+
+    model_config = ConfigDict(extra="forbid")
+    token: str = Field(min_length=1, max_length=200)
 
 
 def _message_dict(m: ChatMessage) -> dict[str, Any]:

@@ -5,14 +5,21 @@ and parsing of the model's output with vLLM's own tool-call parsers (chosen by n
 Model output is untrusted: at most ``MAX_PARSE_CHARS`` characters reach a parser, a parser that
 fails or finds a call to an undeclared function gives a reply without that call and a
 ``tool_call_error`` saying why, never an exception.
+
+Per request, only what changes is done: an agent sends the same ``tools`` with every call, so a
+declaration's check (JSON Schema meta-validation: ~5 ms) and vLLM's request object the parser reads
+are kept per distinct declaration (:func:`tools_key`, LRU-bounded), and the tokenizer the parsers
+get caches its vocabulary (vLLM's ``get_cached_tokenizer``, as vLLM's own server does).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
 import threading
+from collections import OrderedDict
 from typing import Any
 
 from jinja2 import pass_eval_context
@@ -25,6 +32,7 @@ __all__ = [
     "check_tools",
     "tojson",
     "template_messages",
+    "tools_key",
 ]
 
 log = logging.getLogger(__name__)
@@ -43,9 +51,28 @@ class ToolsError(ValueError):
         self.param = param
 
 
-def check_tools(tools: list[dict[str, Any]]) -> None:
+_CACHED_DECLARATIONS = 256
+"""Distinct ``tools`` declarations whose check and parser request are kept."""
+
+
+def tools_key(tools: list[dict[str, Any]] | None, tool_choice: Any = None) -> str:
+    """A canonical text of a declaration (and tool choice): the cache key of what is derived from it."""
+    return json.dumps([tools, tool_choice], sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+
+
+def check_tools(tools: list[dict[str, Any]], key: str | None = None) -> None:
     """Raise :class:`ToolsError` naming the first invalid field (a parameter schema that is not
-    valid JSON Schema included)."""
+    valid JSON Schema included). ``key``: ``tools_key(tools)`` if the caller has it; a declaration
+    that passed is not checked again (the ones that fail are: errors are not cached)."""
+    _check_once(key if key is not None else tools_key(tools))
+
+
+@functools.lru_cache(maxsize=_CACHED_DECLARATIONS)
+def _check_once(key: str) -> None:
+    _check_tools(json.loads(key)[0])
+
+
+def _check_tools(tools: list[dict[str, Any]]) -> None:
     from jsonschema import Draft202012Validator, SchemaError, validators
 
     seen: set[str] = set()
@@ -151,7 +178,13 @@ class ToolCallParser:
         self._cls: Any = None
         self._tokenizer: Any = None
         self._request_cls: Any = None
+        self._requests: OrderedDict[str, Any] = OrderedDict()
+        """``tools_key(tools, tool_choice)`` → vLLM's request object for them (what parsers read)."""
         self._lock = threading.Lock()
+
+    @property
+    def loaded(self) -> bool:
+        return self._cls is not None
 
     def load(self) -> None:
         """Import the parser (imports vLLM: seconds; call it off the event loop)."""
@@ -176,15 +209,41 @@ class ToolCallParser:
                     f"{', '.join(sorted(ToolParserManager.list_registered()))})",
                     "tools",
                 ) from None
-            self._tokenizer = PreTrainedTokenizerFast.from_pretrained(self.model_path)
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(self.model_path)
+            try:  # parsers look tokens up in the vocabulary: computed once, not per request
+                from vllm.tokenizers.hf import get_cached_tokenizer
+
+                tokenizer = get_cached_tokenizer(tokenizer)
+            except ImportError:  # another vLLM layout: the plain tokenizer is correct, only slower
+                pass
+            self._tokenizer = tokenizer
             self._request_cls = ChatCompletionRequest
             self._cls = cls
 
+    def _request(self, tools: list[dict[str, Any]], choice: Any, key: str | None) -> Any:
+        key = key if key is not None else tools_key(tools, choice)
+        request = self._requests.get(key)
+        if request is None:
+            request = self._request_cls(
+                model="rollart", messages=[{"role": "user", "content": ""}], tools=tools, tool_choice=choice
+            )
+            with self._lock:
+                self._requests[key] = request
+                while len(self._requests) > _CACHED_DECLARATIONS:
+                    self._requests.popitem(last=False)
+        return request
+
     def parse(
-        self, text: str, tools: list[dict[str, Any]], tool_choice: Any, parallel: bool = True
+        self,
+        text: str,
+        tools: list[dict[str, Any]],
+        tool_choice: Any,
+        parallel: bool = True,
+        key: str | None = None,
     ) -> tuple[str | None, list[dict[str, Any]], str | None]:
         """``(content, tool_calls, error)`` of one complete output. ``error`` says why a tool call
-        the output seems to hold was not returned (malformed, undeclared function, not the named one)."""
+        the output seems to hold was not returned (malformed, undeclared function, not the named one).
+        ``key``: ``tools_key(tools, tool_choice)`` if the caller has it."""
         self.load()
         if len(text) > MAX_PARSE_CHARS:
             return (
@@ -194,10 +253,8 @@ class ToolCallParser:
             )
         choice = tool_choice if tool_choice is not None else "auto"
         try:
-            request = self._request_cls(
-                model="rollart", messages=[{"role": "user", "content": ""}], tools=tools, tool_choice=choice
-            )
-            parser = self._cls(self._tokenizer, request.tools)
+            request = self._request(tools, choice, key)
+            parser = self._cls(self._tokenizer, request.tools)  # per call, as vLLM does: parsers keep state
             info = parser.extract_tool_calls(text, request)
         except Exception as e:  # a parser bug on odd output must not fail the request
             log.warning("tool parser %s failed: %r", self.name, e)
