@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
         for (value, name), style in zip(args.baseline, (":", "--"), strict=False):
             ax.axhline(float(value), ls=style, color="k", lw=1, label=name)
         ax.set_xlabel(label)
-        ax.set_ylim(0, 1)
+        ax.set_ylim(0, 1.04)  # a success of 1.0 stays visible
     axes[0].set_ylabel("success")
     axes[0].legend(fontsize=8, loc="upper left")
     fig.suptitle(args.title, fontsize=10)

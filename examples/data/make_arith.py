@@ -14,7 +14,7 @@ the same ``--seed`` gives the same file.
   facts), each asked by each of eight names (``"Eve: 3 plus 4"``): 440 rows. A held-out row is a
   prompt never trained on; its fact is (almost always) trained under other names, so the held-out
   score measures reading the fact through an unseen prompt, not arithmetic on unseen numbers (the
-  tiny model learns the table, it does not generalise addition: held out by fact, it stayed at 0).
+  tiny model learns the table, it does not generalise addition: held out by fact, prototypes stayed near chance).
 """
 
 from __future__ import annotations
