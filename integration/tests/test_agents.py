@@ -241,7 +241,7 @@ async def foreign_agent(client: Any, task: Any) -> Any:
 
 async def enum_tool_agent(client: Any, task: Any) -> Any:
     """Names a tool whose arguments are enums: the endpoint writes the call, the model chooses the
-    values; then sends the call and the tool's result back and asks for a reply."""
+    values; then sends the call and the tool's result back (with the same tools) and asks for a reply."""
     import json
 
     from rollart_env.agent import AgentResult
@@ -258,7 +258,8 @@ async def enum_tool_agent(client: Any, task: Any) -> Any:
     assert msg.tool_calls and r.choices[0].finish_reason == "tool_calls"
     args = json.loads(msg.tool_calls[0].function.arguments)
     messages += [msg, {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "5"}]
-    await client.chat.completions.create(model=task.model, messages=messages, max_tokens=3)
+    # the same tools again (as an agent does): the prompt then extends the enforced call's sequence
+    await client.chat.completions.create(model=task.model, messages=messages, tools=ENUM_TOOLS, max_tokens=3)
     return AgentResult(answer=json.dumps(args), reward=1.0, info={"args": args})
 
 
