@@ -403,11 +403,13 @@ async def test_enforced_enum_tool_call_trains_only_the_models_choices(
     assert traj.turns[3].allowed_token_ids is None  # the reply after the tool result: free text
     # one sequence, exactly the engine's: the fixed text of the call is context between the choices
     assert traj.token_ids() == seen[-1][1] + seen[-1][2]
-    call_text = t.decode(seen[-1][1][len(seen[0][1]) :], skip_special_tokens=False)
-    assert call_text.startswith(
-        f'\n<tool_call>\n{{"name": "calc", "arguments": {{"a": "{args["a"]}", "op": "{args["op"]}", '
-        f'"b": "{args["b"]}"}}}}\n</tool_call><|im_end|>\n<|im_start|>tool\n5'
-    ), call_text
+    # the call as the template writes it, between the question and the tool's result
+    last_prompt = t.decode(seen[-1][1], skip_special_tokens=False)
+    assert last_prompt.endswith(
+        '12 minus 7<|im_end|>\n<|im_start|>assistant\n\n<tool_call>\n{"name": "calc", "arguments": '
+        f'{{"a": "{args["a"]}", "op": "{args["op"]}", "b": "{args["b"]}"}}}}\n</tool_call><|im_end|>\n'
+        "<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"
+    ), last_prompt
 
 
 async def test_agent_over_http_keeps_its_session_binding(
