@@ -42,6 +42,22 @@ TOOLS = [
         },
     }
 ]
+ENUM_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calc",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "a": {"type": "string", "enum": ["12", "7"]},
+                    "op": {"type": "string", "enum": ["+", "-", "*"]},
+                    "b": {"type": "string", "enum": ["12", "7"]},
+                },
+            },
+        },
+    }
+]
 CALL = '<tool_call>\n{"name":"add","arguments":{"a":2,"b":3}}\n</tool_call>'  # compact: unlike the template's
 
 
@@ -223,6 +239,30 @@ async def foreign_agent(client: Any, task: Any) -> Any:
     return "sneaky"
 
 
+async def enum_tool_agent(client: Any, task: Any) -> Any:
+    """Names a tool whose arguments are enums: the endpoint writes the call, the model chooses the
+    values; then sends the call and the tool's result back (with the same tools) and asks for a reply."""
+    import json
+
+    from rollart_env.agent import AgentResult
+
+    messages: list[Any] = [{"role": "user", "content": "12 minus 7"}]
+    r = await client.chat.completions.create(
+        model=task.model,
+        messages=messages,
+        tools=ENUM_TOOLS,
+        tool_choice={"type": "function", "function": {"name": "calc"}},
+        max_tokens=128,  # the enforced call is ~80 tokens in the tiny tokenizer
+    )
+    msg = r.choices[0].message
+    assert msg.tool_calls and r.choices[0].finish_reason == "tool_calls"
+    args = json.loads(msg.tool_calls[0].function.arguments)
+    messages += [msg, {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "5"}]
+    # the same tools again (as an agent does): the prompt then extends the enforced call's sequence
+    await client.chat.completions.create(model=task.model, messages=messages, tools=ENUM_TOOLS, max_tokens=3)
+    return AgentResult(answer=json.dumps(args), reward=1.0, info={"args": args})
+
+
 # tests ------------------------------------------------------------------------------------------
 
 
@@ -335,6 +375,41 @@ async def test_bad_agents_get_their_fate_and_the_run_goes_on(forcing: Forcing, m
     forcing.script = [CALL, "5"]
     after = await run(forcing, model_dir, "tool_agent", "after-bad")
     assert after.fate is Fate.FINISHED and after.info["segments"] == 1
+
+
+async def test_enforced_enum_tool_call_trains_only_the_models_choices(
+    forcing: Forcing, model_dir: Path
+) -> None:
+    """tool_choice naming a tool with enum arguments (rollart_proxy.server.forced_call) on the real
+    engine: the reply's call holds valid values; the trajectory has one turn per choice, each one
+    engine token drawn under the restriction to the values' tokens (what the trainer recomputes),
+    the call's fixed text is context, and the next call continues the same sequence."""
+    from rollart_proxy.server.chat_template import ChatTemplate
+
+    forcing.script, forcing.seen = [], []
+    traj = await run(forcing, model_dir, "enum_tool_agent", "enum-1")
+    assert traj.fate is Fate.FINISHED, traj.error
+    args = traj.info["args"]
+    assert args["a"] in ("12", "7") and args["op"] in ("+", "-", "*") and args["b"] in ("12", "7")
+    seen = [s for s in forcing.seen if s[0] == "enum-1"]
+    assert len(seen) == 4 and len(traj.turns) == 4 and traj.info["segments"] == 1  # 3 choices + reply
+    t = ChatTemplate(model_dir)
+    choices = [("12", "7"), ("+", "-", "*"), ("12", "7")]
+    for turn, values, (_, _, out) in zip(traj.turns, choices, seen, strict=False):
+        assert turn.output_ids == out and len(out) == 1
+        assert sorted(turn.allowed_token_ids or ()) == sorted(t.encode(v)[0] for v in values)
+        assert out[0] in (turn.allowed_token_ids or ())
+    assert [t.decode(turn.output_ids) for turn in traj.turns[:3]] == [args["a"], args["op"], args["b"]]
+    assert traj.turns[3].allowed_token_ids is None  # the reply after the tool result: free text
+    # one sequence, exactly the engine's: the fixed text of the call is context between the choices
+    assert traj.token_ids() == seen[-1][1] + seen[-1][2]
+    # the call as the template writes it, between the question and the tool's result
+    last_prompt = t.decode(seen[-1][1], skip_special_tokens=False)
+    assert last_prompt.endswith(
+        '12 minus 7<|im_end|>\n<|im_start|>assistant\n\n<tool_call>\n{"name": "calc", "arguments": '
+        f'{{"a": "{args["a"]}", "op": "{args["op"]}", "b": "{args["b"]}"}}}}\n</tool_call><|im_end|>\n'
+        "<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"
+    ), last_prompt
 
 
 async def test_agent_over_http_keeps_its_session_binding(

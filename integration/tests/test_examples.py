@@ -34,6 +34,8 @@ def test_every_yaml_is_a_run_config_or_known() -> None:
         "calculator.yaml",
         "code_task.yaml",
         "dataset_math.yaml",
+        "dataset_math_hard.yaml",
+        "agent_calculator.yaml",
         "multitask_async.yaml",
         "frozenlake_tiny.yaml",
     } <= {p.name for p in RUN_CONFIGS}

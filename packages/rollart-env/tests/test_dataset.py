@@ -316,6 +316,25 @@ async def test_example_data_set_is_learnable_by_a_digit_policy() -> None:
     assert len(env.heldout_rows) == 200
 
 
+def test_sums_data_set_is_the_generators_output(tmp_path: Path) -> None:
+    """examples/data/sums.jsonl (examples/dataset_math.yaml): exactly what make_arith.py --kind sums
+    writes; every one-digit sum under every name, distinct prompts, 64 held out by id."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_arith", ROOT / "examples" / "data" / "make_arith.py")
+    assert spec is not None and spec.loader is not None
+    make_arith = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_arith)
+    make_arith.main(["--kind", "sums", "--out", str(tmp_path / "sums.jsonl")])
+    path = ROOT / "examples" / "data" / "sums.jsonl"
+    assert (tmp_path / "sums.jsonl").read_bytes() == path.read_bytes()
+    rows = [row for row, _ in load_rows(path)]
+    assert len({r["prompt"] for r in rows}) == len(rows) == 55 * len(make_arith.NAMES)
+    assert all(r["a"] + r["b"] == r["answer"] <= 9 and f"{r['a']} plus {r['b']}" in r["prompt"] for r in rows)
+    env = _env(path, id_key="id", heldout_size=64, match="number", action_vocabulary=DIGITS)
+    assert len(env.heldout_rows) == 64
+
+
 @pytest.mark.parametrize(
     "case,words",
     [

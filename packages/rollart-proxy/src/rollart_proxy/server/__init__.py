@@ -42,7 +42,7 @@ Modules: :mod:`.app` (:class:`OpenAIServer`: the routes, access checks, serving)
 (request bodies), :mod:`.responses` (JSON and server-sent-event answers), :mod:`.sessions`
 (:class:`SessionRecorder`), :mod:`.guard` (the ASGI guard, error bodies), and the helpers only the
 server uses: :mod:`.chat_template`, :mod:`.chat_tokens` (token-exact multi-turn prompts),
-:mod:`.tools` (tool calls).
+:mod:`.tools` (tool calls), :mod:`.forced_call` (enforced calls over ``enum`` arguments).
 """
 
 from rollart_core.extras import require

@@ -21,11 +21,12 @@ from pydantic import ValidationError
 
 from rollart_core.errors import ConfigError, EngineError
 from rollart_core.serving import is_loopback
-from rollart_core.types import GenerateRequest, SamplingParams
+from rollart_core.types import GenerateOutput, GenerateRequest, SamplingParams
 from rollart_proxy.errors import ProxyOverloadedError, WorkerUnavailableError
 from rollart_proxy.proxy import LLMProxy
 from rollart_proxy.server.chat_template import ChatTemplate
 from rollart_proxy.server.chat_tokens import GeneratedMessages, message_key, splice_encode
+from rollart_proxy.server.forced_call import CallPlan, generate_call, plan_call
 from rollart_proxy.server.guard import _ApiError, _error, _Guard
 from rollart_proxy.server.models import (
     ChatBody,
@@ -305,6 +306,23 @@ class OpenAIServer(Responses):
                 )
             except Exception as e:  # the model's template refused these messages (raise_exception, bad roles)
                 raise _ApiError(400, f"chat template: {e}", param="messages") from None
+            if body.tools_active():
+                try:
+                    plan = await off_loop(
+                        size,
+                        INLINE_CHARS,
+                        plan_call,
+                        self.template.render,
+                        self.template.encode,
+                        self._eot[1] if self._eot else None,
+                        msgs,
+                        body.tools,
+                        body.tool_choice,
+                    )
+                except ToolsError as e:
+                    raise _ApiError(400, str(e), param=e.param) from None
+                if plan is not None:
+                    return await self._serve_call(body, plan, prompt_ids, request)
             return await self._serve(
                 "chat", body, prompt_ids, body.max_completion_tokens or body.max_tokens, request
             )
@@ -455,6 +473,73 @@ class OpenAIServer(Responses):
     async def _serve(
         self, endpoint: str, body: _Common, prompt_ids: list[int], max_tokens: int | None, request: Request
     ) -> Any:
+        sampling, session = self._admit(body, prompt_ids, max_tokens, request)
+        rid = f"{session or 'anon'}-{uuid.uuid4().hex[:12]}"
+        req = GenerateRequest(
+            rid, prompt_ids, sampling, session_id=session, task=request.headers.get(self.task_header) or None
+        )
+        if body.stream:
+            # Validate and route before the 200 goes out: errors up to the first token stay 4xx/503.
+            parts = self.proxy.generate_stream(req)
+            try:
+                first = await anext(parts)
+            except BaseException:
+                await parts.aclose()  # type: ignore[attr-defined]
+                raise
+            return StreamingResponse(
+                self._sse(endpoint, body, first, parts, prompt_ids, session, sampling),
+                media_type="text/event-stream",
+            )
+        out = await self.proxy.generate(req)
+        self._record(session, endpoint, prompt_ids, out, sampling)
+        reply = await off_loop(  # detokenises
+            len(out.token_ids), INLINE_TOKENS, self._response, endpoint, body, out, prompt_ids
+        )
+        if endpoint == "chat":
+            message = reply["choices"][0]["message"]
+            self._remember(session, message.get("content"), message.get("tool_calls"), out)
+        return reply
+
+    async def _serve_call(
+        self, body: ChatBody, plan: CallPlan, prompt_ids: list[int], request: Request
+    ) -> Any:
+        """An enforced tool call (:mod:`.forced_call`): one engine call per undecided token."""
+        if body.allowed_token_ids is not None:
+            raise _ApiError(
+                400, "allowed_token_ids cannot be combined with an enforced tool_choice", param="tool_choice"
+            )
+        limit = body.max_completion_tokens or body.max_tokens
+        if limit is not None and limit < plan.max_tokens:
+            raise _ApiError(
+                400,
+                f"max_tokens {limit} is too small for the enforced call of {plan.function!r} "
+                f"(up to {plan.max_tokens} tokens)",
+                param="max_tokens",
+            )
+        sampling, session = self._admit(body, prompt_ids, plan.max_tokens, request)
+        task = request.headers.get(self.task_header) or None
+
+        async def generate(ids: list[int], step: SamplingParams) -> GenerateOutput:
+            rid = f"{session or 'anon'}-{uuid.uuid4().hex[:12]}"
+            out = await self.proxy.generate(GenerateRequest(rid, ids, step, session_id=session, task=task))
+            self._record(session, "chat", ids, out, step)
+            return out
+
+        call = await generate_call(plan, prompt_ids, sampling, generate)
+        reply = self._call_response(body, plan, call, prompt_ids)
+        message = reply["choices"][0]["message"]
+        if session:
+            self.generated.remember(
+                session, message_key(message["content"], message["tool_calls"]), call.token_ids
+            )
+        if body.stream:
+            return StreamingResponse(self._call_sse(body, reply), media_type="text/event-stream")
+        return reply
+
+    def _admit(
+        self, body: _Common, prompt_ids: list[int], max_tokens: int | None, request: Request
+    ) -> tuple[SamplingParams, str | None]:
+        """Check a request's prompt, sampling and session: ``(sampling, session)`` or an _ApiError."""
         if not prompt_ids:
             raise _ApiError(400, "empty prompt", param="prompt")
         if self.max_model_len is not None and len(prompt_ids) >= self.max_model_len:
@@ -495,28 +580,4 @@ class OpenAIServer(Responses):
         is_bound = principal is not None and principal.startswith(_BOUND)  # to this session (checked above)
         if session is not None and not is_bound and not self.recorder.claim(session, principal):
             raise _ApiError(403, f"session {session!r} belongs to another API key", "permission_denied")
-        rid = f"{session or 'anon'}-{uuid.uuid4().hex[:12]}"
-        req = GenerateRequest(
-            rid, prompt_ids, sampling, session_id=session, task=request.headers.get(self.task_header) or None
-        )
-        if body.stream:
-            # Validate and route before the 200 goes out: errors up to the first token stay 4xx/503.
-            parts = self.proxy.generate_stream(req)
-            try:
-                first = await anext(parts)
-            except BaseException:
-                await parts.aclose()  # type: ignore[attr-defined]
-                raise
-            return StreamingResponse(
-                self._sse(endpoint, body, first, parts, prompt_ids, session, sampling),
-                media_type="text/event-stream",
-            )
-        out = await self.proxy.generate(req)
-        self._record(session, endpoint, prompt_ids, out, sampling)
-        reply = await off_loop(  # detokenises
-            len(out.token_ids), INLINE_TOKENS, self._response, endpoint, body, out, prompt_ids
-        )
-        if endpoint == "chat":
-            message = reply["choices"][0]["message"]
-            self._remember(session, message.get("content"), message.get("tool_calls"), out)
-        return reply
+        return sampling, session

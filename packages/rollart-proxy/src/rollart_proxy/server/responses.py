@@ -7,12 +7,14 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from rollart_core.types import GenerateOutput, SamplingParams
 from rollart_proxy.server.chat_template import ChatTemplate
 from rollart_proxy.server.chat_tokens import GeneratedMessages, message_key
+from rollart_proxy.server.forced_call import CallPlan, ForcedCall
 from rollart_proxy.server.models import ChatBody, _Common
 from rollart_proxy.server.sessions import SessionRecorder
 from rollart_proxy.server.tools import ToolCallParser
@@ -142,6 +144,72 @@ class Responses:
             "object": "text_completion",
             "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}],
         }
+
+    def _call_response(
+        self, body: ChatBody, plan: CallPlan, call: ForcedCall, prompt_ids: list[int]
+    ) -> dict[str, Any]:
+        """The reply of an enforced tool call (:mod:`.forced_call`): the call, no content. Logprobs
+        are the engine's for the model's choices and 0.0 for the fixed text (it had probability 1)."""
+        lp = None
+        if body.logprobs:
+            toks = [self.template.token_str(t) for t in call.token_ids]
+            lp = {
+                "content": [
+                    {"token": t, "logprob": p, "bytes": list(t.encode()), "top_logprobs": []}
+                    for t, p in zip(toks, call.logprobs, strict=True)
+                ]
+            }
+        tool_call = {
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": plan.function, "arguments": json.dumps(call.arguments, ensure_ascii=False)},
+        }
+        last = call.outputs[-1] if call.outputs else None
+        return {
+            "id": last.request_id if last else f"call-{uuid.uuid4().hex[:12]}",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "usage": {
+                "prompt_tokens": len(prompt_ids),
+                "completion_tokens": len(call.token_ids),
+                "total_tokens": len(prompt_ids) + len(call.token_ids),
+            },
+            "rollart": {
+                "prompt_token_ids": prompt_ids,
+                "token_ids": call.token_ids,
+                "versions": call.versions,
+                "worker": last.worker if last else "",
+                "engine_finish_reason": "stop",
+                "engine_calls": len(call.outputs),
+                "enforced_tool_call": True,
+            },
+            "object": "chat.completion",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": None, "tool_calls": [tool_call]},
+                    "logprobs": lp,
+                    "finish_reason": "tool_calls",
+                }
+            ],
+        }
+
+    async def _call_sse(self, body: ChatBody, reply: dict[str, Any]) -> AsyncIterator[str]:
+        """An enforced call's reply as server-sent events (it is complete before the first event)."""
+        head = {"id": reply["id"], "created": reply["created"], "model": reply["model"]}
+        choice = reply["choices"][0]
+        calls = [{"index": i, **c} for i, c in enumerate(choice["message"]["tool_calls"])]
+        delta = {"role": "assistant", "content": None, "tool_calls": calls}
+        chunks: list[dict[str, Any]] = [
+            {"index": 0, "delta": delta, "logprobs": choice["logprobs"], "finish_reason": None},
+            {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "tool_calls"},
+        ]
+        for c in chunks:
+            yield f"data: {json.dumps({**head, 'object': 'chat.completion.chunk', 'choices': [c]})}\n\n"
+        if (body.stream_options or {}).get("include_usage"):
+            tail = {"choices": [], "usage": reply["usage"], "rollart": reply["rollart"]}
+            yield f"data: {json.dumps({**head, 'object': 'chat.completion.chunk', **tail})}\n\n"
+        yield "data: [DONE]\n\n"
 
     async def _sse(
         self,
