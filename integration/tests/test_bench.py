@@ -14,6 +14,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.ray]
 MODES = ["sync", "async_a1", "admission"]
 
 
+@pytest.mark.slow  # ~65 s; CI keeps the bench's figure and timeline tests (rollart-core test_bench_*)
 def test_rollart_bench_micro(tmp_path: Path, tiny_model: Path) -> None:
     out = tmp_path / "bench"
     r = subprocess.run(

@@ -92,6 +92,7 @@ async def test_env_manager_and_redundancy_in_the_loop(tmp_path: Path, tiny_model
     assert all(h["batch_size"] <= task.groups_per_step * task.group_size for h in summary["history"])
 
 
+@pytest.mark.slow  # ~95 s; CI keeps the fake-based resume tests (packages/rollart-core/tests/test_checkpoint.py)
 async def test_resume_continues_steps_and_buffer_without_duplicates(tmp_path: Path, tiny_model: Path) -> None:
     """An async run saves at step 2 with groups still pending; a new run resumes from that
     checkpoint: versions and steps continue, the saved groups are trained, nothing twice."""
@@ -117,6 +118,7 @@ async def test_resume_continues_steps_and_buffer_without_duplicates(tmp_path: Pa
     assert set(trained_1).isdisjoint(saved_groups)
 
 
+@pytest.mark.slow  # ~55 s; the spawned trainer's own tests run in CI (rollart-train test_torch_fsdp)
 async def test_async_loop_with_a_spawned_trainer_cancels_cleanly(tmp_path: Path, tiny_model: Path) -> None:
     """Async mode with the trainer in its own process on one thread (the CPU split), cancelled right
     after a step (its weight push just started), as a time-boxed job is: the cancellation propagates,

@@ -68,6 +68,7 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+@pytest.mark.slow  # ~70 s; CI keeps the rank kill/restart tests of rollart-train (test_ray_group)
 async def test_async_run_survives_a_killed_trainer_rank(tmp_path: Path, tiny_model: Path) -> None:
     import ray
 
