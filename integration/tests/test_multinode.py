@@ -445,7 +445,8 @@ async def test_async_training_run_places_every_stage_on_its_node(
         served = await p.proxy.weight_versions()
         trainer_nodes = set(p.trainer.node_ids)
         alive = [a for a in ray_state.actors().values() if a["State"] == "ALIVE"]
-        runtime_stats = p.rewards[cfg.tasks[0].name].stats()
+        # the runtime's counters read now: stats() holds the last periodic poll, which a short run can finish before
+        runtime_stats = await p.rewards[cfg.tasks[0].name].astats()
     nodes_of = {}
     for a in alive:
         nodes_of.setdefault(a["ActorClassName"], set()).add(a["Address"]["NodeID"])
