@@ -35,6 +35,14 @@ def _earlier_run(root: Path) -> None:
     store.close()
 
 
+def _latest(root: Path) -> int | None:
+    store = FilesystemWeightStore(root=root)
+    try:
+        return store.latest_version()
+    finally:
+        store.close()
+
+
 def test_a_new_run_in_the_same_directory_starts_from_an_empty_store(tmp_path: Path) -> None:
     cfg = _config(tmp_path)
     _earlier_run(cfg.output_dir / "weights")
@@ -50,7 +58,11 @@ def test_a_new_run_in_the_same_directory_starts_from_an_empty_store(tmp_path: Pa
 def test_a_resumed_run_keeps_the_store(tmp_path: Path) -> None:
     cfg = _config(tmp_path, resume_from=str(tmp_path / "run" / "checkpoint-60"))
     _earlier_run(cfg.output_dir / "weights")
-    assert FilesystemWeightStore(**weight_store_options(cfg)).latest_version() == 60
+    store = FilesystemWeightStore(**weight_store_options(cfg))
+    try:
+        assert store.latest_version() == 60
+    finally:
+        store.close()
 
 
 def test_a_named_root_with_an_earlier_runs_weights_is_refused(tmp_path: Path) -> None:
@@ -62,7 +74,7 @@ def test_a_named_root_with_an_earlier_runs_weights_is_refused(tmp_path: Path) ->
     )
     with pytest.raises(ConfigError, match="earlier run"):
         weight_store_options(cfg)
-    assert FilesystemWeightStore(root=shared).latest_version() == 60  # nothing removed
+    assert _latest(shared) == 60  # nothing removed
 
 
 def test_a_new_run_sets_the_earlier_run_aside_and_a_resumed_run_keeps_it(tmp_path: Path) -> None:
@@ -78,7 +90,7 @@ def test_a_new_run_sets_the_earlier_run_aside_and_a_resumed_run_keeps_it(tmp_pat
     assert not out.exists()  # the new run starts from nothing
     assert (moved / "metrics.jsonl").read_text() == '{"step": 60}\n'  # nothing of it deleted
     assert (moved / "checkpoint-50").is_dir()
-    assert FilesystemWeightStore(root=moved / "weights").latest_version() == 60
+    assert _latest(moved / "weights") == 60
 
     (out / "logs").mkdir(parents=True)  # a directory with only the new run's log is no earlier run
     assert set_aside_earlier_run(out, resume_from=None) is None

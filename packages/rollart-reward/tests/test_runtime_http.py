@@ -331,14 +331,6 @@ async def test_http_executor_sends_the_token_and_a_401_is_not_retried() -> None:
         assert bad.stats()["http_attempts"] == 1
 
 
-def test_what_counts_as_binding_beyond_loopback() -> None:
-    """``start()`` warns when it binds an address that is not loopback without a token."""
-    from rollart_reward.runtime import is_loopback
-
-    assert all(is_loopback(h) for h in ("127.0.0.1", "127.0.0.2", "localhost", "::1"))
-    assert not any(is_loopback(h) for h in ("0.0.0.0", "10.1.2.3", "::", "myhost.example"))
-
-
 _VALID = {"traj_id": "v", "task": "t", "env_id": "e", "group_id": "g", "seed": 0, "start_version": 0}
 _FC = "/2023-03-30/functions/synthetic/invocations"
 _LAMBDA = "/2015-03-31/functions/synthetic/invocations"

@@ -178,7 +178,7 @@ def test_options_url_excludes_own_runtime_options_and_bad_options_are_config_err
         build(
             "reward_executor",
             "serverless",
-            {"url": "http://127.0.0.1:1", "host": "0.0.0.0", "runtime": {"max_workers": 2}},
+            {"url": "http://127.0.0.1:1", "host": "127.0.0.2", "runtime": {"max_workers": 2}},
             "x",
         )
     with pytest.raises(ConfigError, match="no_such_option"):

@@ -1,14 +1,18 @@
-"""What the member packages' servers share: whether a bind address stays on this machine, and
-serving until SIGTERM or SIGINT (``rollart-env serve``, ``rollart-reward serve``)."""
+"""What the member packages' servers share: whether a bind address stays on this machine, bearer
+API keys (the proxy's OpenAI server, ``rollart-env``'s EnvServer), and serving until SIGTERM or
+SIGINT (``rollart-env serve``, ``rollart-reward serve``)."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import ipaddress
+import os
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
-__all__ = ["is_loopback", "serve_until_signalled"]
+__all__ = ["ApiKeys", "bearer_token", "is_loopback", "serve_until_signalled"]
 
 
 def is_loopback(host: str) -> bool:
@@ -32,3 +36,41 @@ async def serve_until_signalled(stop: Callable[[], Awaitable[None]]) -> None:
         await stopped.wait()
     finally:
         await stop()
+
+
+def bearer_token(authorization: str | None) -> bytes | None:
+    """The token of an ``Authorization: Bearer <token>`` header, or None."""
+    scheme, _, value = (authorization or "").partition(" ")
+    value = value.strip()
+    return value.encode() if scheme.lower() == "bearer" and value else None
+
+
+class ApiKeys:
+    """A server's API keys: ``keys`` as a comma-separated string or a list; None reads the
+    environment variable ``env_var`` (keeps keys out of ``ps`` and config files); empty means none.
+    Each key has a principal that names it without holding it (what a session's owner is recorded as)."""
+
+    def __init__(self, keys: str | Sequence[str] | None, env_var: str) -> None:
+        if keys is None:
+            keys = os.environ.get(env_var, "")
+        listed = [k.strip() for k in keys.split(",")] if isinstance(keys, str) else list(keys)
+        self._keys = [(k.encode(), "key-" + hashlib.sha256(k.encode()).hexdigest()[:16]) for k in listed if k]
+
+    def __bool__(self) -> bool:
+        return bool(self._keys)
+
+    def matches(self, token: bytes) -> bool:
+        """Whether ``token`` is one of the keys (compared in constant time)."""
+        return any(hmac.compare_digest(token, key) for key, _ in self._keys)
+
+    def check(self, token: bytes | None) -> tuple[str | None, str | None]:
+        """``(principal, None)``; ``(None, None)`` when there are no keys; ``(None, why)`` for a
+        request that must get 401."""
+        if not self._keys:
+            return None, None
+        if token is None:
+            return None, "missing API key (Authorization: Bearer <key>)"
+        for key, principal in self._keys:
+            if hmac.compare_digest(token, key):
+                return principal, None
+        return None, "invalid API key"

@@ -35,8 +35,6 @@ Errors come back as ``{"error": ..., "type": ...}`` with status 401 (no or wrong
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import json
 import logging
 import os
@@ -51,7 +49,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from rollart_core.errors import EnvError, EnvTimeoutError
 from rollart_core.extras import require
 from rollart_core.protocols import Environment
-from rollart_core.serving import is_loopback
+from rollart_core.serving import ApiKeys, bearer_token, is_loopback
 from rollart_core.types import StepResult
 
 __all__ = ["API_KEY_ENV", "EnvServer", "RemoteEnv", "RemoteEnvConfig"]
@@ -106,13 +104,7 @@ class EnvServer:
         self.max_sessions = max_sessions
         self.idle_ttl_s = idle_ttl_s
         self.max_body_bytes = max_body_bytes
-        if api_key is None:
-            api_key = os.environ.get(API_KEY_ENV, "")
-        keys = [k.strip() for k in api_key.split(",")] if isinstance(api_key, str) else list(api_key)
-        # a principal names a key without holding it (what a session's owner is recorded as)
-        self._api_keys = [
-            (k.encode(), "key-" + hashlib.sha256(k.encode()).hexdigest()[:16]) for k in keys if k
-        ]
+        self._api_keys = ApiKeys(api_key, API_KEY_ENV)
         self.unauthorized = 0
         """Requests refused for a missing or wrong API key (401) or another key's session (403)."""
         self._sessions: dict[str, _Session] = {}
@@ -216,26 +208,13 @@ class EnvServer:
 
     # handlers --------------------------------------------------------------------------------
 
-    def _authorize(self, authorization: str | None) -> tuple[str | None, str | None]:
-        """``(principal, None)``, or ``(None, why)`` for a request that must get 401."""
-        if not self._api_keys:
-            return None, None
-        scheme, _, value = (authorization or "").partition(" ")
-        token = value.strip().encode() if scheme.lower() == "bearer" and value.strip() else None
-        if token is None:
-            return None, "missing API key (Authorization: Bearer <key>)"
-        for key, principal in self._api_keys:
-            if hmac.compare_digest(token, key):
-                return principal, None
-        return None, "invalid API key"
-
     def _guard(self, web: Any) -> Any:
         """The API key check (before any body is read), then router and body-size refusals (404,
         405, 413) in the same JSON shape as the handlers' errors."""
 
         @web.middleware
         async def guard(request: Any, handler: Any) -> Any:
-            principal, denied = self._authorize(request.headers.get("Authorization"))
+            principal, denied = self._api_keys.check(bearer_token(request.headers.get("Authorization")))
             if denied is not None:
                 self.unauthorized += 1
                 resp = self._error(401, denied)

@@ -4,7 +4,6 @@ running event loop). What the endpoints do and how access is closed by default: 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import hmac
 import logging
 import os
@@ -20,7 +19,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from rollart_core.errors import ConfigError, EngineError
-from rollart_core.serving import is_loopback
+from rollart_core.serving import ApiKeys, bearer_token, is_loopback
 from rollart_core.types import GenerateOutput, GenerateRequest, SamplingParams
 from rollart_proxy.errors import ProxyOverloadedError, WorkerUnavailableError
 from rollart_proxy.proxy import LLMProxy
@@ -82,18 +81,11 @@ class OpenAIServer(Responses):
         ``tool_parser``: the vLLM tool-call parser for ``tools`` requests (None: tools refused)."""
         from pathlib import Path
 
-        if api_key is None:
-            api_key = os.environ.get(API_KEY_ENV, "")
-        keys = [k.strip() for k in api_key.split(",")] if isinstance(api_key, str) else list(api_key)
-        self._api_keys = [
-            (k.encode(), "key-" + hashlib.sha256(k.encode()).hexdigest()[:16]) for k in keys if k
-        ]
+        self._api_keys = ApiKeys(api_key, API_KEY_ENV)
         if admin_key is None:
             admin_key = os.environ.get(ADMIN_KEY_ENV, "")
         self._admin_key = admin_key.encode() if admin_key else None
-        if self._admin_key is not None and any(
-            hmac.compare_digest(k, self._admin_key) for k, _ in self._api_keys
-        ):
+        if self._admin_key is not None and self._api_keys.matches(self._admin_key):
             raise ConfigError("the admin key must differ from every API key")
         self.enable_admin = enable_admin
         if max_body_bytes < 1:
@@ -403,11 +395,7 @@ class OpenAIServer(Responses):
 
     def _authorize(self, path: str, authorization: str | None) -> tuple[str | None, tuple[int, str] | None]:
         """``(principal, None)`` or ``(None, (status, message))`` for a request to ``path``."""
-        token: bytes | None = None
-        if authorization:
-            scheme, _, value = authorization.partition(" ")
-            if scheme.lower() == "bearer" and value.strip():
-                token = value.strip().encode()
+        token = bearer_token(authorization)
         is_admin = (
             token is not None and self._admin_key is not None and hmac.compare_digest(token, self._admin_key)
         )
@@ -429,14 +417,8 @@ class OpenAIServer(Responses):
             return _ADMIN, None
         if token is not None and token in self._bound:
             return _BOUND + self._bound[token], None
-        if not self._api_keys:
-            return None, None
-        if token is None:
-            return None, (401, "missing API key (Authorization: Bearer <key>)")
-        for key, principal in self._api_keys:
-            if hmac.compare_digest(token, key):
-                return principal, None
-        return None, (401, "invalid API key")
+        principal, denied = self._api_keys.check(token)
+        return (principal, None) if denied is None else (None, (401, denied))
 
     @staticmethod
     def _principal(request: Request) -> str | None:
