@@ -2,7 +2,9 @@
 
     uv run --no-sync python integration/bench/trainer_group.py [--quick] [--threads 1] [--out runs/bench/trainer_group.json]
 
-Starts its own Ray on 127.0.0.1 (custom resource ``trainer: 3``) and trains the tiny model on the same
+Starts its own Ray on 127.0.0.1 (custom resource ``trainer: 3``; its workers at ``--worker-niceness``,
+default 0 as ``RayCluster`` starts them: Ray's own 15 makes the ranks give way to every ordinary
+process, the in-process trainer among them) and trains the tiny model on the same
 batches with three trainers alive side by side: the in-process ``TorchTrainer`` (world_size 1), a
 group of 1 rank and a group of 2 ranks (gloo, FSDP2). Variants alternate within every repetition so the
 machine's load hits them alike; the table shows the median seconds per step and the ratio to the
@@ -29,6 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from rollart_core.config import RayConfig
 from rollart_core.resources import LOOPBACK_ENV
 
 
@@ -77,6 +80,12 @@ def main() -> None:
     ap.add_argument(
         "--threads", type=int, default=1, help="torch threads per rank (and of the in-process trainer)"
     )
+    ap.add_argument(
+        "--worker-niceness",
+        type=int,
+        default=RayConfig().worker_niceness,
+        help="Ray workers' niceness (rollart's default 0; Ray's own default is 15)",
+    )
     ap.add_argument("--out", default="runs/bench/trainer_group.json")
     args = ap.parse_args()
     for k, v in LOOPBACK_ENV.items():
@@ -99,6 +108,7 @@ def main() -> None:
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
         log_to_driver=False,
+        _system_config={"worker_niceness": args.worker_niceness},  # as RayCluster does
     )
     stores = {
         k: FilesystemWeightStore(root=Path(tmp) / f"weights-{k}") for k in ("driver", "rank0", "via-driver")
@@ -172,7 +182,8 @@ def main() -> None:
     ]
     tokens = sum(len(t.token_ids()) for t in batches[1])
     print(
-        f"tiny model, {n} trajectories/step (~{tokens} tokens), {steps} steps, {args.threads} thread(s) per rank; "
+        f"tiny model, {n} trajectories/step (~{tokens} tokens), {steps} steps, {args.threads} thread(s) per rank, "
+        f"Ray workers at nice {args.worker_niceness}; "
         f"groups built in {build_s:.1f}s"
     )
     print(f"{'trainer':12} {'s/step':>8} {'min':>7} {'max':>7} {'vs in-process':>13} {'outside step':>12}")
@@ -194,6 +205,7 @@ def main() -> None:
                 "n": n,
                 "steps": steps,
                 "threads": args.threads,
+                "worker_niceness": args.worker_niceness,
                 "build_s": build_s,
                 "rows": rows,
                 "push_bytes": push_bytes,

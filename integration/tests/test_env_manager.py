@@ -27,6 +27,20 @@ def ray_env_pool() -> Iterator[None]:
         yield
 
 
+def test_ray_workers_run_at_the_configured_niceness(ray_env_pool) -> None:
+    """RayCluster starts Ray's workers at ``ray.worker_niceness`` (0), not Ray's own 15, under which
+    every engine, trainer rank and env worker gives way to any ordinary process on the host."""
+    import ray
+
+    from rollart_core.config import RayConfig
+
+    @ray.remote(num_cpus=0)
+    def niceness() -> int:
+        return os.nice(0)
+
+    assert ray.get(niceness.remote(), timeout=120) == RayConfig().worker_niceness == 0
+
+
 @pytest.fixture(scope="module")
 async def llm(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[dict[str, Any]]:
     from rollart_proxy import ChatMLFormat, LLMProxy

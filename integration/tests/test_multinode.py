@@ -98,7 +98,7 @@ class LocalCluster:
 
     def __init__(self) -> None:
         self.temp_dir = tempfile.mkdtemp(prefix="rmn", dir="/tmp")  # short: Ray's socket paths have a limit
-        self.env = {**os.environ, **LOOPBACK_ENV}
+        self.env = {**os.environ, **LOOPBACK_ENV, "RAY_worker_niceness": "0"}  # as RayCluster's own
         self.port = _free_ports(1)[0]
         self.address = f"127.0.0.1:{self.port}"
         self.nodes: list[subprocess.Popen[str]] = []
@@ -397,7 +397,6 @@ async def test_task_routed_to_h20_is_served_only_by_h20(cluster: ClusterView) ->
     assert prefill_nodes == {h800}
 
 
-@pytest.mark.slow  # failed in clean-clone CI runs inside the full suite (runtime_calls 0), passes alone: under investigation
 async def test_async_training_run_places_every_stage_on_its_node(
     cluster: ClusterView, tiny_model: Path, tmp_path: Path
 ) -> None:
@@ -458,5 +457,5 @@ async def test_async_training_run_places_every_stage_on_its_node(
     assert nodes_of["RuntimeHost"] == {env_node}, nodes_of
     assert summary["steps"] == 3 and summary["final_version"] == 3
     assert set(served.values()) == {3}
-    assert runtime_stats["runtime_calls"] > 0
+    assert runtime_stats["runtime_calls"] > 0, runtime_stats
     assert summary["launched"] == sum(summary["fates"].values())

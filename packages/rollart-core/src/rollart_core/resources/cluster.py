@@ -69,7 +69,11 @@ class RayCluster:
         if self.config.address:
             kwargs["address"] = self.config.address
         else:
-            kwargs.update(_node_ip_address="127.0.0.1", resources=dict(self.config.resources))
+            kwargs.update(
+                _node_ip_address="127.0.0.1",
+                resources=dict(self.config.resources),
+                _system_config={"worker_niceness": self.config.worker_niceness},
+            )
             if self.config.num_cpus is not None:
                 kwargs["num_cpus"] = self.config.num_cpus
         t0 = time.perf_counter()
