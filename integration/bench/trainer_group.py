@@ -3,7 +3,7 @@
     uv run --no-sync python integration/bench/trainer_group.py [--quick] [--threads 1] [--out runs/bench/trainer_group.json]
 
 Starts its own Ray on 127.0.0.1 (custom resource ``trainer: 3``; its workers at ``--worker-niceness``,
-default 0 as ``RayCluster`` starts them: Ray's own 15 makes the ranks give way to every ordinary
+default 0, through ``RayCluster`` as the pipeline starts them: Ray's own 15 makes the ranks give way to every ordinary
 process, the in-process trainer among them) and trains the tiny model on the same
 batches with three trainers alive side by side: the in-process ``TorchTrainer`` (world_size 1), a
 group of 1 rank and a group of 2 ranks (gloo, FSDP2). Variants alternate within every repetition so the
@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from rollart_core.config import RayConfig
-from rollart_core.resources import LOOPBACK_ENV
+from rollart_core.resources import LOOPBACK_ENV, RayCluster, worker_logs_to
 
 
 def make_batch(n: int, seed: int):
@@ -90,7 +90,6 @@ def main() -> None:
     args = ap.parse_args()
     for k, v in LOOPBACK_ENV.items():
         os.environ.setdefault(k, v)
-    import ray
 
     from rollart_train import RayTrainerGroup, RayTrainerGroupConfig, TorchTrainer, TorchTrainerConfig
     from rollart_train.tiny import create_tiny_model
@@ -102,14 +101,10 @@ def main() -> None:
     model = create_tiny_model(Path(tmp) / "tiny")
     batches = [make_batch(n, s) for s in range(steps + 1)]
     opts = {"lr": 1e-5, "micro_batch_tokens": 1024, "num_threads": args.threads}
-    ray.init(
-        num_cpus=4,
-        resources={"trainer": 3},
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        log_to_driver=False,
-        _system_config={"worker_niceness": args.worker_niceness},  # as RayCluster does
-    )
+    worker_logs_to(Path(tmp) / "ray-logs")  # the ranks' output stays off the table
+    cluster = RayCluster(
+        RayConfig(num_cpus=4, resources={"trainer": 3}, worker_niceness=args.worker_niceness)
+    ).__enter__()
     stores = {
         k: FilesystemWeightStore(root=Path(tmp) / f"weights-{k}") for k in ("driver", "rank0", "via-driver")
     }
@@ -157,7 +152,7 @@ def main() -> None:
     finally:
         for t in trainers.values():
             t.close()
-        ray.shutdown()
+        cluster.__exit__(None, None, None)
     base = statistics.median(times["in-process"])
     rows = [
         {

@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 
+from rollart_core.config import RayConfig
 from rollart_core.errors import ConfigError
 from rollart_core.resources import (
     LOOPBACK_ENV,
@@ -98,7 +99,8 @@ class LocalCluster:
 
     def __init__(self) -> None:
         self.temp_dir = tempfile.mkdtemp(prefix="rmn", dir="/tmp")  # short: Ray's socket paths have a limit
-        self.env = {**os.environ, **LOOPBACK_ENV, "RAY_worker_niceness": "0"}  # as RayCluster's own
+        niceness = str(RayConfig().worker_niceness)  # as RayCluster starts a local cluster's workers
+        self.env = {**os.environ, **LOOPBACK_ENV, "RAY_worker_niceness": niceness}
         self.port = _free_ports(1)[0]
         self.address = f"127.0.0.1:{self.port}"
         self.nodes: list[subprocess.Popen[str]] = []
