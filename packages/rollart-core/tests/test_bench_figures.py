@@ -29,6 +29,8 @@ def test_window_bound_by_hand() -> None:
         2 * 4 * 8 / (3 * 1.0 + 1 * 5.0)
     )
     assert window_bound(2, mix, size, {"calc": 4.0}) is None  # lake's lifetime was not measured
+    # measured yield: 3 trajectories trained per group taken (a member crashed) scales the bound
+    assert window_bound(2, mix, size, {"calc": 4.0, "lake": 8.0}, 3.0) == pytest.approx(16 / 3 * 3 / 4)
 
 
 def test_spread_and_its_format() -> None:
@@ -103,6 +105,19 @@ def _results() -> dict:
         "abl_inline_standin": {**compute, "window": WINDOW},
     }
     return {"segments": segments, "bounds": bounds, "results": aggregate(segments, bounds)}
+
+
+def test_window_bound_counts_what_the_groups_taken_trained() -> None:
+    # 4 groups of 4 taken in the window, 12 trajectories trained: a member of each crashed, its place
+    # in the window held all the same. The bound is 3/4 of the nominal one, and achieved/bound is the
+    # window's fill, not the yield times the fill.
+    seg = _seg(0, 4.0, 12, {"calc": 4.0, "lake": 8.0})
+    bounds = {"async_a1": {"bound": 10.0, "bottleneck": "generate+train", "window": WINDOW}}
+    r = aggregate({"async_a1": [seg]}, bounds)["async_a1"]
+    assert r["trained_per_group"] == 3.0
+    assert r["window_bound_traj_per_s"] == pytest.approx(16 / 3 * 3 / 4)
+    assert r["achieved_over_min_bound"] == pytest.approx((12 / 4.0) / 4.0)
+    assert r["rounds"]["of_min_bound"]["rounds"] == pytest.approx([0.75])
 
 
 def test_achieved_over_min_of_compute_and_window_bound_with_spread_over_rounds() -> None:

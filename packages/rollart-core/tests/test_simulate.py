@@ -111,3 +111,18 @@ def test_a_workload_where_nothing_can_be_trained_stops_with_an_error() -> None:
     for mode, alpha in (("sync", 0), ("async", 1)):
         with pytest.raises(RuntimeError, match="stalled"):
             simulate(every_call_times_out, mode=mode, alpha=alpha, steps=3)  # type: ignore[arg-type]
+
+
+def test_window_fill_is_the_share_of_the_admission_window_kept_full() -> None:
+    """alpha 2, train 5 s, push 1 s: a step takes 6 s (training, then the wait for the last push to
+    land). The window holds 3 steps of groups (24); when a batch is taken, 8 places free, and the
+    groups that may fill them are on time only on the version this batch trains, which admission
+    may use once the pushed version has landed: a third of the window stays empty 1 s in every 6."""
+    prof = _profile(CONSTANT, train_s=5.0, sync_s=0.0, push_s=1.0)
+    r = simulate(prof, mode="async", alpha=2, steps=12)
+    assert r.step_times[1:] == pytest.approx([6.0] * 11)
+    assert r.window_fill == pytest.approx(1 - (1 / 3) * (1 / 6))
+    # nothing to wait for: the window stays full
+    full = simulate(_profile(CONSTANT, train_s=5.0, sync_s=0.0), mode="async", alpha=2, steps=12)
+    assert full.window_fill == pytest.approx(1.0)
+    assert simulate(prof, mode="sync", steps=3).window_fill is None  # no window in Sync+

@@ -5,9 +5,12 @@ of the segments (pure functions, unit-tested on hand-made segments).
 - **window bound** (async modes): admission keeps at most ``depth`` steps of groups launched and not yet
   taken by the trainer, and a group of task t lives W_t seconds from launch until it is taken (trained,
   or dropped with nothing trainable). By Little's law the steps per second s satisfy
-  ``s · Σ_t gps_t · W_t <= depth · Σ_t gps_t``, so trained trajectories per second are at most
-  ``depth · Σ_t gps_t · B / Σ_t gps_t · W_t`` with B trajectories per batch (:func:`window_bound`).
-  ``achieved / window bound`` is then the mean fraction of the window admission kept filled;
+  ``s · Σ_t gps_t · W_t <= depth · Σ_t gps_t``: groups are taken at most ``s · Σ_t gps_t`` per second,
+  and trained trajectories per second are at most that times the trajectories trained per group
+  taken, as measured in the same window (:func:`window_bound`): a crashed, timed-out or stale
+  member, or a group dropped with nothing trainable, held its place in the window but trains nothing,
+  so the nominal group size would give a bound no mode can reach. ``achieved / window bound`` is then
+  the mean fraction of the window admission kept filled;
 - every ratio is also taken per round (each round runs every mode once, back to back) and given as
   median [min–max] over rounds (:func:`spread`).
 """
@@ -31,6 +34,7 @@ __all__ = [
     "reward_delta",
     "spread",
     "steady_window",
+    "trained_per_group",
     "window_bound",
 ]
 
@@ -99,18 +103,33 @@ def steady_window(
 
 
 def window_bound(
-    depth: int, mix: Mapping[str, int], group_size: Mapping[str, int], lifetime_s: Mapping[str, float]
+    depth: int,
+    mix: Mapping[str, int],
+    group_size: Mapping[str, int],
+    lifetime_s: Mapping[str, float],
+    trained_per_group: float | None = None,
 ) -> float | None:
     """Trained trajectories/s at most, with ``depth`` steps of groups in flight (``mix``: groups of
-    each task per batch) living ``lifetime_s`` each (launch → taken, per task): Little's law. None
-    when a task of the mix has no measured lifetime."""
+    each task per batch) living ``lifetime_s`` each (launch → taken, per task): Little's law, times
+    ``trained_per_group`` (measured: trained trajectories per group taken; None: the nominal group
+    sizes of the mix). None when a task of the mix has no measured lifetime."""
     if any(t not in lifetime_s for t in mix):
         return None
     group_seconds_per_batch = sum(n * lifetime_s[t] for t, n in mix.items())
     if group_seconds_per_batch <= 0:
         return None
-    batch = sum(n * group_size[t] for t, n in mix.items())
-    return depth * sum(mix.values()) * batch / group_seconds_per_batch
+    groups_per_s = depth * sum(mix.values()) / group_seconds_per_batch * sum(mix.values())
+    if trained_per_group is None:
+        trained_per_group = sum(n * group_size[t] for t, n in mix.items()) / sum(mix.values())
+    return groups_per_s * trained_per_group
+
+
+def trained_per_group(segs: Iterable[Mapping[str, Any]]) -> float | None:
+    """Trajectories trained per group taken (``groups``: the groups taken or dropped in the measured
+    window, whose batches ``trained`` counts); None without a group."""
+    segs = list(segs)
+    groups = sum(n for s in segs for _, n in s.get("groups", {}).values())
+    return sum(s["trained"] for s in segs) / groups if groups else None
 
 
 def spread(values: Iterable[float | None]) -> dict[str, Any] | None:
@@ -187,7 +206,7 @@ def aggregate(
         step_s = [x for s in segs for x in s["step_s"]]
         bound = bounds[mode]
         lifetime = means(merge_sums(s.get("groups", {}) for s in segs))
-        window = _window(bound, lifetime)
+        window = _window(bound, lifetime, trained_per_group(segs))
         min_bound = min(bound["bound"], window) if window is not None else bound["bound"]
         out[mode] = {
             "basis": "steady" if steady else "segment",
@@ -207,6 +226,7 @@ def aggregate(
             "gen_waste": wasted_tok / (wasted_tok + trained_tok) if wasted_tok + trained_tok else None,
             "episode_s": {task: total / n for task, (total, n) in episodes.items() if n},
             "group_lifetime_s": lifetime,
+            "trained_per_group": trained_per_group(segs),
             "group_rollout_s": means(merge_sums(s.get("groups_rollout", {}) for s in segs)),
             "lag_max": max(s["lag_max"] for s in all_segs),
             "utilisation": {
@@ -246,9 +266,9 @@ def aggregate(
     return out
 
 
-def _window(bound: Mapping[str, Any], lifetime: Mapping[str, float]) -> float | None:
+def _window(bound: Mapping[str, Any], lifetime: Mapping[str, float], per_group: float | None) -> float | None:
     w = bound.get("window")
-    return None if not w else window_bound(w["depth"], w["mix"], w["group_size"], lifetime)
+    return None if not w else window_bound(w["depth"], w["mix"], w["group_size"], lifetime, per_group)
 
 
 def _by_round(segs: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
@@ -261,7 +281,7 @@ def _own_rounds(segs: list[dict[str, Any]], steady: bool, bound: Mapping[str, An
     for s in _by_round(segs).values():
         m = _measured(s, steady)
         rate = _rate(m)
-        window = _window(bound, means(m.get("groups", {})))
+        window = _window(bound, means(m.get("groups", {})), trained_per_group([m]))
         rates.append(rate)
         of_bound.append(rate / bound["bound"])
         of_min.append(rate / (min(bound["bound"], window) if window is not None else bound["bound"]))

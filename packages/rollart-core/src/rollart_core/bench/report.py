@@ -235,8 +235,9 @@ def window_lines(res: dict[str, Any]) -> list[str]:
             )
             line += (
                 f". Window bound: at most {spec['depth']} steps x {sum(spec['mix'].values())} groups in flight, "
-                f"groups living {lives} from launch until taken: {r['window_bound_traj_per_s']:.2f} traj/s "
-                f"(Little's law); achieved {r['achieved_over_min_bound']:.0%} of min(compute "
+                f"groups living {lives} from launch until taken, "
+                f"{r.get('trained_per_group') or 0:.2f} trajectories trained per group taken: "
+                f"{r['window_bound_traj_per_s']:.2f} traj/s (Little's law); achieved {r['achieved_over_min_bound']:.0%} of min(compute "
                 f"{r['bound_traj_per_s']:.2f}, window {r['window_bound_traj_per_s']:.2f})"
             )
         out.append(line)
@@ -317,7 +318,8 @@ def markdown(res: dict[str, Any]) -> str:
         "bound: the compute bound (the slowest stage alone); window bound (async): admission keeps at most "
         "max_pending_steps steps of groups in flight, so by Little's law trained traj/s <= depth x groups "
         "per step x batch / (group-seconds per batch), with each group's life measured from launch until the "
-        "trainer took it (group life s); of min bound: achieved / min(bound, window bound). reward runtime: the "
+        "trainer took it (group life s) and the batch counted as trained (trajectories trained per group "
+        "taken, measured: crashed members and dropped groups held their place); of min bound: achieved / min(bound, window bound). reward runtime: the "
         "function runtime's own busy share of its workers' provisioned time, and its cold starts, in the mode's "
         "segments.",
         "",

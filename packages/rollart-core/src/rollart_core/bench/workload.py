@@ -48,9 +48,12 @@ class _Model(BaseModel):
 class BenchSize(_Model):
     rounds: int = Field(2, ge=1)
     """Rounds of A B C … (every mode once per round, same order)."""
-    steps: int = Field(2, ge=1)
+    steps: int = Field(4, ge=1)
     """Measured training steps per mode per round. With ``warmup``, each segment first runs the
-    mode's warm-up steps (:meth:`ModeSpec.warmup_steps`), which the throughput leaves out."""
+    mode's warm-up steps (:meth:`ModeSpec.warmup_steps`), which the throughput leaves out. Four: the
+    simulator (``rollart_core.plan.simulate``, the loop's own admission) keeps async α=2's window
+    80% full over the 2 steps after its warm-up, 90% over 4 and 97% over 17: the first waves of
+    groups take several steps to spread out."""
     warmup: bool = True
     """Run each mode's warm-up steps before the measured ones. Without them throughput is taken over
     whole segments (fill-up included)."""

@@ -75,6 +75,10 @@ class SimResult:
     lag_max: int = 0
     """Largest policy lag (trainer version − oldest token's version) of a trained trajectory."""
     warmup_steps: int = 0
+    window_fill: float | None = None
+    """async: mean number of groups launched and not yet taken over the measured steps, as a share
+    of the most admission allows (``max_pending_steps`` steps of groups); what the bench's
+    achieved / window bound estimates by Little's law."""
 
 
 class _Pool:
@@ -191,6 +195,8 @@ class _Sim:
         self.stale_groups = 0
         self.on_change: Callable[[], None] = lambda: None
         """Called whenever admission may have changed (a group taken, a version served or expected)."""
+        self.group_count: list[tuple[float, int]] = [(0.0, 0)]
+        """(time, pending groups from then on) at every change: the window's fill over time."""
 
     def at(self, t: float, fn: Callable[[], None], tag: str = "") -> None:
         self._seq += 1
@@ -226,6 +232,7 @@ class _Sim:
     def launch_group(self, task: TaskProfile, start_version: int | None = None) -> _Group:
         g = _Group(task, self.clock.served if start_version is None else start_version, self.launched)
         self.groups[g.seq] = g
+        self.group_count.append((self.now, len(self.groups)))
         self.pending[task.name] += 1
         for _ in range(g.size):
             fail_at = self.rng.randrange(task.fail_within_calls) if self.rng.random() < task.fail_prob else -1
@@ -364,6 +371,7 @@ class _Sim:
 
     def _remove(self, g: _Group) -> None:
         del self.groups[g.seq]
+        self.group_count.append((self.now, len(self.groups)))
         self.ready.remove(g)
         self.pending[g.task.name] -= 1
 
@@ -510,6 +518,9 @@ def simulate(
             step_ends.append((sim.now, sum(trained[warmup_steps:])))
     t0, _ = step_ends[warmup_steps]
     t1, n1 = step_ends[-1]
+    fill = None
+    if mode == "async" and t1 > t0:
+        fill = _time_mean(sim.group_count, t0, t1) / (sum(mix.values()) * depth)
     times = [b[0] - a[0] for a, b in itertools.pairwise(step_ends)]
     busy = sim.gen.busy_time / (sim.gen.slots * t1) if sim.gen.slots and t1 > 0 else 0.0
     fates = dict(sim.fates)
@@ -529,7 +540,18 @@ def simulate(
         stale_groups=sim.stale_groups,
         lag_max=max(lags, default=0),
         warmup_steps=warmup_steps,
+        window_fill=fill,
     )
+
+
+def _time_mean(steps: list[tuple[float, int]], t0: float, t1: float) -> float:
+    """Mean over [t0, t1] of a step function given as (time, value from then on), in time order."""
+    area = 0.0
+    for (t, n), (t_next, _) in itertools.pairwise([*steps, (t1, 0)]):
+        lo, hi = max(t, t0), min(t_next, t1)
+        if hi > lo:
+            area += n * (hi - lo)
+    return area / (t1 - t0)
 
 
 def _stretch_generation(sim: _Sim, factor: float) -> None:
