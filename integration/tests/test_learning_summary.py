@@ -57,6 +57,27 @@ def test_censored_sync_gives_a_lower_bound_and_the_median_counts_it(learning: Mo
     assert rows["async_a1"]["final_minus_sync"]["values"] == pytest.approx([0.05, 0.2])
 
 
+def test_training_time_leaves_out_the_start_up_before_the_first_step(learning: ModuleType) -> None:
+    def with_start(t0: float, evals: list[tuple[float, float]]) -> list[dict]:
+        return [{"step": 0, "wall_s": t0, "episodes": 0, "eval_success": 0.0}, *_curve(evals)]
+
+    runs = [  # the step-0 evaluation logged at 40 s (sync) and 30 s (async)
+        {"mode": "sync", "seed": 0, "points": with_start(40, [(340, 0.8)]), "cpu_busy": 0.9},
+        {"mode": "async_a1", "seed": 0, "points": with_start(30, [(130, 0.85)]), "cpu_busy": 0.8},
+        # seed 1: sync never reaches the bar: its training budget is 600 - 40 s
+        {"mode": "sync", "seed": 1, "points": with_start(40, [(500, 0.5)]), "cpu_busy": 0.9},
+        {"mode": "async_a1", "seed": 1, "points": with_start(40, [(180, 0.8)]), "cpu_busy": 0.8},
+    ]
+    rows = learning.summarise(runs, ["sync", "async_a1"], 0.8, 600.0)
+    assert rows["async_a1"]["train_s_to_target"]["values"] == [100.0, 140.0]
+    assert rows["sync"]["train_s_to_target"]["values"] == [300.0, None]
+    ups = rows["async_a1"]["training_speedup_to_target"]["per_seed"]
+    assert [u["training_speedup_to_target"] for u in ups] == pytest.approx([3.0, 4.0])
+    assert [u["training_lower_bound"] for u in ups] == [False, True]
+    # from the command's start the same runs give 340/130 and >= 600/180
+    assert [u["speedup_to_target"] for u in ups] == pytest.approx([340 / 130, 600 / 180])
+
+
 def test_env_latency_wraps_training_envs_and_keeps_evaluation_plain(learning: ModuleType) -> None:
     cfg = RunConfig.model_validate(
         {
