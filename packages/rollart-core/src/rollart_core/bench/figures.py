@@ -118,10 +118,10 @@ def window_bound(
     group_seconds_per_batch = sum(n * lifetime_s[t] for t, n in mix.items())
     if group_seconds_per_batch <= 0:
         return None
-    groups_per_s = depth * sum(mix.values()) / group_seconds_per_batch * sum(mix.values())
+    batches_per_s = depth * sum(mix.values()) / group_seconds_per_batch
     if trained_per_group is None:
-        trained_per_group = sum(n * group_size[t] for t, n in mix.items()) / sum(mix.values())
-    return groups_per_s * trained_per_group
+        return batches_per_s * sum(n * group_size[t] for t, n in mix.items())
+    return batches_per_s * sum(mix.values()) * trained_per_group
 
 
 def trained_per_group(segs: Iterable[Mapping[str, Any]]) -> float | None:
@@ -206,7 +206,8 @@ def aggregate(
         step_s = [x for s in segs for x in s["step_s"]]
         bound = bounds[mode]
         lifetime = means(merge_sums(s.get("groups", {}) for s in segs))
-        window = _window(bound, lifetime, trained_per_group(segs))
+        per_group = trained_per_group(segs)
+        window = _window(bound, lifetime, per_group)
         min_bound = min(bound["bound"], window) if window is not None else bound["bound"]
         out[mode] = {
             "basis": "steady" if steady else "segment",
@@ -226,7 +227,7 @@ def aggregate(
             "gen_waste": wasted_tok / (wasted_tok + trained_tok) if wasted_tok + trained_tok else None,
             "episode_s": {task: total / n for task, (total, n) in episodes.items() if n},
             "group_lifetime_s": lifetime,
-            "trained_per_group": trained_per_group(segs),
+            "trained_per_group": per_group,
             "group_rollout_s": means(merge_sums(s.get("groups_rollout", {}) for s in segs)),
             "lag_max": max(s["lag_max"] for s in all_segs),
             "utilisation": {
