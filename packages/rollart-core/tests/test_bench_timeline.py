@@ -173,7 +173,8 @@ def test_each_mode_warms_up_for_its_pipeline_depth_before_throughput_is_measured
     from rollart_core.bench.figures import steady_window
     from rollart_core.bench.workload import MODES, SIZES, mode_config, workload_config
 
-    assert MODES["sync"].warmup_steps() == 0 and MODES["one_off"].warmup_steps() == 1
+    # Sync+ has no pipeline but leaves its first step out too: it measures the groups One-off measures
+    assert MODES["sync"].warmup_steps() == 1 and MODES["one_off"].warmup_steps() == 1
     assert [MODES[m].warmup_steps() for m in ("async_a1", "async_a2", "async_a4_r3", "admission")] == [
         2,
         3,
@@ -193,10 +194,25 @@ def test_each_mode_warms_up_for_its_pipeline_depth_before_throughput_is_measured
     (w0, w1), measured = steady_window(rows, 3)
     assert (w0, w1) == (5.0, 9.0) and [r["batch_size"] for r in measured] == [12, 16]
     assert steady_window(rows, 5) is None
+
     (w0, _), measured = steady_window(rows, 1)
     assert w0 == 3.0 and len(measured) == 4
     (w0, w1), measured = steady_window(rows, 0)  # no pipeline (Sync+): the whole segment
     assert (w0, w1) == (0.0, 9.0) and measured == rows
+
+
+def test_the_modes_of_a_round_draw_the_same_env_seeds_and_latencies(tmp_path) -> None:
+    from rollart_core.bench.workload import MODES, SIZES, mode_config, segment_config, workload_config
+
+    quick = SIZES["quick"]
+    base = workload_config(quick, tmp_path, tmp_path / "model")
+    sync, hedged = (mode_config(base, MODES[m], quick) for m in ("sync", "async_a2_r3"))
+    r0, r1 = segment_config(sync, 0, "sync"), segment_config(sync, 1, "sync")
+    assert (r0.seed, r1.seed) == (base.seed, base.seed + 1)  # rounds draw afresh, modes of a round alike
+    assert [t.env.options["paired_scope"] for t in r0.tasks] == ["round0/sync"] * 2
+    assert "paired_scope" not in sync.tasks[0].env.options  # the mode's own config is left as it was
+    inner = segment_config(hedged, 1, "async_a2_r3").tasks[1].env.options["env"]
+    assert inner["impl"] == "straggler" and inner["options"]["paired_scope"] == "round1/async_a2_r3"
 
 
 def test_bench_set_overrides_size_fields_and_rejects_unknown_ones(capsys: pytest.CaptureFixture[str]) -> None:

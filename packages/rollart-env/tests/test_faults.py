@@ -153,3 +153,29 @@ async def test_straggler_numbers_its_objects_and_wraps_faulty() -> None:
     await first.close()
     with pytest.raises(ConfigError, match=r"straggler\.options\.faults\.crash_prob"):
         build("env", "straggler", {"env": {"impl": "frozenlake"}, "faults": {"crash_prob": 2}}, "x")
+
+
+async def test_straggler_paired_scope_draws_by_seed_and_rank_not_by_instance() -> None:
+    from rollart_core.registry import build
+
+    def options(scope: str | None) -> dict:
+        faults = {"seed": 3, "crash_prob": 0.5, "fault_within_calls": 1}  # a crash, if any, at reset
+        return {"env": {"impl": "frozenlake"}, "faults": faults, "paired_scope": scope}
+
+    async def crashes(scope: str | None) -> list[bool]:
+        out = []
+        for seed in range(12):
+            for _member in range(3):  # a group: three environments reset on one seed
+                env = build("env", "straggler", options(scope), "x")
+                try:
+                    await env.reset(seed)
+                    out.append(False)
+                except InjectedCrash:
+                    out.append(True)
+        return out
+
+    a, b = await crashes("round0/a"), await crashes("round0/b")
+    assert a == b and any(a) and not all(a)  # two scopes, the same draws in the same order
+    assert any(len(set(a[3 * i : 3 * i + 3])) > 1 for i in range(12))  # members of a group draw apart
+    assert await crashes("round0/a") != a  # the scope's ranks go on: a second pass draws afresh
+    assert await crashes(None) != await crashes(None)  # unpaired: by instance number, never repeats

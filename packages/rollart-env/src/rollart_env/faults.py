@@ -10,7 +10,9 @@ raises :class:`InjectedCrash` (an :class:`~rollart_core.errors.EnvError`) at one
 
 :class:`StragglerEnv` (entry point ``straggler``) is :class:`FaultyEnv` with a fresh instance number
 per environment object: ``rollart bench`` uses it so that the members of one group straggle and fail
-independently.
+independently. With ``paired_scope`` it draws by (episode seed, how many environments of the scope
+reset on that seed before) instead: common random numbers, so that runs launching the same seeds in
+the same order face the same latencies and crashes.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ import asyncio
 import itertools
 import math
 import random
+from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -159,6 +162,9 @@ class FaultyEnv:
         self.action_vocabulary = inner.action_vocabulary
         self.system_prompt = inner.system_prompt
         self.plan = EpisodePlan("none", -1)
+        self.draw_key: tuple[Any, ...] | None = None
+        """Set by a wrapper before ``reset``: the episode draws its latencies and fault from this key
+        instead of (instance, episode number) or its seed (:class:`StragglerEnv`'s pairing)."""
         self.episode_seed = 0
         self.calls = 0
         self.episodes = 0
@@ -199,6 +205,8 @@ class FaultyEnv:
         return (self.instance,) if not self.incarnation else (self.instance, self.incarnation)
 
     def _key(self) -> Any:
+        if self.draw_key is not None:
+            return self.draw_key
         return (*self._who(), self.episodes) if self.spec.per_instance else self.episode_seed
 
     async def reset(self, seed: int) -> tuple[str, dict[str, Any]]:
@@ -206,7 +214,7 @@ class FaultyEnv:
             await self.start()
         self.episode_seed, self.calls = seed, 0
         self.episodes += 1
-        self.plan = plan_episode(self.spec, seed, (*self._who(), self.episodes))
+        self.plan = plan_episode(self.spec, seed, self.draw_key or (*self._who(), self.episodes))
         await self._before()
         return await self.inner.reset(seed)
 
@@ -227,14 +235,22 @@ class StragglerEnvConfig(BaseModel):
     """The environment to wrap."""
     faults: dict[str, Any] = Field(default_factory=dict)
     """A :class:`FaultSpec` (validated by ``faulty``); ``per_instance`` is forced on."""
+    paired_scope: str | None = Field(None, min_length=1)
+    """Common random numbers: the n-th environment of this scope (in this process) to reset on a
+    seed draws its latencies and fault from (seed, n) instead of from its instance number. Two runs
+    that launch the same seeds in the same order (the modes of one ``rollart bench`` round, each its
+    own scope) then face the same environment, so the difference between them is the mode's and not
+    the draw's; the members of a group (one seed) still draw apart. None: by instance."""
 
 
 class StragglerEnv:
     """The ``faulty`` wrapper with a fresh instance number per environment object, so each
-    trajectory (also within a group: same seed) draws its own latencies and crash."""
+    trajectory (also within a group: same seed) draws its own latencies and crash; with
+    ``paired_scope``, by (seed, its rank among the scope's resets on that seed)."""
 
     Config = StragglerEnvConfig
     _instances = itertools.count()
+    _resets_on_seed: ClassVar[Counter[tuple[str, int]]] = Counter()
 
     @classmethod
     def check_config(cls, config: StragglerEnvConfig) -> None:
@@ -256,10 +272,15 @@ class StragglerEnv:
             },
             "straggler.options",
         )
+        self.paired_scope = config.paired_scope
         self.action_vocabulary = self.inner.action_vocabulary
         self.system_prompt = self.inner.system_prompt
 
     async def reset(self, seed: int) -> tuple[str, dict[str, Any]]:
+        if self.paired_scope is not None:  # counted before the first await: launch order decides n
+            n = self._resets_on_seed[(self.paired_scope, seed)]
+            self._resets_on_seed[(self.paired_scope, seed)] += 1
+            self.inner.draw_key = ("paired", seed, n)
         return await self.inner.reset(seed)
 
     async def step(self, action_text: str) -> StepResult:

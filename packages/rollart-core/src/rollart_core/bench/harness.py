@@ -51,6 +51,7 @@ from rollart_core.bench.workload import (
     SIZES,
     BenchSize,
     mode_config,
+    segment_config,
     train_threads,
     workload_config,
 )
@@ -296,7 +297,7 @@ async def run_bench(
                 for m in modes:
                     seg = await run_segment(
                         p,
-                        cfgs[m],
+                        segment_config(cfgs[m], r, m),
                         keep_intervals=r == size.rounds - 1,
                         threads=train_threads(MODES[m].train_cores),
                         warmup=MODES[m].warmup_steps() if size.warmup else None,

@@ -36,6 +36,7 @@ __all__ = [
     "BenchSize",
     "ModeSpec",
     "mode_config",
+    "segment_config",
     "train_threads",
     "workload_config",
 ]
@@ -141,10 +142,12 @@ class ModeSpec(_Model):
         once, so its first steps consume that burst and run faster than the steady state (measured:
         async α=2 with env replicas, steps 2-3 at 1.1 s, steps 4-8 at 1.7 s); only after the burst
         is consumed does the window start with the pipeline as full as at its end. One-off's first
-        step has no rollout to overlap yet (1); Sync+ has no pipeline: every step is alike (0)."""
+        step has no rollout to overlap yet (1). Sync+ has no pipeline, every step is alike, but it
+        leaves out its first step too: then it measures the very groups One-off measures, which draw
+        the same env latencies (:func:`segment_config`), so that the two compare like for like."""
         if self.mode == "async":
             return self.max_pending_steps or self.alpha + 1
-        return 1 if self.mode == "one_off" else 0
+        return 1
 
 
 MODES: dict[str, ModeSpec] = {
@@ -332,6 +335,25 @@ def mode_config(base: RunConfig, spec: ModeSpec, size: BenchSize) -> RunConfig:
                 impl="replicated", options={"env": t.env.model_dump(), "replicas": spec.env_replicas}
             )
     return RunConfig.model_validate(cfg.model_dump())
+
+
+def segment_config(cfg: RunConfig, round_index: int, mode: str) -> RunConfig:
+    """One mode's config for round ``round_index``: every mode of a round launches the same episode
+    seeds (the run's seed plus the round) and its environments draw paired latencies and crashes
+    (``straggler``'s ``paired_scope``, one scope per segment: common random numbers). The modes of a
+    round then wait on the same tails and their ratio is the modes' difference, not the draws'; the
+    next round draws afresh. Without it, which trajectory met a 10 s env call was chance, and one
+    run's One-off over Sync+ moved by ±20%."""
+    seg = cfg.model_copy(deep=True)
+    seg.seed = cfg.seed + round_index
+    for t in seg.tasks:
+        env = t.env.options.get("env") if t.env.impl == "replicated" else None
+        straggler = env if isinstance(env, dict) and env.get("impl") == "straggler" else None
+        if t.env.impl == "straggler":
+            t.env.options["paired_scope"] = f"round{round_index}/{mode}"
+        elif straggler is not None:  # each copy of a hedged env is its own reset: it still draws apart
+            straggler.setdefault("options", {})["paired_scope"] = f"round{round_index}/{mode}"
+    return RunConfig.model_validate(seg.model_dump())
 
 
 def train_threads(train_cores: Literal["all", "half"]) -> int:
