@@ -208,7 +208,8 @@ def test_the_modes_of_a_round_draw_the_same_env_seeds_and_latencies(tmp_path) ->
     base = workload_config(quick, tmp_path, tmp_path / "model")
     sync, hedged = (mode_config(base, MODES[m], quick) for m in ("sync", "async_a2_r3"))
     r0, r1 = segment_config(sync, 0, "sync"), segment_config(sync, 1, "sync")
-    assert (r0.seed, r1.seed) == (base.seed, base.seed + 1)  # rounds draw afresh, modes of a round alike
+    assert (r0.seed, r1.seed) == (base.seed, base.seed + 1000)  # rounds draw afresh, modes of a round alike
+    assert workload_config(quick.model_copy(update={"seed": 8}), tmp_path, tmp_path / "m").seed == 8
     assert [t.env.options["paired_scope"] for t in r0.tasks] == ["round0/sync"] * 2
     assert "paired_scope" not in sync.tasks[0].env.options  # the mode's own config is left as it was
     inner = segment_config(hedged, 1, "async_a2_r3").tasks[1].env.options["env"]

@@ -304,8 +304,10 @@ def markdown(res: dict[str, Any]) -> str:
         *[f"- {x}" for x in _goal_lines(res)],
         "",
         "traj/s: trained trajectories per second of wall time, in the steady state (after each segment's "
-        "warm-up steps, as many as the mode's pipeline is deep: none for Sync+, 1 for One-off, max_pending_steps for "
-        "async; before that, a pipeline launched all at once drains a burst of groups and runs fast); "
+        "warm-up steps, as many as the mode's pipeline is deep: 1 for One-off, max_pending_steps for async, and 1 "
+        "for Sync+ too, so that it measures One-off's groups; before that, a pipeline launched all at once drains a "
+        "burst of groups and runs fast); the modes of a round launch the same episode seeds and draw the same env "
+        "latencies and crashes (common random numbers); "
         "whole-segment traj/s counts the fill-up too (which penalises deep pipelines); cpu busy: fraction of all "
         "the machine's cores busy (anything running), the room left under a compute bound; util: fraction of the time at least one call "
         "of the stage was running; fates count every launched trajectory once (cancelled_at_stop: still in "

@@ -395,7 +395,8 @@ def simulate(
 ) -> SimResult:
     """Simulate ``steps`` training steps of ``mode``; ``gen_slots`` defaults to the profile's
     ``gen_slots``; ``warmup_steps`` (left out of the throughput) defaults to the mode's pipeline
-    depth, as the bench measures: 0 for Sync+, 1 for One-off, ``max_pending_steps`` for async.
+    depth: 0 for Sync+, 1 for One-off, ``max_pending_steps`` for async (the bench also leaves out
+    Sync+'s first step, to measure the groups One-off measures; every Sync+ step is alike).
     ``staleness_admission=False`` admits groups up to the depth without the ``on_time`` rule (an
     ablation: what the loop did before it)."""
     if mode not in MODES:
