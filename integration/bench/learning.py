@@ -14,7 +14,9 @@ adds a log-normal delay (median M seconds, spread S) to every ``reset`` and ``st
 episodes, through the same fault-injection wrapper as ``rollart bench`` (rollart-env's ``straggler``:
 every trajectory draws its own delays). The default, 0.3 s with sigma 1.0 (p99 about 10x the median:
 3 s), is the order of a tool or sandbox call; 0 turns it off (FrozenLake answers in microseconds).
-Held-out evaluation runs on the plain environment (``TaskConfig.eval_env``): it measures the policy,
+The delays are paired: every mode of one seed launches the same episode seeds, and the n-th episode
+on a seed draws the same delays in each run (``straggler``'s ``paired_scope``), so the modes of a seed
+wait on the same tails (since 2026-12-03). Held-out evaluation runs on the plain environment (``TaskConfig.eval_env``): it measures the policy,
 and the instrument should not add wall time that differs between modes.
 
 Per mode it reports, as the median [min-max] over seeds: the wall time to reach held-out success
@@ -81,9 +83,13 @@ class _Curve:
         pass
 
 
-def with_env_latency(cfg: RunConfig, median_s: float, sigma: float, seed: int) -> RunConfig:
+def with_env_latency(
+    cfg: RunConfig, median_s: float, sigma: float, seed: int, paired_scope: str | None = None
+) -> RunConfig:
     """Every task's training env wrapped in the ``straggler`` fault injector (log-normal delay on each
-    reset/step); held-out evaluation keeps the plain env."""
+    reset/step); held-out evaluation keeps the plain env. ``paired_scope`` (one per run): the n-th
+    episode on a seed draws the same delays in every run, and runs of one seed launch the same episode
+    seeds in every mode, so Sync+ and async of a seed wait on the same tails (common random numbers)."""
     if median_s <= 0:
         return cfg
     cfg = cfg.model_copy(deep=True)
@@ -94,6 +100,7 @@ def with_env_latency(cfg: RunConfig, median_s: float, sigma: float, seed: int) -
             options={
                 "env": task.env.model_dump(),
                 "faults": {"seed": seed, "step_latency_s": median_s, "step_latency_sigma": sigma},
+                **({"paired_scope": paired_scope} if paired_scope else {}),
             },
         )
     return cfg
@@ -114,7 +121,7 @@ def _run(args: argparse.Namespace, mode: str, seed: int, out: Path) -> dict[str,
     cfg.train.save_every = 0
     if args.eval_temperature is not None:
         cfg.train.eval_temperature = args.eval_temperature
-    cfg = with_env_latency(cfg, args.env_latency, args.env_sigma, seed)
+    cfg = with_env_latency(cfg, args.env_latency, args.env_sigma, seed, paired_scope=f"{mode}/seed{seed}")
     cfg = cfg.model_copy(update={"output_dir": out / f"{mode}-s{seed}"})
     curve = _Curve(f"{mode} s{seed}")
 

@@ -101,3 +101,5 @@ def test_env_latency_wraps_training_envs_and_keeps_evaluation_plain(learning: Mo
     assert task.eval_env is not None and task.eval_env.impl == "frozenlake"
     assert cfg.tasks[0].env.impl == "frozenlake"  # the input config is left alone
     assert learning.with_env_latency(cfg, 0.0, 1.0, seed=7) is cfg
+    paired = learning.with_env_latency(cfg, 0.3, 1.0, seed=7, paired_scope="sync/seed7")
+    assert paired.tasks[0].env.options["paired_scope"] == "sync/seed7"
