@@ -16,8 +16,9 @@ every trajectory draws its own delays). The default, 0.3 s with sigma 1.0 (p99 a
 3 s), is the order of a tool or sandbox call; 0 turns it off (FrozenLake answers in microseconds).
 The delays are paired: every mode of one seed launches the same episode seeds, and the n-th episode
 on a seed draws the same delays in each run (``straggler``'s ``paired_scope``), so the modes of a seed
-wait on the same tails (since 2026-12-03). Held-out evaluation runs on the plain environment (``TaskConfig.eval_env``): it measures the policy,
-and the instrument should not add wall time that differs between modes.
+wait on the same tails (since 2026-12-03). Held-out evaluation runs on the plain environment
+(``TaskConfig.eval_env``): it measures the policy, and the instrument should not add wall time that
+differs between modes.
 
 Per mode it reports, as the median [min-max] over seeds: the wall time to reach held-out success
 ``--target`` (0.8), the time to reach the same seed's Sync+ final success, the final success (median
