@@ -9,7 +9,7 @@ import pytest
 
 from rollart_core.types import Trajectory, Turn
 from rollart_train import TorchTrainer, TorchTrainerConfig
-from rollart_train._packing import seq_data, split_sequences
+from rollart_train._packing import seq_data, split_sequences, trajectory_weights
 from rollart_train.losses import step_advantages
 from rollart_train.tiny import create_tiny_model
 
@@ -92,3 +92,46 @@ def test_train_step_scores_each_turn_in_its_own_prompt(tiny_model: Path) -> None
         assert adv[0][0] > 0 and after > before[0]
     finally:
         trainer.close()
+
+
+def test_trajectory_weights_give_every_trajectory_the_same_share(tiny_model: Path) -> None:
+    trainer = TorchTrainer(TorchTrainerConfig(), model_path=tiny_model)
+    try:
+        batch = _last_turn_batch(trainer)
+    finally:
+        trainer.close()
+    seqs_t, seq_adv = split_sequences(batch, [0.0] * len(batch))
+    seqs = [seq_data(t, a, False) for t, a in zip(seqs_t, seq_adv, strict=True)]
+    trajectory_weights(batch, seqs)
+    shares, k = [], 0
+    for t in batch:  # 3, 2 and 2 one-token turns
+        n = len(t.sequences())
+        shares.append(sum(sum(s.mask[1:]) * s.weight for s in seqs[k : k + n]))
+        k += n
+    assert shares == pytest.approx([7 / 3] * 3)  # the weights still sum to the 7 loss tokens
+    with pytest.raises(ValueError, match="sequences for"):
+        trajectory_weights(batch, seqs[:-1])
+
+
+@pytest.mark.parametrize("loss_agg", ["token_mean", "trajectory_mean"])
+def test_loss_agg_averages_over_tokens_or_over_trajectories(tiny_model: Path, loss_agg: str) -> None:
+    cfg = TorchTrainerConfig(lr=1e-2, loss_agg=loss_agg)  # type: ignore[arg-type]
+    trainer = TorchTrainer(cfg, model_path=tiny_model)
+    try:
+        batch = _last_turn_batch(trainer)  # rewards 1, 0, 0 over 3, 2 and 2 turns
+        m = trainer.train_step(batch)
+    finally:
+        trainer.close()
+    rewards = [t.reward for t in batch]
+    mean = sum(rewards) / len(rewards)
+    std = (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5
+    adv = [(r - mean) / (std + 1e-6) for r in rewards]
+    turns = [len(t.turns) for t in batch]
+    # ratio 1: minus the mean advantage, over tokens (the 3-turn success counts 3 times) or over
+    # trajectories (each once: GRPO's advantages of a group sum to 0)
+    if loss_agg == "token_mean":
+        expected = -sum(a * n for a, n in zip(adv, turns, strict=True)) / sum(turns)
+    else:
+        expected = -sum(adv) / len(adv)
+    assert m["pg_loss"] == pytest.approx(expected, abs=1e-5)
+    assert m["train_tokens"] == 7

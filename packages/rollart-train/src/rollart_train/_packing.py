@@ -29,6 +29,7 @@ __all__ = [
     "pack_bins",
     "seq_data",
     "split_sequences",
+    "trajectory_weights",
 ]
 
 
@@ -44,6 +45,8 @@ class SeqData:
     """One advantage for every token, or a list with one per token position."""
     spec: dict[int, tuple[tuple[int, ...] | None, float]] | None = None
     """position → (allowed token ids, temperature) of generated tokens, when matching sampling."""
+    weight: float = 1.0
+    """Weight of each of its loss tokens in the batch mean (:func:`trajectory_weights`)."""
 
 
 def split_sequences(
@@ -65,6 +68,25 @@ def split_sequences(
             )
             k += len(s.turns)
     return out_t, out_a
+
+
+def trajectory_weights(batch: Sequence[Trajectory], seqs: Sequence[SeqData]) -> None:
+    """Set every sequence's token weight so that each trajectory of ``batch`` (whose sequences are
+    ``seqs``, in :func:`split_sequences` order) weighs the same in the batch mean, its loss tokens
+    sharing that weight; the weights of all loss tokens still sum to their count."""
+    per_traj: list[list[SeqData]] = []
+    k = 0
+    for t in batch:
+        n = len(t.sequences())
+        per_traj.append(list(seqs[k : k + n]))
+        k += n
+    if k != len(seqs):
+        raise ValueError(f"{len(seqs)} sequences for {k} in the batch's trajectories")
+    tokens = [sum(sum(s.mask[1:]) for s in group) for group in per_traj]
+    total, owners = sum(tokens), sum(1 for n in tokens if n)
+    for group, n in zip(per_traj, tokens, strict=True):
+        for s in group:
+            s.weight = total / (owners * n) if n else 1.0
 
 
 def seq_data(t: Trajectory, advantage: float | Sequence[float], match_sampling: bool) -> SeqData:
@@ -191,7 +213,7 @@ def build_micro_batch(
             tgt.append(s.ids[j])
             sidx.append(i)
             tpos.append(j)
-            mask.append(float(s.mask[j]))
+            mask.append(float(s.mask[j]) * s.weight)
             beh.append(s.behaviour[j])
             ver.append(s.versions[j])
             adv.append(s.advantage[j] if isinstance(s.advantage, list) else s.advantage)

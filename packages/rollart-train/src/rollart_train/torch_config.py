@@ -70,6 +70,12 @@ class TorchTrainerConfig(BaseModel):
     """gigpo: per-turn discount of the episode reward for the step-level returns (<1 prefers short paths)."""
     step_adv_weight: float = Field(1.0, ge=0)
     """gigpo: weight of the step-level advantage added to the episode-level one."""
+    loss_agg: Literal["token_mean", "trajectory_mean"] = "token_mean"
+    """How the batch's token losses are averaged. ``token_mean``: every generated token weighs the
+    same, so a task whose episodes generate more tokens (more turns, longer replies) takes more of the
+    gradient. ``trajectory_mean``: every trajectory weighs the same and its tokens (over all its
+    turns) share that weight, so each task gets its share of the batch's trajectories: the choice
+    for a multi-task batch mixing 12-turn grid episodes with one-call tool episodes."""
     skip_zero_adv: bool = False
     """Leave out of the loss the sequences whose every advantage is 0 (e.g. a group where all
     members failed): the token mean then runs over tokens that carry a learning signal only."""

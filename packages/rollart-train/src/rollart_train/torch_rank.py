@@ -43,6 +43,7 @@ from rollart_train._packing import (
     pack_bins,
     seq_data,
     split_sequences,
+    trajectory_weights,
 )
 from rollart_train.losses import (
     decoupled_ppo_loss,
@@ -253,13 +254,15 @@ class TorchRankWorker:
         n_tokens = sum(sum(s.mask[1:]) for s in seqs)
         if n_tokens == 0:
             raise TrainerError("batch has no generated tokens to train on")
+        if c.loss_agg == "trajectory_mean":
+            trajectory_weights(batch, seqs)
         train_idx = [i for i, s in enumerate(seqs) if any(s.mask[1:])]
         if c.skip_zero_adv:
             informative = [i for i in train_idx if _any_nonzero(seq_adv[i])]
             train_idx = informative or train_idx[:1]  # keep one sequence: the step still runs
         k = min(c.mini_batches, len(train_idx))
         parts = [train_idx[j * len(train_idx) // k : (j + 1) * len(train_idx) // k] for j in range(k)]
-        part_tokens = [sum(sum(seqs[i].mask[1:]) for i in p) for p in parts]
+        part_tokens = [sum(sum(seqs[i].mask[1:]) * seqs[i].weight for i in p) for p in parts]
         plan = self._plan(seqs, parts)
         versions = torch.tensor(
             [v for s in seqs for v, m in zip(s.versions[1:], s.mask[1:], strict=True) if m]
