@@ -64,7 +64,8 @@ def _per_task(ax: Any, data: dict[str, Any], tasks: list[str], key: str, scale: 
         rows = [t for t in data["train"] if task in t["by_task"]]
         xs = [t[key] / scale for t in rows]
         ys = [t["by_task"][task] for t in rows]
-        smooth = [sum(ys[max(0, j - 3) : j + 1]) / len(ys[max(0, j - 3) : j + 1]) for j in range(len(ys))]
+        windows = [ys[max(0, j - 3) : j + 1] for j in range(len(ys))]
+        smooth = [sum(w) / len(w) for w in windows]
         ax.plot(xs, smooth, color=color, lw=0.8, alpha=0.5)
         ev = [e for e in data["eval"] if task in e["by_task"]]
         ax.plot([e[key] / scale for e in ev], [e["by_task"][task] for e in ev], "o-", color=color, label=task)
