@@ -129,3 +129,13 @@ def test_generation_is_quick_for_larger_boards() -> None:
         for m in sol:
             replay.push(m)
         assert replay.solved()  # the recorded backwards walk, replayed forwards, solves the board
+
+
+async def test_instructions_off_leaves_the_board_as_the_whole_prompt() -> None:
+    with_text, bare = SokobanEnv(), SokobanEnv(SokobanConfig(instructions=False))
+    assert with_text.system_prompt and "U, D, L or R" in with_text.system_prompt
+    assert bare.system_prompt is None and SokobanEnv.system_prompt == with_text.system_prompt
+    # the observation (the board) and the rules of play are unchanged
+    assert await bare.reset(3) == await with_text.reset(3)
+    for action in "UDLR":
+        assert await bare.step(action) == await with_text.step(action)
