@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import sysconfig
@@ -270,6 +271,18 @@ print(json.dumps(out))
 """
 
 
+def _passable_by_others(path: str) -> bool:
+    """Every directory from ``path`` up to / lets other users through (o+x): what uid 65534 needs to
+    import the packages installed there."""
+    p = os.path.realpath(path)
+    while True:
+        if not os.stat(p).st_mode & stat.S_IXOTH:
+            return False
+        if os.path.dirname(p) == p:
+            return True
+        p = os.path.dirname(p)
+
+
 def _as_user(user: str) -> list[str]:
     if user == "root":
         if os.geteuid() != 0:
@@ -277,6 +290,12 @@ def _as_user(user: str) -> list[str]:
         return []
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
         pytest.skip("switching to nobody needs root and setpriv")
+    for d in (sysconfig.get_paths()["purelib"], os.path.dirname(os.path.abspath(sandbox.__file__))):
+        if not _passable_by_others(d):
+            pytest.skip(
+                f"uid 65534 cannot import the installed packages: a directory above {d} lacks o+x "
+                "(e.g. a checkout inside a mode-0700 `mktemp -d` directory)"
+            )
     return ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", "--"]
 
 
