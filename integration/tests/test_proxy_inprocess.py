@@ -66,17 +66,22 @@ async def engines(model_dir: Path) -> AsyncIterator[tuple[Any, Any, Any]]:
         weight_store=store,
         name="b",
     )
+    prev_env = os.environ.get("VLLM_RPC_BASE_PATH")
+    ipc = None
     try:
         await asyncio.gather(a.start(), b.start())
-        assert os.listdir(vllm_ipc_dir() or "/nonexistent")  # vLLM's sockets are in our directory
+        ipc = vllm_ipc_dir()
+        assert ipc is not None and os.environ["VLLM_RPC_BASE_PATH"] == ipc
+        assert os.listdir(ipc)  # vLLM's sockets are in our directory
         yield a, b, store
     finally:
         await a.shutdown()
         await b.shutdown()
-    # vLLM's IPC sockets went into this process's directory, and the last engine's stop removed them
-    # (vLLM itself leaves them in the temp dir; no other module's in-process engine is alive now)
-    ipc = vllm_ipc_dir()
-    assert ipc is not None and os.environ["VLLM_RPC_BASE_PATH"] == ipc and os.listdir(ipc) == []
+    # vLLM's IPC sockets went into this process's directory (vLLM itself leaves them in the temp dir),
+    # and the last engine's stop removed it and gave VLLM_RPC_BASE_PATH back (no other module's
+    # in-process engine is alive now)
+    assert ipc is not None and not os.path.exists(ipc) and vllm_ipc_dir() is None
+    assert os.environ.get("VLLM_RPC_BASE_PATH") == prev_env
 
 
 def two(engines: tuple[Any, Any, Any], **kw: Any) -> LLMProxy:

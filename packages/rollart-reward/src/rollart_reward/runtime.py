@@ -38,7 +38,6 @@ import os
 import random
 import signal
 import sys
-import tempfile
 import time
 import uuid
 from typing import Any, Literal
@@ -46,6 +45,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollart_core.errors import RewardError
+from rollart_core.procdirs import owned_tempdir
 from rollart_core.serving import is_loopback
 from rollart_reward.metrics import UtilisationMeter
 from rollart_reward.wire import trajectory_from_dict
@@ -241,11 +241,15 @@ class FunctionRuntime:
         if self.config.admin:
             r.add_post("/admin/faults", self._h_faults)
             r.add_post("/admin/reset", self._h_reset)
-        await self._start_template()
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.host, self.config.port)
-        await site.start()
+        try:
+            await self._start_template()
+            self._runner = web.AppRunner(app, access_log=None)
+            await self._runner.setup()
+            site = web.TCPSite(self._runner, self.config.host, self.config.port)
+            await site.start()
+        except BaseException:  # the template, its socket directory and the server go with the error
+            await self.stop()
+            raise
         port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         self.url = f"http://{self.config.host}:{port}"
         self._reaper = asyncio.create_task(self._reap_idle())
@@ -272,6 +276,7 @@ class FunctionRuntime:
             import shutil
 
             shutil.rmtree(self._sockdir, ignore_errors=True)
+            self._sockdir = ""
 
     def _guard(self) -> Any:
         """Middleware: the bearer token check, and :class:`BadRequest` as a JSON 4xx with its message."""
@@ -301,7 +306,8 @@ class FunctionRuntime:
     async def _start_template(self) -> None:
         """The process workers are forked from: imports and function loaded once (warm snapshot)."""
         c = self.config
-        self._sockdir = tempfile.mkdtemp(prefix="rollart-rt-")
+        # removed by stop(); if this process is killed first, by the next runtime's start
+        self._sockdir = owned_tempdir("rollart-rt-")
         path = os.path.join(self._sockdir, "workers.sock")
         self._unix = await asyncio.start_unix_server(self._on_worker, path, limit=64 << 20)
         t0 = time.monotonic()

@@ -42,46 +42,51 @@ the same time in one process race on it (``DuplicateTimeseries``, seen in CI). E
 are built one at a time; with ``disable_log_stats`` they start side by side."""
 _ipc_dir: str | None = None
 _ipc_users = 0
+_ipc_prev_env: str | None = None
 
 
 def _ipc_acquire() -> None:
     """vLLM names its ZMQ IPC sockets ``$VLLM_RPC_BASE_PATH/<uuid>`` (default: the temp dir) and leaves
     them there when its engine stops (thousands after a day of test runs). Unless the user chose a
-    path, point vLLM at a directory of this process, emptied when its last engine stops and removed
-    at exit. A directory inherited from a parent (a Ray worker started by a driver that ran an engine)
-    is not ours: we make our own."""
-    global _ipc_dir, _ipc_users
-    import atexit
-    import shutil
-    import tempfile
+    path, point vLLM at a directory of this process, removed when its last engine stops; one left by
+    a killed process (a Ray actor ends without running ``atexit``) is swept by the next one made
+    (:func:`rollart_core.procdirs.owned_tempdir`). A directory inherited from a parent (a Ray worker
+    started by a driver that ran an engine) is not ours: we make our own."""
+    global _ipc_dir, _ipc_users, _ipc_prev_env
+    from rollart_core.procdirs import owned_tempdir
 
     with _IPC_LOCK:
         if _ipc_dir is None:
-            current = os.environ.get("VLLM_RPC_BASE_PATH", "")
+            current = os.environ.get("VLLM_RPC_BASE_PATH")
             if current and "rollart-vllm-ipc-" not in current:
                 return  # the user's choice
-            _ipc_dir = tempfile.mkdtemp(prefix=f"rollart-vllm-ipc-{os.getpid()}-")
+            _ipc_prev_env = current
+            _ipc_dir = owned_tempdir("rollart-vllm-ipc-")
             os.environ["VLLM_RPC_BASE_PATH"] = _ipc_dir
-            atexit.register(shutil.rmtree, _ipc_dir, True)
         _ipc_users += 1
 
 
 def _ipc_release() -> None:
-    global _ipc_users
+    global _ipc_dir, _ipc_users
+    import shutil
+
     with _IPC_LOCK:
         if _ipc_dir is None:
             return
         _ipc_users -= 1
         if _ipc_users == 0:
-            for name in os.listdir(_ipc_dir):
-                try:
-                    os.unlink(os.path.join(_ipc_dir, name))
-                except OSError:
-                    pass
+            shutil.rmtree(_ipc_dir, ignore_errors=True)
+            if os.environ.get("VLLM_RPC_BASE_PATH") == _ipc_dir:
+                if _ipc_prev_env is None:
+                    os.environ.pop("VLLM_RPC_BASE_PATH", None)
+                else:
+                    os.environ["VLLM_RPC_BASE_PATH"] = _ipc_prev_env
+            _ipc_dir = None
 
 
 def vllm_ipc_dir() -> str | None:
-    """The directory this process's vLLM engines put their IPC sockets in (None: the user's choice)."""
+    """The directory this process's running vLLM engines put their IPC sockets in (None: no engine of
+    this process is running, or ``VLLM_RPC_BASE_PATH`` is the user's choice)."""
     return _ipc_dir
 
 
