@@ -51,6 +51,7 @@ import yaml
 from rollart_core.bench.workload import train_threads
 from rollart_core.config import ComponentConfig, RunConfig, load_config
 from rollart_core.control.train import train
+from rollart_core.signals import sigterm_as_sigint
 from rollart_core.timeline import CpuMeter
 
 MODES: dict[str, tuple[str, int]] = {"sync": ("sync", 0), "async_a1": ("async", 1), "async_a2": ("async", 2)}
@@ -375,6 +376,7 @@ def plot(runs: list[dict[str, Any]], modes: list[str], budget_s: float, path: Pa
 
 
 def main() -> None:
+    sigterm_as_sigint()  # SIGTERM stops the runs as Ctrl-C does: engines and Ray shut down
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="examples/frozenlake_tiny.yaml")
     ap.add_argument("--minutes", type=float, default=12.0, help="wall-clock budget of every run")

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from rollart_core.errors import ConfigError, RollartError
+from rollart_core.signals import sigterm_as_sigint, terminated
 
 __all__ = ["main"]
 
@@ -133,10 +134,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     verbose = getattr(args, "verbose", False)
+    sigterm_as_sigint()  # a scheduler's SIGTERM stops the run as Ctrl-C does, cleaning up
     try:
         return _run(args)
     except KeyboardInterrupt:
-        return 130
+        return 143 if terminated() else 130
     except Exception as exc:
         line = _bad_input_line(exc)
         if verbose:

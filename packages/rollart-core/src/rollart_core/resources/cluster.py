@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 import time
 from pathlib import Path
 from types import TracebackType
@@ -77,7 +79,11 @@ class RayCluster:
             if self.config.num_cpus is not None:
                 kwargs["num_cpus"] = self.config.num_cpus
         t0 = time.perf_counter()
+        main = threading.current_thread() is threading.main_thread()
+        sigterm = signal.getsignal(signal.SIGTERM) if main else None
         ray.init(**kwargs)
+        if callable(sigterm):  # ray.init takes SIGTERM over (exit at once, its agents left behind):
+            signal.signal(signal.SIGTERM, sigterm)  # the application's own handler goes back
         self.start_s = time.perf_counter() - t0
         self.started = True
         if _worker_log_link is not None:
