@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -151,6 +152,9 @@ def test_spawned_single_rank_gives_the_in_process_update(one_rank, tiny_model) -
         with pytest.raises(TrainerError, match="at least 1 thread"):
             trainer.set_num_threads(0)
         trainer.set_num_threads(1)
+        # a terminal's Ctrl-C reaches the rank too (same process group): the driver, not the signal,
+        # ends it, so it goes on answering
+        os.kill(trainer.pids[0], signal.SIGINT)
         for n, w in trainer.named_weights():
             assert torch.equal(w, one_rank["before"][n]), n
         m = trainer.train_step(one_rank["batch"])
@@ -164,3 +168,22 @@ def test_spawned_single_rank_gives_the_in_process_update(one_rank, tiny_model) -
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_a_dead_spawned_rank_is_a_trainer_error(one_rank, tiny_model) -> None:
+    """A rank killed outright (OOM killer, SIGKILL) fails the next command with a TrainerError naming
+    it, not a bare pipe error (before: ConnectionResetError)."""
+    from rollart_core.errors import TrainerError
+
+    trainer = TorchTrainer(TorchTrainerConfig(**CFG, spawn=True), model_path=tiny_model)
+    (pid,) = trainer.pids
+    try:
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(TrainerError, match=r"rank 0.*died|died.*exit code -9"):
+            trainer.train_step(one_rank["batch"])
+        with pytest.raises(TrainerError, match="died|closed"):  # and so does every later one
+            trainer.logprobs([5, 6, 7])
+    finally:
+        trainer.close()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 import traceback
 import weakref
@@ -37,6 +38,9 @@ def _rank_main(
 ) -> None:
     import torch.distributed as dist
 
+    # the driver owns this process's life (close, or EOF when it dies): a terminal's Ctrl-C, sent to
+    # the whole foreground process group, must not kill a rank mid-step while the driver shuts down
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["LOCAL_RANK"] = str(rank)
     try:
         worker = start_rank_worker(
@@ -124,8 +128,15 @@ class SpawnedRanks:
     def call(self, method: str, *args: Any) -> Any:
         if not self._finalizer.alive:
             raise TrainerError("the trainer's ranks are closed")
-        for c in self.conns:
-            c.send((method, args))
+        for rank, (c, p) in enumerate(zip(self.conns, self.procs, strict=True)):
+            try:
+                c.send((method, args))
+            except (OSError, ValueError) as exc:  # its end of the pipe is gone: the rank died
+                p.join(timeout=1)
+                self.close()
+                raise TrainerError(
+                    f"{method}: rank {rank} died (exit code {p.exitcode}); all ranks stopped"
+                ) from exc
         return self._gather(method)
 
     def _gather(self, what: str) -> Any:
@@ -139,7 +150,11 @@ class SpawnedRanks:
                 if rank in results:
                     continue
                 if c.poll(0.05):
-                    results[rank] = c.recv()
+                    try:
+                        results[rank] = c.recv()
+                    except (EOFError, OSError):  # it died: poll() saw the pipe close
+                        p.join(timeout=1)
+                        results[rank] = ("error", f"process died (exit code {p.exitcode})")
                     if results[rank][0] != "ok" and failed_at is None:
                         failed_at = time.monotonic()
                 elif not p.is_alive():
