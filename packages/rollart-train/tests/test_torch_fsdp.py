@@ -181,7 +181,7 @@ def test_a_dead_spawned_rank_is_a_trainer_error(one_rank, tiny_model) -> None:
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(TrainerError, match=r"rank 0.*died|died.*exit code -9"):
             trainer.train_step(one_rank["batch"])
-        with pytest.raises(TrainerError, match="died|closed"):  # and so does every later one
+        with pytest.raises(TrainerError, match=r"died|closed"):  # and so does every later one
             trainer.logprobs([5, 6, 7])
     finally:
         trainer.close()
