@@ -1,5 +1,5 @@
 """SIGTERM (a scheduler's, ``timeout``'s, ``kill``'s) stops ``rollart train`` as Ctrl-C does: the run's
-stages shut down, its summary and report are written, it exits 143, and no process it started is
+stages shut down, its report and timeline are written, it exits 143, and no process it started is
 left. Before, Ray's own SIGTERM handler aborted the driver and left Ray's agents behind."""
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import pytest
 from rollart_core.procdirs import owned_tempdir, sweep_orphans
 
 MAKE_AND_WAIT = (
-    "import sys, time; from rollart_core.procdirs import owned_tempdir; "
+    "import time; from rollart_core.procdirs import owned_tempdir; "
     "p = owned_tempdir('rollart-test-'); open(p + '/s', 'w').close(); print(p, flush=True); time.sleep(120)"
 )
 

@@ -63,7 +63,7 @@ def sweep_orphans(prefix: str, root: str | None = None) -> list[str]:
             continue
         owner_ns, _, rest = name[len(prefix) :].partition("-")
         pid, _, _ = rest.partition("-")
-        if owner_ns != ns or not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+        if owner_ns != ns or not pid.isdigit() or _alive(int(pid)):  # this process is alive too
             continue
         path = os.path.join(root, name)
         try:

@@ -4,7 +4,7 @@ Schedulers, ``timeout``, ``kill`` and container runtimes stop a process with SIG
 default the driver dies on the spot; left to Ray's (``ray.init`` installs one that exits at once) the
 driver aborts and leaves Ray's agents, spawned trainer ranks and engines behind. :func:`sigterm_as_sigint`
 makes SIGTERM take the SIGINT path instead: under ``asyncio.run`` the main task is cancelled, so every
-stage's shutdown runs (engines stopped, Ray shut down) and the run's summary and report are written;
+stage's shutdown runs (engines stopped, Ray shut down) and the run's report is written;
 outside it, :class:`Terminated` (a ``KeyboardInterrupt``) is raised. :class:`RayCluster` puts this
 handler back after ``ray.init`` took SIGTERM over.
 
