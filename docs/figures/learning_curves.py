@@ -7,7 +7,7 @@ task's training success (mean over 4 steps).
         --title "..." --baseline 0.18 "best constant digit" --note "..." --command "..."
 
 The run directory is what ``rollart train`` writes: ``metrics.jsonl`` (one row per step, step 0 the
-evaluation before training) and ``summary.json`` (start-up phases, wall time), if the run finished.
+evaluation before training) and ``summary.json`` (start-up phases, wall time; also for a run stopped by Ctrl-C or SIGTERM).
 """
 
 from __future__ import annotations

@@ -52,6 +52,8 @@ def test_quiet_console_and_report_files(run_dir: tuple[Path, subprocess.Complete
     for phase in ("import_s", "ray_start_s", "model_s", "trainer_start_s", "engines_start_s", "first_step_s"):
         assert summary[phase] > 0, phase
     assert summary["import_s"] < summary["first_step_s"] < summary["wall_s"] + summary["first_step_s"]
+    assert summary["outcome"] == "completed" and summary["completed"] is True
+    assert json.loads((run / "summary.json").read_text())["steps"] == summary["steps"] == 2
     assert "Started a local Ray instance" in (run / "logs" / "rollart.log").read_text()
     assert (run / "logs" / "ray").is_symlink() and any((run / "logs" / "ray").glob("worker-*.out"))
     tail = r.stderr.strip().splitlines()[-4:]

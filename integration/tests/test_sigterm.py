@@ -1,9 +1,11 @@
 """SIGTERM (a scheduler's, ``timeout``'s, ``kill``'s) stops ``rollart train`` as Ctrl-C does: the run's
-stages shut down, its report and timeline are written, it exits 143, and no process it started is
-left. Before, Ray's own SIGTERM handler aborted the driver and left Ray's agents behind."""
+stages shut down, its report, timeline and summary (the steps it made, every launched trajectory's
+fate) are written, it exits 143, and no process it started is left. Before, Ray's own SIGTERM
+handler aborted the driver and left Ray's agents behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -74,6 +76,12 @@ def test_sigterm_stops_the_run_cleanly(tmp_path: Path) -> None:
         assert rc == 143, out[-3000:]
         assert "SIGTERM received" not in out  # Ray's abort handler did not run
         assert (tmp_path / "run" / "report.html").is_file() and (tmp_path / "run" / "timeline.json").is_file()
+        # what the stopped run did: its steps and the fate of every trajectory it launched
+        summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+        assert summary["outcome"] == "terminated (SIGTERM)" and summary["completed"] is False, summary
+        assert summary["steps"] >= 1 and summary["launched"] >= 8, summary
+        assert sum(summary["fates"].values()) == summary["launched"], summary
+        assert summary["fates"].get("cancelled_at_stop", 0) < summary["launched"], summary
         _wait_for(
             f"the run's processes to exit (left: {_session(proc.pid)})", lambda: not _session(proc.pid), 60
         )

@@ -271,13 +271,16 @@ def _train(cfg: Any, *, verbose: bool) -> int:
                 import_s = since_process_start()
                 from rollart_core.control.train import train
 
-                summary = asyncio.run(train(cfg))
+                asyncio.run(train(cfg, summary=summary))  # filled even when the run stops early
         except BaseException as exc:
             error = exc
             logging.getLogger(__name__).info("the run failed", exc_info=True)  # the file only
         finally:
             worker_logs_to(None)
         summary.pop("history", None)
+        summary["outcome"] = _outcome(error)
+        if error is not None and not isinstance(error, KeyboardInterrupt):
+            summary["error"] = f"{type(error).__name__}: {error}"
         if import_s is not None:
             summary["import_s"] = import_s
         summary = {"name": cfg.name, "output_dir": str(out), **summary}
@@ -295,6 +298,14 @@ def _train(cfg: Any, *, verbose: bool) -> int:
     return 0
 
 
+def _outcome(error: BaseException | None) -> str:
+    if error is None:
+        return "completed"
+    if isinstance(error, KeyboardInterrupt):
+        return "terminated (SIGTERM)" if terminated() else "interrupted (SIGINT)"
+    return "failed"
+
+
 def _write_outputs(
     out: Path,
     summary: dict[str, Any],
@@ -306,7 +317,7 @@ def _write_outputs(
     """``summary.json``, ``timeline.json`` and the report; a failure here is logged, never hides the run's own."""
     try:
         out.mkdir(parents=True, exist_ok=True)
-        if not error:
+        if not error or "steps" in summary:  # a run stopped or failed after its loop began: what it did
             (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
         if tl.intervals:
             save_timeline(tl.intervals, min(s for _, s, _, _ in tl.intervals), out / "timeline.json")

@@ -52,11 +52,19 @@ CONSOLE_KEYS = [
 
 
 async def train(
-    cfg: RunConfig, sink: MetricsSink | None = None, pipeline: Pipeline | None = None
+    cfg: RunConfig,
+    sink: MetricsSink | None = None,
+    pipeline: Pipeline | None = None,
+    *,
+    summary: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run ``cfg.train.steps`` steps in ``cfg.train.mode``; returns a summary. ``pipeline``: run on
-    an already built one (its engines serving the trainer's version) instead of building one."""
+    an already built one (its engines serving the trainer's version) instead of building one.
+    ``summary``: a dict filled with the summary (and returned) however the run ends: a run stopped
+    (Ctrl-C, SIGTERM) or failed after its loop began still records the steps it made and the fate of
+    every trajectory it launched, with ``completed`` False."""
     tc = cfg.train
+    summary = {} if summary is None else summary
     history: list[dict[str, Any]] = []
     if pipeline is None and (moved := set_aside_earlier_run(cfg.output_dir, tc.resume_from)):
         log.info("the earlier run in %s was moved to %s", cfg.output_dir, moved)
@@ -73,6 +81,7 @@ async def train(
             sink.log(0, {**await held_out(), "version": p.trainer.version})
             p.timings["eval0_s"] = time.perf_counter() - t_eval
         recipe = RECIPES[tc.mode](run)
+        completed = False
         try:
             async for rec in recipe:
                 metrics = step_metrics(run, rec)
@@ -84,27 +93,35 @@ async def train(
                 if "first_step_s" not in p.timings and (age := since_process_start()) is not None:
                     p.timings["first_step_s"] = age  # from the command's start: what a user waits for
                 history.append(metrics)
+            completed = True
         finally:  # also when cancelled or failed mid-step: stop what runs beside the loop
-            await recipe.aclose()
-            await run.stop()
-        ro = run.rollout
-        summary = {
-            "mode": tc.mode,
-            "alpha": tc.alpha,
-            "steps": len(history),
-            "final_version": p.trainer.version,
-            "served_version": run.clock.served,
-            "launched": ro.launched,
-            "fates": dict(ro.fates),
-            "wall_s": time.perf_counter() - run.t_start,
-            "dropped_groups": sorted(p.buffer.dropped_groups),
-            "relaunched_groups": run.relaunches,
-            "trainer_restarts": getattr(p.trainer, "restarts", 0),
-            "history": history,
-            **p.timings,
-        }
+            try:
+                await recipe.aclose()
+                await run.stop()
+            finally:  # however it ended: the steps made and every launched trajectory's fate
+                summary.update(_summary(p, run, history, completed))
     sink.close()
     return summary
+
+
+def _summary(p: Pipeline, run: Run, history: list[dict[str, Any]], completed: bool) -> dict[str, Any]:
+    ro = run.rollout
+    return {
+        "mode": run.cfg.train.mode,
+        "alpha": run.cfg.train.alpha,
+        "completed": completed,
+        "steps": len(history),
+        "final_version": p.trainer.version,
+        "served_version": run.clock.served,
+        "launched": ro.launched,
+        "fates": dict(ro.fates),
+        "wall_s": time.perf_counter() - run.t_start,
+        "dropped_groups": sorted(p.buffer.dropped_groups),
+        "relaunched_groups": run.relaunches,
+        "trainer_restarts": getattr(p.trainer, "restarts", 0),
+        "history": history,
+        **p.timings,
+    }
 
 
 async def rollout_step(p: Pipeline, step: int, *, launch_tag: str = "s") -> list[Trajectory]:
