@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from rollart_core.types import Trajectory, Turn
-from rollart_train.losses import grpo_advantages, ppo_clip_loss, step_advantages, token_logprobs
+from rollart_train.losses import (
+    grpo_advantages,
+    ppo_clip_loss,
+    step_advantages,
+    token_logprobs,
+    trajectory_mean_weights,
+)
 
 
 def traj(group: str, reward: float, i: int = 0) -> Trajectory:
@@ -329,3 +335,12 @@ def test_ppo_clip_loss_empty_mask_is_zero_not_nan() -> None:
     loss, info = ppo_clip_loss(logp, blp, adv, torch.zeros_like(mask))
     assert float(loss) == 0.0
     assert info["clip_frac"] == 0.0 and info["approx_kl"] == 0.0
+
+
+def test_trajectory_mean_weights_share_each_trajectory_equally() -> None:
+    counts = [12, 1, 3, 0]  # a 12-token episode, a one-token tool call, a 3-token one, nothing to train
+    w = trajectory_mean_weights(counts)
+    shares = [n * x for n, x in zip(counts, w, strict=True)]
+    assert shares[:3] == pytest.approx([16 / 3] * 3)  # the same share each, summing to the 16 tokens
+    assert sum(shares) == pytest.approx(16) and w[3] == 1.0
+    assert trajectory_mean_weights([4, 4]) == [1.0, 1.0]  # equal lengths: the token mean

@@ -131,9 +131,9 @@ def ray_session() -> Iterator[None]:
         ray.shutdown()
 
 
-def make_batch(logprobs: Any) -> list[Trajectory]:
+def make_batch(logprobs: Any, perturb: bool = True) -> list[Trajectory]:
     """Eight trajectories of different lengths in two groups; behaviour logprobs are the policy's own,
-    perturbed (so the ratios are not all 1)."""
+    perturbed unless ``perturb`` is False (so the ratios are not all 1)."""
     g = torch.Generator().manual_seed(11)
     out = []
     for i in range(8):
@@ -143,7 +143,7 @@ def make_batch(logprobs: Any) -> list[Trajectory]:
         turn = Turn(
             context_ids=ctx,
             output_ids=gen,
-            output_logprobs=[x - 0.05 * (k % 3) for k, x in enumerate(lps)],
+            output_logprobs=[x - 0.05 * (k % 3) * perturb for k, x in enumerate(lps)],
             output_versions=[0] * len(gen),
         )
         out.append(
@@ -161,12 +161,14 @@ def make_batch(logprobs: Any) -> list[Trajectory]:
     return out
 
 
-def _config(ranks: int, tp: int, **kw: Any) -> RayTrainerGroupConfig:
+def _config(
+    ranks: int, tp: int, options_extra: dict[str, Any] | None = None, **kw: Any
+) -> RayTrainerGroupConfig:
     return RayTrainerGroupConfig(
         worker="megatron",
         ranks=ranks,
         pool=POOL,
-        options={**CPU_OPTS, "tensor_parallel": tp, "num_threads": 1},
+        options={**CPU_OPTS, "tensor_parallel": tp, "num_threads": 1, **(options_extra or {})},
         call_timeout_s=300,
         placement_timeout_s=300,
         **kw,
@@ -239,3 +241,25 @@ def test_two_rank_tensor_parallel_group_matches_world_of_one_and_restarts(
         assert _max_diff(dict(group.named_weights()), second) < 1e-6
     finally:
         group.close()
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_MCORE, reason="megatron-core is not installed (extra [megatron])")
+def test_trajectory_mean_weighs_every_trajectory_the_same(ray_session: None, tmp_path: Path) -> None:
+    from rollart_train.losses import grpo_advantages
+
+    model = create_tiny_model(tmp_path / "tiny")
+    group = RayTrainerGroup(_config(1, 1, options_extra={"loss_agg": "trajectory_mean"}), model_path=model)
+    try:
+        batch = make_batch(group.logprobs, perturb=False)  # ratio 1: the loss is minus the mean advantage
+        m = group.train_step(batch)
+    finally:
+        group.close()
+    adv = grpo_advantages(batch)
+    lengths = [t.num_generated() for t in batch]
+    per_trajectory = -sum(adv) / len(adv)  # each trajectory once (a GRPO group's advantages sum to 0)
+    per_token = -sum(a * n for a, n in zip(adv, lengths, strict=True)) / sum(lengths)
+    assert abs(per_token - per_trajectory) > 0.05  # the batch tells the two apart
+    assert m["loss"] == pytest.approx(per_trajectory, abs=1e-4)
+    assert m["train_tokens"] == sum(lengths)

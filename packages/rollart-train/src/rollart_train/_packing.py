@@ -20,6 +20,7 @@ import torch
 
 from rollart_core.types import Trajectory
 from rollart_train._attention import SEGMENT_ATTENTION
+from rollart_train.losses import trajectory_mean_weights
 
 __all__ = [
     "MicroBatch",
@@ -82,11 +83,10 @@ def trajectory_weights(batch: Sequence[Trajectory], seqs: Sequence[SeqData]) -> 
         k += n
     if k != len(seqs):
         raise ValueError(f"{len(seqs)} sequences for {k} in the batch's trajectories")
-    tokens = [sum(sum(s.mask[1:]) for s in group) for group in per_traj]
-    total, owners = sum(tokens), sum(1 for n in tokens if n)
-    for group, n in zip(per_traj, tokens, strict=True):
+    weights = trajectory_mean_weights([sum(sum(s.mask[1:]) for s in group) for group in per_traj])
+    for group, w in zip(per_traj, weights, strict=True):
         for s in group:
-            s.weight = total / (owners * n) if n else 1.0
+            s.weight = w
 
 
 def seq_data(t: Trajectory, advantage: float | Sequence[float], match_sampling: bool) -> SeqData:

@@ -33,6 +33,7 @@ __all__ = [
     "ppo_clip_loss",
     "step_advantages",
     "token_logprobs",
+    "trajectory_mean_weights",
 ]
 
 KlEstimator = Literal["k1", "k2", "k3"]
@@ -104,6 +105,15 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """``logp[b, i] = log softmax(logits[b, i-1])[tokens[b, i]]`` for i >= 1 (shape [B, T-1])."""
     logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
     return logp.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+def trajectory_mean_weights(token_counts: Sequence[int]) -> list[float]:
+    """``loss_agg: trajectory_mean``: the weight of each loss token of every trajectory (whose loss
+    tokens number ``token_counts``) so that each trajectory with loss tokens weighs the same in the
+    batch mean and its tokens share that weight; the weighted tokens still sum to their count, so the
+    loss keeps the scale of a token mean. A trajectory without loss tokens gets 1.0 (it adds nothing)."""
+    total, owners = sum(token_counts), sum(1 for n in token_counts if n)
+    return [total / (owners * n) if n else 1.0 for n in token_counts]
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, n: torch.Tensor | float | None = None) -> torch.Tensor:

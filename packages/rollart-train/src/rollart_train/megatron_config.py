@@ -39,6 +39,10 @@ class MegatronTrainerConfig(BaseModel):
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     entropy_coef: float = Field(0.0, ge=0)
     scale_adv_by_std: bool = True
+    loss_agg: Literal["token_mean", "trajectory_mean"] = "token_mean"
+    """As TorchTrainer: ``token_mean`` weighs every generated token the same; ``trajectory_mean``
+    every trajectory (its tokens share the weight), so each task of a multi-task batch gets its
+    share of the batch's trajectories however many tokens its episodes generate."""
     micro_batch_size: int = Field(4, ge=1)
     """Sequences per micro-batch (right-padded to the batch's longest, a multiple of 8)."""
 

@@ -46,6 +46,7 @@ from rollart_train.losses import (
     grpo_advantages,
     kl_penalty,
     masked_mean,
+    trajectory_mean_weights,
 )
 from rollart_train.megatron_config import MegatronTrainerConfig
 from rollart_train.megatron_convert import hf_to_megatron, megatron_to_hf, merge_tp_shards
@@ -171,8 +172,10 @@ class MegatronTrainer:
     # training --------------------------------------------------------------------------------
 
     def _micro_batches(
-        self, batch: Sequence[Trajectory], adv: list[float]
+        self, batch: Sequence[Trajectory], adv: list[float], weights: list[float]
     ) -> tuple[list[dict[str, torch.Tensor]], int]:
+        """This data-parallel rank's share of ``batch``, right-padded; the loss mask carries each
+        trajectory's token weight (``loss_agg``)."""
         mine = list(range(self.dp_rank, len(batch), self.dp_size))
         width = max(len(t.token_ids()) for t in batch)
         width = (width + 7) // 8 * 8  # one shape for every micro-batch (pipeline p2p needs it)
@@ -190,7 +193,7 @@ class MegatronTrainer:
                 t = batch[i]
                 tok = t.token_ids()
                 ids[r, : len(tok)] = torch.tensor(tok)
-                mask[r, : len(tok)] = torch.tensor(t.loss_mask(), dtype=torch.float32)
+                mask[r, : len(tok)] = torch.tensor(t.loss_mask(), dtype=torch.float32) * weights[i]
                 beh[r, : len(tok)] = torch.tensor(t.behaviour_logprobs())
                 ver[r, : len(tok)] = torch.tensor(t.token_versions())
                 a[r, :] = adv[i]
@@ -231,7 +234,12 @@ class MegatronTrainer:
         n_tokens = sum(t.num_generated() for t in batch)
         if n_tokens == 0:
             raise TrainerError("batch has no generated tokens to train on")
-        micros, width = self._micro_batches(batch, adv)
+        weights = (
+            trajectory_mean_weights([sum(t.loss_mask()[1:]) for t in batch])
+            if c.loss_agg == "trajectory_mean"
+            else [1.0] * len(batch)
+        )
+        micros, width = self._micro_batches(batch, adv, weights)
         fb = get_forward_backward_func() if self.cuda else forward_backward_cpu
         stale = any(v != self.version for t in batch for v in t.token_versions() if v >= 0)
         prox: list[torch.Tensor] = []
