@@ -30,7 +30,9 @@ fraction from the first step on. A run that never reaches a bar within the budge
 The trainer runs in its own process (torch trainer ``spawn``) on all cores in sync mode and on half
 of them in async mode, where training overlaps rollout (as ``rollart bench``);
 ``--in-process-trainer`` keeps the config's trainer as it is. ``--trainer-option KEY=VALUE`` sets a
-trainer option for every mode (each run records the options it trained with), and ``--merge`` puts
+trainer option for every mode, ``--async-trainer-option KEY=VALUE`` for the async modes only (after
+``--trainer-option``; e.g. ``ppo_epochs=1``: async spends its extra batches on fresh data instead of a
+second pass over one-step-old data) (each run records the options it trained with), and ``--merge`` puts
 runs made separately (e.g. another mode or seed later) into one summary.
 """
 
@@ -118,6 +120,8 @@ def _run(args: argparse.Namespace, mode: str, seed: int, out: Path) -> dict[str,
             spawn=True, num_threads=train_threads("all" if recipe == "sync" else args.async_train_cores)
         )
     cfg.trainer.options.update(args.trainer_options)
+    if recipe == "async":
+        cfg.trainer.options.update(args.async_trainer_options)
     cfg.train.steps = 100_000
     cfg.train.eval_every = args.eval_every
     cfg.train.save_every = 0
@@ -421,13 +425,25 @@ def main() -> None:
         help="set a trainer option for every mode (VALUE read as YAML), e.g. --trainer-option "
         "loss=decoupled_ppo --trainer-option tis_cap=2; repeatable",
     )
+    ap.add_argument(
+        "--async-trainer-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set a trainer option for the async modes only, after --trainer-option (e.g. ppo_epochs=1); "
+        "repeatable",
+    )
     args = ap.parse_args()
-    args.trainer_options = {}
-    for item in args.trainer_option:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            ap.error(f"--trainer-option {item!r}: expected KEY=VALUE")
-        args.trainer_options[key] = yaml.safe_load(value)
+    args.trainer_options, args.async_trainer_options = {}, {}
+    for flag, items, into in (
+        ("--trainer-option", args.trainer_option, args.trainer_options),
+        ("--async-trainer-option", args.async_trainer_option, args.async_trainer_options),
+    ):
+        for item in items:
+            key, sep, value = item.partition("=")
+            if not sep or not key:
+                ap.error(f"{flag} {item!r}: expected KEY=VALUE")
+            into[key] = yaml.safe_load(value)
     if args.quick:
         args.minutes, args.eval_every, args.seeds = 2.0, 2, args.seeds.split(",")[0]
     modes = args.modes.split(",")
