@@ -9,6 +9,7 @@ replaced by the stand-ins of ``rollart_train._megatron_cpu``; their CUDA path is
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import signal
 from collections.abc import Iterator
@@ -263,3 +264,65 @@ def test_trajectory_mean_weighs_every_trajectory_the_same(ray_session: None, tmp
     assert abs(per_token - per_trajectory) > 0.05  # the batch tells the two apart
     assert m["loss"] == pytest.approx(per_trajectory, abs=1e-4)
     assert m["train_tokens"] == sum(lengths)
+
+
+def _last_turn_batch(logprobs: Any) -> list[Trajectory]:
+    """Two groups of three multi-turn episodes whose turns are sequences of their own (task
+    ``context: last_turn``); members of a group revisit the same prompts (GiGPO's step groups);
+    behaviour logprobs are the policy's own given each turn's prompt only, lowered by 0.05 per turn
+    index (ratio ``exp(0.05 k)`` at turn ``k``, inside the clip range)."""
+    states = [[5, 6, 7, 8], [5, 9, 7, 8], [5, 9, 9, 8]]
+    episodes = [  # (state index, action) per turn, reward
+        ([(0, 40), (1, 41), (2, 40)], 1.0),
+        ([(0, 41), (0, 42)], 0.0),  # its second turn revisits the first state (a step group across turns)
+        ([(0, 40), (1, 42)], 0.0),
+    ]
+    out = []
+    for g in range(2):
+        for i, (turns, reward) in enumerate(episodes):
+            built = []
+            for k, (s, action) in enumerate(turns):
+                ctx = [x + 50 * g for x in states[s]]
+                built.append(
+                    Turn(
+                        context_ids=ctx,
+                        output_ids=[action],
+                        output_logprobs=[logprobs([*ctx, action])[-1] - 0.05 * k],
+                        output_versions=[0],
+                        new_sequence=k > 0,
+                    )
+                )
+            out.append(
+                Trajectory(
+                    f"g{g}-{i}", "t", "e", f"g{g}", seed=g, start_version=0, turns=built, reward=reward
+                )
+            )
+    return out
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_MCORE, reason="megatron-core is not installed (extra [megatron])")
+def test_per_turn_sequences_train_with_their_gigpo_advantages(ray_session: None, tmp_path: Path) -> None:
+    """Current-state-only prompts: every turn is its own sequence carrying its own step advantage."""
+    from rollart_train.losses import grpo_advantages, step_advantages
+
+    model = create_tiny_model(tmp_path / "tiny")
+    opts = {"advantage": "gigpo", "gamma": 0.9}
+    group = RayTrainerGroup(_config(1, 1, options_extra=opts), model_path=model)
+    try:
+        batch = _last_turn_batch(group.logprobs)
+        before = dict(group.named_weights())
+        m = group.train_step(batch)
+        moved = _max_diff(dict(group.named_weights()), before)
+    finally:
+        group.close()
+    ratio = [math.exp(0.05 * k) for t in batch for k in range(len(t.turns))]  # one token per turn
+    per_turn = [a for turns in step_advantages(batch, gamma=0.9) for a in turns]
+    per_episode = [a for a, t in zip(grpo_advantages(batch), batch, strict=True) for _ in t.turns]
+    expected = -sum(r * a for r, a in zip(ratio, per_turn, strict=True)) / len(ratio)
+    episode_only = -sum(r * a for r, a in zip(ratio, per_episode, strict=True)) / len(ratio)
+    assert abs(expected - episode_only) > 1e-3  # 10x the tolerance below: the batch tells them apart
+    assert m["loss"] == pytest.approx(expected, abs=1e-4)
+    assert m["train_tokens"] == len(ratio) == 14
+    assert moved > 5e-4

@@ -39,6 +39,13 @@ class MegatronTrainerConfig(BaseModel):
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     entropy_coef: float = Field(0.0, ge=0)
     scale_adv_by_std: bool = True
+    advantage: Literal["grpo", "gigpo"] = "grpo"
+    """As TorchTrainer: ``grpo`` one group-relative advantage per trajectory; ``gigpo`` (multi-turn)
+    adds a step-level advantage per turn (:func:`~rollart_train.losses.step_advantages`)."""
+    gamma: float = Field(1.0, gt=0, le=1)
+    """gigpo: per-turn discount of the episode reward for the step-level returns."""
+    step_adv_weight: float = Field(1.0, ge=0)
+    """gigpo: weight of the step-level advantage added to the episode-level one."""
     loss_agg: Literal["token_mean", "trajectory_mean"] = "token_mean"
     """As TorchTrainer: ``token_mean`` weighs every generated token the same; ``trajectory_mean``
     every trajectory (its tokens share the weight), so each task of a multi-task batch gets its

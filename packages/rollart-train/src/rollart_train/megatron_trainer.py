@@ -12,11 +12,12 @@ with CPU stand-ins for Megatron's DDP, optimizer and schedule (:mod:`rollart_tra
 
 Weights are loaded from a Hugging Face Qwen2/Llama directory (``config.json`` + safetensors) through
 :mod:`rollart_train.megatron_convert`. The loss is the same as the torch trainer's (PPO-clip or decoupled
-PPO, KL to the behaviour policy, entropy), computed on full-vocabulary logits of the last stage.
+PPO, KL to the behaviour policy, entropy; GRPO or GiGPO advantages; one sequence per trajectory, or per
+turn for current-state-only prompts), computed on full-vocabulary logits of the last stage.
 Checkpoints (:meth:`MegatronTrainer.save`) are a Hugging Face directory plus each rank's optimizer
 state; ``resume_from`` restores weights and version on any layout, the optimizer state on the same one.
 Not done yet: sequence packing (Megatron's THD layout needs Transformer Engine attention; micro-batches
-are right-padded), a reference model for KL, and optimizer state across layouts.
+are right-padded), a reference model for KL, optimizer state across layouts, and ``match_sampling``.
 """
 
 from __future__ import annotations
@@ -40,13 +41,14 @@ from rollart_train._megatron_cpu import (
     forward_backward_cpu,
     init_cpu_rng,
 )
+from rollart_train._packing import SeqData, seq_data, split_sequences, trajectory_weights
 from rollart_train.losses import (
     decoupled_ppo_loss,
     entropy_from_logits,
     grpo_advantages,
     kl_penalty,
     masked_mean,
-    trajectory_mean_weights,
+    step_advantages,
 )
 from rollart_train.megatron_config import MegatronTrainerConfig
 from rollart_train.megatron_convert import hf_to_megatron, megatron_to_hf, merge_tp_shards
@@ -171,13 +173,11 @@ class MegatronTrainer:
 
     # training --------------------------------------------------------------------------------
 
-    def _micro_batches(
-        self, batch: Sequence[Trajectory], adv: list[float], weights: list[float]
-    ) -> tuple[list[dict[str, torch.Tensor]], int]:
-        """This data-parallel rank's share of ``batch``, right-padded; the loss mask carries each
-        trajectory's token weight (``loss_agg``)."""
-        mine = list(range(self.dp_rank, len(batch), self.dp_size))
-        width = max(len(t.token_ids()) for t in batch)
+    def _micro_batches(self, seqs: Sequence[SeqData]) -> tuple[list[dict[str, torch.Tensor]], int]:
+        """This data-parallel rank's share of the batch's sequences, right-padded; the loss mask
+        carries each sequence's token weight (``loss_agg``), ``adv`` its per-token advantages."""
+        mine = list(range(self.dp_rank, len(seqs), self.dp_size))
+        width = max(len(s.ids) for s in seqs)
         width = (width + 7) // 8 * 8  # one shape for every micro-batch (pipeline p2p needs it)
         micros = []
         mbs = self.config.micro_batch_size
@@ -190,13 +190,16 @@ class MegatronTrainer:
             ver = torch.full((n, width), -1, dtype=torch.long)
             a = torch.zeros((n, width))
             for r, i in enumerate(idx):
-                t = batch[i]
-                tok = t.token_ids()
-                ids[r, : len(tok)] = torch.tensor(tok)
-                mask[r, : len(tok)] = torch.tensor(t.loss_mask(), dtype=torch.float32) * weights[i]
-                beh[r, : len(tok)] = torch.tensor(t.behaviour_logprobs())
-                ver[r, : len(tok)] = torch.tensor(t.token_versions())
-                a[r, :] = adv[i]
+                sq = seqs[i]
+                n_tok = len(sq.ids)
+                ids[r, :n_tok] = torch.tensor(sq.ids)
+                mask[r, :n_tok] = torch.tensor(sq.mask, dtype=torch.float32) * sq.weight
+                beh[r, :n_tok] = torch.tensor(sq.behaviour)
+                ver[r, :n_tok] = torch.tensor(sq.versions)
+                if isinstance(sq.advantage, float):
+                    a[r, :] = sq.advantage
+                else:
+                    a[r, :n_tok] = torch.tensor(sq.advantage)
             micros.append({"ids": ids, "mask": mask, "beh": beh, "ver": ver, "adv": a})
         return micros, width
 
@@ -223,25 +226,25 @@ class MegatronTrainer:
 
         if not batch:
             raise TrainerError("train_step called with an empty batch")
-        if any(len(t.sequences()) > 1 for t in batch):
-            raise TrainerError(
-                "MegatronTrainer trains one sequence per trajectory; per-turn sequences "
-                "(task context: last_turn) need the torch trainer for now"
-            )
         c = self.config
         t0 = time.perf_counter()
-        adv = grpo_advantages(batch, scale_by_std=c.scale_adv_by_std)
-        n_tokens = sum(t.num_generated() for t in batch)
+        adv: list[float] | list[list[float]]
+        if c.advantage == "gigpo":
+            adv = step_advantages(
+                batch, gamma=c.gamma, step_weight=c.step_adv_weight, scale_by_std=c.scale_adv_by_std
+            )
+        else:
+            adv = grpo_advantages(batch, scale_by_std=c.scale_adv_by_std)
+        # one sequence per trajectory, or per turn when each turn's prompt was the current state only
+        seqs = [seq_data(t, a, False) for t, a in zip(*split_sequences(batch, adv), strict=True)]
+        n_tokens = sum(sum(sq.mask[1:]) for sq in seqs)
         if n_tokens == 0:
             raise TrainerError("batch has no generated tokens to train on")
-        weights = (
-            trajectory_mean_weights([sum(t.loss_mask()[1:]) for t in batch])
-            if c.loss_agg == "trajectory_mean"
-            else [1.0] * len(batch)
-        )
-        micros, width = self._micro_batches(batch, adv, weights)
+        if c.loss_agg == "trajectory_mean":
+            trajectory_weights(batch, seqs)
+        micros, width = self._micro_batches(seqs)
         fb = get_forward_backward_func() if self.cuda else forward_backward_cpu
-        stale = any(v != self.version for t in batch for v in t.token_versions() if v >= 0)
+        stale = any(v != self.version for sq in seqs for v in sq.versions if v >= 0)
         prox: list[torch.Tensor] = []
         if c.loss == "decoupled_ppo" and stale:  # proximal logprobs: the weights before this update
 
@@ -322,7 +325,7 @@ class MegatronTrainer:
         self.version += 1
         self.counters["optimizer_steps" if ok else "skipped_steps"] += 1
         self.counters["samples_seen"] += len(batch)
-        self.counters["tokens_seen"] += sum(len(t.token_ids()) for t in batch)
+        self.counters["tokens_seen"] += sum(len(sq.ids) for sq in seqs)
         reduced = self._reduce_stats(stats)
         return {
             **reduced,
