@@ -31,9 +31,10 @@ The trainer runs in its own process (torch trainer ``spawn``) on all cores in sy
 of them in async mode, where training overlaps rollout (as ``rollart bench``);
 ``--in-process-trainer`` keeps the config's trainer as it is. ``--trainer-option KEY=VALUE`` sets a
 trainer option for every mode, ``--async-trainer-option KEY=VALUE`` for the async modes only (after
-``--trainer-option``; e.g. ``ppo_epochs=1``: async spends its extra batches on fresh data instead of a
-second pass over one-step-old data) (each run records the options it trained with), and ``--merge`` puts
-runs made separately (e.g. another mode or seed later) into one summary.
+``--trainer-option``; e.g. ``ppo_epochs=1`` and ``mini_batches=4``: async spends its extra batches on fresh
+data instead of a second pass over one-step-old data, with as many optimizer steps a batch as Sync+'s
+two epochs of two) (each run records the options it trained with), and ``--merge`` puts runs made
+separately (e.g. another mode or seed later) into one summary.
 """
 
 from __future__ import annotations
@@ -430,7 +431,8 @@ def main() -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="set a trainer option for the async modes only, after --trainer-option (e.g. ppo_epochs=1); "
+        help="set a trainer option for the async modes only, after --trainer-option (e.g. ppo_epochs=1, "
+        "then mini_batches=4); "
         "repeatable",
     )
     args = ap.parse_args()
