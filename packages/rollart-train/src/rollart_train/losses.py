@@ -23,6 +23,7 @@ import torch
 from rollart_core.types import Trajectory
 
 __all__ = [
+    "batch_advantages",
     "behaviour_weights",
     "decoupled_ppo_loss",
     "entropy_from_logits",
@@ -66,6 +67,18 @@ def _normalise(values: Sequence[float], scale_by_std: bool, eps: float) -> list[
     if scale_by_std:
         centred = centred / (x.std(unbiased=False) + eps)
     return centred.tolist()
+
+
+def batch_advantages(
+    batch: Sequence[Trajectory], kind: str, *, gamma: float, step_weight: float, scale_by_std: bool
+) -> list[float] | list[list[float]]:
+    """A trainer's ``advantage`` option: ``grpo`` (:func:`grpo_advantages`, one per trajectory) or
+    ``gigpo`` (:func:`step_advantages`, one per turn)."""
+    if kind == "gigpo":
+        return step_advantages(batch, gamma=gamma, step_weight=step_weight, scale_by_std=scale_by_std)
+    if kind == "grpo":
+        return grpo_advantages(batch, scale_by_std=scale_by_std)
+    raise ValueError(f"advantage must be 'grpo' or 'gigpo', got {kind!r}")
 
 
 def step_advantages(

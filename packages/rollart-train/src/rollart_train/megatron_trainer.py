@@ -43,12 +43,11 @@ from rollart_train._megatron_cpu import (
 )
 from rollart_train._packing import SeqData, seq_data, split_sequences, trajectory_weights
 from rollart_train.losses import (
+    batch_advantages,
     decoupled_ppo_loss,
     entropy_from_logits,
-    grpo_advantages,
     kl_penalty,
     masked_mean,
-    step_advantages,
 )
 from rollart_train.megatron_config import MegatronTrainerConfig
 from rollart_train.megatron_convert import hf_to_megatron, megatron_to_hf, merge_tp_shards
@@ -228,13 +227,9 @@ class MegatronTrainer:
             raise TrainerError("train_step called with an empty batch")
         c = self.config
         t0 = time.perf_counter()
-        adv: list[float] | list[list[float]]
-        if c.advantage == "gigpo":
-            adv = step_advantages(
-                batch, gamma=c.gamma, step_weight=c.step_adv_weight, scale_by_std=c.scale_adv_by_std
-            )
-        else:
-            adv = grpo_advantages(batch, scale_by_std=c.scale_adv_by_std)
+        adv = batch_advantages(
+            batch, c.advantage, gamma=c.gamma, step_weight=c.step_adv_weight, scale_by_std=c.scale_adv_by_std
+        )
         # one sequence per trajectory, or per turn when each turn's prompt was the current state only
         seqs = [seq_data(t, a, False) for t, a in zip(*split_sequences(batch, adv), strict=True)]
         n_tokens = sum(sum(sq.mask[1:]) for sq in seqs)

@@ -46,12 +46,11 @@ from rollart_train._packing import (
     trajectory_weights,
 )
 from rollart_train.losses import (
+    batch_advantages,
     decoupled_ppo_loss,
     entropy_from_logits,
-    grpo_advantages,
     kl_penalty,
     masked_mean,
-    step_advantages,
 )
 from rollart_train.torch_config import TorchTrainerConfig, lr_factor
 
@@ -241,13 +240,9 @@ class TorchRankWorker:
             raise TrainerError("train_step called with an empty batch")
         c = self.config = config or self.config
         t0 = time.perf_counter()
-        adv: list[float] | list[list[float]]
-        if c.advantage == "gigpo":
-            adv = step_advantages(
-                batch, gamma=c.gamma, step_weight=c.step_adv_weight, scale_by_std=c.scale_adv_by_std
-            )
-        else:
-            adv = grpo_advantages(batch, scale_by_std=c.scale_adv_by_std)
+        adv = batch_advantages(
+            batch, c.advantage, gamma=c.gamma, step_weight=c.step_adv_weight, scale_by_std=c.scale_adv_by_std
+        )
         # one sequence per trajectory, or per turn when each turn's prompt was the current state only
         seq_trajs, seq_adv = split_sequences(batch, adv)
         seqs = [seq_data(t, a, c.match_sampling) for t, a in zip(seq_trajs, seq_adv, strict=True)]
