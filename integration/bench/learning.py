@@ -34,7 +34,9 @@ trainer option for every mode, ``--async-trainer-option KEY=VALUE`` for the asyn
 ``--trainer-option``; e.g. ``ppo_epochs=1`` and ``mini_batches=4``: async spends its extra batches on fresh
 data instead of a second pass over one-step-old data, with as many optimizer steps a batch as Sync+'s
 two epochs of two) (each run records the options it trained with), and ``--merge`` puts runs made
-separately (e.g. another mode or seed later) into one summary.
+separately (e.g. another mode or seed later) into one summary. Merged runs may have different budgets
+(e.g. longer Sync+ runs, so that its time to the bar is measured rather than "> budget"): times to a
+bar then come from each whole run, final success from the shortest budget, so finals compare alike.
 """
 
 from __future__ import annotations
@@ -157,6 +159,7 @@ def _run(args: argparse.Namespace, mode: str, seed: int, out: Path) -> dict[str,
         "trainer_options": cfg.trainer.options,
         "points": curve.points,
         "cpu_busy": busy,
+        "budget_s": args.minutes * 60,
     }
 
 
@@ -187,8 +190,13 @@ def from_training_start(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{**p, "wall_s": p["wall_s"] - t0} for p in points]
 
 
-def final_success(points: list[dict[str, Any]], last: int = 3) -> float | None:
-    evals = [p["eval_success"] for p in points if "eval_success" in p and p["step"] >= 1]
+def final_success(points: list[dict[str, Any]], last: int = 3, until: float | None = None) -> float | None:
+    """Median of the last ``last`` evaluations (of those logged by ``until`` s, when given)."""
+    evals = [
+        p["eval_success"]
+        for p in points
+        if "eval_success" in p and p["step"] >= 1 and (until is None or p["wall_s"] <= until)
+    ]
     return statistics.median(evals[-last:]) if evals else None
 
 
@@ -216,23 +224,34 @@ def speedup(sync_s: float | None, mode_s: float | None, budget: float) -> tuple[
     return sync_s / mode_s, False
 
 
+def common_budget(runs: list[dict[str, Any]], budget_s: float) -> float:
+    """The shortest run's budget: where final success is compared when runs had different budgets."""
+    return min((r.get("budget_s", budget_s) for r in runs), default=budget_s)
+
+
 def summarise(runs: list[dict[str, Any]], modes: list[str], target: float, budget_s: float) -> dict[str, Any]:
+    """Per mode, over seeds. ``budget_s``: the budget of runs that do not record their own. Runs may
+    have different budgets (``--merge`` of e.g. longer Sync+ runs): a time to a bar is taken over the
+    whole run and a censored one is "> that run's budget", while final success (and the Sync+ final
+    that ``s_to_sync_final`` times) is taken at the shortest run's budget, so finals compare alike."""
     by_mode = {m: [r for r in runs if r["mode"] == m] for m in modes}
-    sync_final = {r["seed"]: final_success(r["points"]) for r in by_mode.get("sync", [])}
+    common = common_budget(runs, budget_s)
+    sync_final = {r["seed"]: final_success(r["points"], until=common) for r in by_mode.get("sync", [])}
     rows: dict[str, Any] = {}
     for m, rs in by_mode.items():
         per_seed = []
         for r in rs:
-            pts, sf = r["points"], sync_final.get(r["seed"])
+            pts, sf, run_budget = r["points"], sync_final.get(r["seed"]), r.get("budget_s", budget_s)
             per_seed.append(
                 {
                     "seed": r["seed"],
+                    "budget_s": run_budget,
                     "s_to_target": first_reaching(pts, target),
                     "train_s_to_target": first_reaching(from_training_start(pts), target),
-                    "train_budget_s": budget_s - training_start(pts),
+                    "train_budget_s": run_budget - training_start(pts),
                     "episodes_to_target": first_reaching(pts, target, "episodes"),
                     "s_to_sync_final": first_reaching(pts, sf) if sf is not None else None,
-                    "final_success": final_success(pts),
+                    "final_success": final_success(pts, until=common),
                     "best_success": max(
                         (p["eval_success"] for p in pts if "eval_success" in p), default=None
                     ),
@@ -241,10 +260,11 @@ def summarise(runs: list[dict[str, Any]], modes: list[str], target: float, budge
                     "cpu_busy": r["cpu_busy"],
                 }
             )
+        mode_budget = min((s["budget_s"] for s in per_seed), default=budget_s)
         rows[m] = {
             "per_seed": per_seed,
             **{
-                k: spread([s[k] for s in per_seed], budget_s if k.startswith("s_to") else None)
+                k: spread([s[k] for s in per_seed], mode_budget if k.startswith("s_to") else None)
                 for k in ("s_to_target", "s_to_sync_final", "final_success", "steps_per_min", "cpu_busy")
             },
             "train_s_to_target": spread(
@@ -259,7 +279,7 @@ def summarise(runs: list[dict[str, Any]], modes: list[str], target: float, budge
                 ref = sync_by_seed.get(s["seed"])
                 if ref is None:
                     continue
-                up, bound = speedup(ref["s_to_target"], s["s_to_target"], budget_s)
+                up, bound = speedup(ref["s_to_target"], s["s_to_target"], ref["budget_s"])
                 tup, tbound = speedup(ref["train_s_to_target"], s["train_s_to_target"], ref["train_budget_s"])
                 ups.append(
                     {
@@ -459,14 +479,16 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     runs: list[dict[str, Any]] = []
     if args.merge:
-        budgets = set()
+        workloads: dict[str, tuple[Any, ...]] = {}
         for path in args.merge:
             merged = json.loads(Path(path).read_text())
-            runs.extend(merged["runs"])
-            budgets.add(merged["command"]["minutes"])
-        if len(budgets) != 1:
-            ap.error(f"--merge: the files ran different budgets ({sorted(budgets)} min): not comparable")
-        (args.minutes,) = budgets
+            cmd = merged["command"]
+            workloads[path] = (cmd["config"], cmd["env_latency"], cmd["env_sigma"])
+            runs.extend({"budget_s": cmd["minutes"] * 60, **r} for r in merged["runs"])
+        if len(set(workloads.values())) != 1:
+            ap.error(f"--merge: the files ran different workloads (config, env latency, sigma): {workloads}")
+        (args.config, args.env_latency, args.env_sigma) = next(iter(workloads.values()))
+        args.minutes = common_budget(runs, 0.0) / 60
         seeds = sorted({r["seed"] for r in runs})
         modes = [m for m in MODES if any(r["mode"] == m for r in runs)]
     else:
@@ -487,8 +509,14 @@ def main() -> None:
     }
     (out / "learning.json").write_text(json.dumps(result, indent=1))
     print_table(rows, args.target)
+    budgets = {m: sorted({r.get("budget_s", budget_s) / 60 for r in runs if r["mode"] == m}) for m in modes}
+    if len({b for bs in budgets.values() for b in bs}) > 1:
+        per_mode = ", ".join(f"{m} {'/'.join(f'{b:g}' for b in bs)}" for m, bs in budgets.items())
+        budget_txt = f"budgets (min) {per_mode}; final success at {args.minutes:g} min"
+    else:
+        budget_txt = f"budget {args.minutes:g} min per run"
     print(
-        f"(median [min-max] over seeds {seeds}; budget {args.minutes} min per run; "
+        f"(median [min-max] over seeds {seeds}; {budget_txt}; "
         f"env latency {args.env_latency} s, sigma {args.env_sigma})"
     )
     try:

@@ -103,3 +103,44 @@ def test_env_latency_wraps_training_envs_and_keeps_evaluation_plain(learning: Mo
     assert learning.with_env_latency(cfg, 0.0, 1.0, seed=7) is cfg
     paired = learning.with_env_latency(cfg, 0.3, 1.0, seed=7, paired_scope="sync/seed7")
     assert paired.tasks[0].env.options["paired_scope"] == "sync/seed7"
+
+
+def test_runs_of_different_budgets_time_the_bar_whole_and_compare_finals_at_the_shorter(
+    learning: ModuleType,
+) -> None:
+    runs = [
+        # a 1500 s Sync+ run: past the async runs' 840 s it reaches 0.8 (at 1200 s) and then 0.95
+        {
+            "mode": "sync",
+            "seed": 0,
+            "budget_s": 1500.0,
+            "points": _curve([(300, 0.5), (600, 0.6), (800, 0.7), (1200, 0.8), (1400, 0.95), (1490, 0.95)]),
+            "cpu_busy": 0.9,
+        },
+        {
+            "mode": "async_a1",
+            "seed": 0,
+            "budget_s": 840.0,
+            "points": _curve([(200, 0.6), (400, 0.8), (600, 0.8), (820, 0.85)]),
+            "cpu_busy": 0.8,
+        },
+        # seed 1: the long Sync+ run never reaches 0.8 either: the bound is its own 1500 s
+        {
+            "mode": "sync",
+            "seed": 1,
+            "budget_s": 1500.0,
+            "points": _curve([(700, 0.5), (1450, 0.7)]),
+            "cpu_busy": 0.9,
+        },
+        {"mode": "async_a1", "seed": 1, "budget_s": 840.0, "points": _curve([(500, 0.8)]), "cpu_busy": 0.8},
+    ]
+    rows = learning.summarise(runs, ["sync", "async_a1"], 0.8, 840.0)
+    assert rows["sync"]["s_to_target"]["values"] == [1200.0, None]
+    ups = rows["async_a1"]["speedup_to_target"]["per_seed"]
+    assert [u["speedup_to_target"] for u in ups] == pytest.approx([3.0, 1500 / 500])
+    assert [u["lower_bound"] for u in ups] == [False, True]
+    # finals at the shorter budget (840 s): Sync+ seed 0 had 0.5/0.6/0.7 by then (median 0.6), not 0.95
+    assert rows["sync"]["final_success"]["values"] == [0.6, 0.5]
+    assert rows["async_a1"]["final_minus_sync"]["values"] == pytest.approx([0.2, 0.3])
+    # ... and the Sync+ final that async is timed to is that 0.6: reached at 200 s
+    assert rows["async_a1"]["s_to_sync_final"]["values"] == [200.0, 500.0]
