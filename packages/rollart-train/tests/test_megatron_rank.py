@@ -326,3 +326,72 @@ def test_per_turn_sequences_train_with_their_gigpo_advantages(ray_session: None,
     assert m["loss"] == pytest.approx(expected, abs=1e-4)
     assert m["train_tokens"] == len(ratio) == 14
     assert moved > 5e-4
+
+
+def _sampled_batch(model_dir: Path) -> list[Trajectory]:
+    """Two-turn episodes sampled under a processed distribution: turn 1 restricted to four tokens at
+    temperature 0.7, turn 2 any token at temperature 1.3. Behaviour logprobs are those of the
+    processed distribution (vLLM ``processed_logprobs``), computed here by the Hugging Face model."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    allowed = (10, 20, 30, 40)
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for i in range(6):
+        turns = []
+        for allow, temp in ((allowed, 0.7), (None, 1.3)):
+            ctx = torch.randint(3, 400, (int(torch.randint(2, 8, (1,), generator=g)),), generator=g).tolist()
+            pool = allow or tuple(range(3, 400))
+            gen = [pool[int(k)] for k in torch.randint(0, len(pool), (3,), generator=g)]
+            turns.append(
+                Turn(
+                    context_ids=ctx,
+                    output_ids=gen,
+                    output_logprobs=[0.0] * len(gen),
+                    output_versions=[0] * len(gen),
+                    allowed_token_ids=allow,
+                    temperature=temp,
+                )
+            )
+        t = Trajectory(
+            f"t{i}", "t", "e", f"g{i % 2}", seed=i, start_version=0, turns=turns, reward=float(i % 3)
+        )
+        with torch.no_grad():
+            logits = hf(input_ids=torch.tensor([t.token_ids()])).logits[0].double()
+        pos = 0
+        for turn in t.turns:
+            pos += len(turn.context_ids)
+            for j, tok in enumerate(turn.output_ids):
+                row = logits[pos + j - 1] / turn.temperature
+                if turn.allowed_token_ids is not None:
+                    keep = list(turn.allowed_token_ids)
+                    row = torch.full_like(row, float("-inf")).index_copy(0, torch.tensor(keep), row[keep])
+                turn.output_logprobs[j] = float(torch.log_softmax(row, -1)[tok])
+            pos += len(turn.output_ids)
+        out.append(t)
+    return out
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_MCORE, reason="megatron-core is not installed (extra [megatron])")
+def test_match_sampling_trains_on_the_distribution_tokens_were_sampled_from(
+    ray_session: None, tmp_path: Path
+) -> None:
+    model = create_tiny_model(tmp_path / "tiny")
+    batch = _sampled_batch(model)
+    metrics: dict[str, dict[str, float]] = {}
+    for name, extra in (("matched", {"match_sampling": True, "entropy_coef": 0.01}), ("plain", {})):
+        group = RayTrainerGroup(_config(1, 1, options_extra=extra), model_path=model)
+        try:
+            metrics[name] = group.train_step(batch)
+        finally:
+            group.close()
+    m, plain = metrics["matched"], metrics["plain"]
+    # the trainer's distribution is the sampler's: ratio 1 on every token (temperatures 0.7 and 1.3,
+    # a four-token restriction), where full-vocabulary temperature-1 logprobs are far off
+    assert abs(m["approx_kl"]) < 1e-5 and m["clip_frac"] == 0.0
+    assert abs(plain["approx_kl"]) > 0.1 and plain["clip_frac"] > 0.3
+    # the entropy bonus over the restricted logits (-inf outside the set) leaves the gradient finite
+    assert math.isfinite(m["grad_norm"]) and m["grad_norm"] > 0 and m["update_successful"] == 1.0

@@ -50,6 +50,10 @@ class MegatronTrainerConfig(BaseModel):
     """As TorchTrainer: ``token_mean`` weighs every generated token the same; ``trajectory_mean``
     every trajectory (its tokens share the weight), so each task of a multi-task batch gets its
     share of the batch's trajectories however many tokens its episodes generate."""
+    match_sampling: bool = False
+    """As TorchTrainer: the policy's logprobs (and entropy) under the restriction
+    (``allowed_token_ids``) and temperature each token was sampled with. Requires behaviour logprobs
+    of the processed distribution (vLLM ``logprobs_mode: processed_logprobs``)."""
     micro_batch_size: int = Field(4, ge=1)
     """Sequences per micro-batch (right-padded to the batch's longest, a multiple of 8)."""
 

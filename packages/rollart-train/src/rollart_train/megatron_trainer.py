@@ -13,11 +13,12 @@ with CPU stand-ins for Megatron's DDP, optimizer and schedule (:mod:`rollart_tra
 Weights are loaded from a Hugging Face Qwen2/Llama directory (``config.json`` + safetensors) through
 :mod:`rollart_train.megatron_convert`. The loss is the same as the torch trainer's (PPO-clip or decoupled
 PPO, KL to the behaviour policy, entropy; GRPO or GiGPO advantages; one sequence per trajectory, or per
-turn for current-state-only prompts), computed on full-vocabulary logits of the last stage.
+turn for current-state-only prompts), computed on full-vocabulary logits of the last stage, under each
+token's sampling temperature and token restriction with ``match_sampling``.
 Checkpoints (:meth:`MegatronTrainer.save`) are a Hugging Face directory plus each rank's optimizer
 state; ``resume_from`` restores weights and version on any layout, the optimizer state on the same one.
 Not done yet: sequence packing (Megatron's THD layout needs Transformer Engine attention; micro-batches
-are right-padded), a reference model for KL, optimizer state across layouts, and ``match_sampling``.
+are right-padded), a reference model for KL, and optimizer state across layouts.
 """
 
 from __future__ import annotations
@@ -174,8 +175,12 @@ class MegatronTrainer:
 
     def _micro_batches(self, seqs: Sequence[SeqData]) -> tuple[list[dict[str, torch.Tensor]], int]:
         """This data-parallel rank's share of the batch's sequences, right-padded; the loss mask
-        carries each sequence's token weight (``loss_agg``), ``adv`` its per-token advantages."""
+        carries each sequence's token weight (``loss_agg``), ``adv`` its per-token advantages. With
+        sampling specs (``match_sampling``): ``temp`` each target's temperature and ``allow`` the
+        index of its allowed-token set (-1: any) in ``allow_sets`` (one vocabulary mask per set)."""
         mine = list(range(self.dp_rank, len(seqs), self.dp_size))
+        sets: dict[tuple[int, ...], int] = {}
+        any_spec = any(sq.spec is not None for sq in seqs)
         width = max(len(s.ids) for s in seqs)
         width = (width + 7) // 8 * 8  # one shape for every micro-batch (pipeline p2p needs it)
         micros = []
@@ -188,6 +193,8 @@ class MegatronTrainer:
             beh = torch.zeros((n, width))
             ver = torch.full((n, width), -1, dtype=torch.long)
             a = torch.zeros((n, width))
+            temp = torch.ones((n, width))
+            allow = torch.full((n, width), -1, dtype=torch.long)
             for r, i in enumerate(idx):
                 sq = seqs[i]
                 n_tok = len(sq.ids)
@@ -199,7 +206,24 @@ class MegatronTrainer:
                     a[r, :] = sq.advantage
                 else:
                     a[r, :n_tok] = torch.tensor(sq.advantage)
+                for j, (allowed, t) in (sq.spec or {}).items():
+                    temp[r, j] = t if t > 0 else 1.0  # greedy (0) was sampled as the argmax: logits as is
+                    if allowed is not None:
+                        allow[r, j] = sets.setdefault(tuple(allowed), len(sets))
             micros.append({"ids": ids, "mask": mask, "beh": beh, "ver": ver, "adv": a})
+            if any_spec:
+                micros[-1].update(temp=temp, allow=allow)
+        if sets:
+            vocab = torch.zeros((len(sets), self.shape.vocab_size), dtype=torch.bool)
+            for allowed, k in sets.items():
+                if not allowed or max(allowed) >= self.shape.vocab_size or min(allowed) < 0:
+                    raise TrainerError(
+                        f"allowed_token_ids {list(allowed[:8])} (of {len(allowed)}): empty or outside "
+                        f"the vocabulary (0..{self.shape.vocab_size - 1})"
+                    )
+                vocab[k, list(allowed)] = True
+            for mb in micros:
+                mb["allow_sets"] = vocab
         return micros, width
 
     def _forward(self, mb: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -216,6 +240,13 @@ class MegatronTrainer:
         self, logits: torch.Tensor, mb: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         logits = logits[:, :-1, : self.shape.vocab_size].float()
+        if "temp" in mb:  # logits[:, j - 1] predict token j: its spec sits at j
+            logits = logits / mb["temp"][:, 1:].to(self.device).unsqueeze(-1)
+        if "allow_sets" in mb:
+            aid = mb["allow"][:, 1:].to(self.device)
+            restricted = aid >= 0  # only those rows get a [V] mask: not a [B, T, V] one
+            rows = mb["allow_sets"].to(self.device)[aid[restricted]]
+            logits = logits.index_put((restricted,), logits[restricted].masked_fill(~rows, float("-inf")))
         logp_all = torch.log_softmax(logits, -1)
         tgt = mb["ids"][:, 1:].to(self.device)
         return logp_all.gather(-1, tgt.unsqueeze(-1)).squeeze(-1), logits
@@ -231,7 +262,7 @@ class MegatronTrainer:
             batch, c.advantage, gamma=c.gamma, step_weight=c.step_adv_weight, scale_by_std=c.scale_adv_by_std
         )
         # one sequence per trajectory, or per turn when each turn's prompt was the current state only
-        seqs = [seq_data(t, a, False) for t, a in zip(*split_sequences(batch, adv), strict=True)]
+        seqs = [seq_data(t, a, c.match_sampling) for t, a in zip(*split_sequences(batch, adv), strict=True)]
         n_tokens = sum(sum(sq.mask[1:]) for sq in seqs)
         if n_tokens == 0:
             raise TrainerError("batch has no generated tokens to train on")
