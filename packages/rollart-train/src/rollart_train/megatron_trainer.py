@@ -193,8 +193,9 @@ class MegatronTrainer:
             beh = torch.zeros((n, width))
             ver = torch.full((n, width), -1, dtype=torch.long)
             a = torch.zeros((n, width))
-            temp = torch.ones((n, width))
-            allow = torch.full((n, width), -1, dtype=torch.long)
+            if any_spec:  # only with match_sampling: no [n, width] tensors for nothing
+                temp = torch.ones((n, width))
+                allow = torch.full((n, width), -1, dtype=torch.long)
             for r, i in enumerate(idx):
                 sq = seqs[i]
                 n_tok = len(sq.ids)
