@@ -211,7 +211,7 @@ async def test_executor_works_with_builtin_reward() -> None:
 def test_learned_keep_alive_minimises_provisioned_time(
     gaps: list[float], cold: float, ceiling: float, expected: float
 ) -> None:
-    from rollart_reward.runtime import learned_keep_alive
+    from rollart_reward.pool import learned_keep_alive
 
     assert learned_keep_alive(gaps, cold, ceiling) == pytest.approx(expected)
 

@@ -21,6 +21,9 @@ Invocation shapes served:
   ``GET /executions/{key}``, ``GET /healthz``; ``POST /admin/faults`` and ``POST /admin/reset``
   only with ``admin=True``.
 
+The worker pool (forking, autoscaling, keep-alive) is :mod:`rollart_reward.pool`; this module is the
+HTTP front, the idempotency cache and the invocation shapes.
+
 Fault injection (tests): with a seeded RNG, a request gets 503 before running, 503 after running
 (the result is cached, the response lost), a delay before responding, or a malformed JSON body.
 """
@@ -34,20 +37,16 @@ import hmac
 import json
 import logging
 import math
-import os
 import random
-import signal
-import sys
 import time
-import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollart_core.errors import RewardError
-from rollart_core.procdirs import owned_tempdir
 from rollart_core.serving import is_loopback
 from rollart_reward.metrics import UtilisationMeter
+from rollart_reward.pool import Overloaded, WorkerPool
 from rollart_reward.wire import trajectory_from_dict
 
 __all__ = ["API_KEY_ENV", "FaultConfig", "FunctionRuntime", "RuntimeConfig", "ScalingConfig"]
@@ -123,55 +122,6 @@ class RuntimeConfig(ScalingConfig):
     """Enable ``/admin/*`` (fault knobs, stats reset): for tests only."""
 
 
-def learned_keep_alive(gaps: list[float], cold_s: float, ceiling: float) -> float:
-    """The keep-alive in [0, ``ceiling``] that minimises provisioned time over the observed idle
-    periods: each costs min(gap, k) seconds idle, plus a cold start (``cold_s``) if the next call came
-    after k (or never: ``inf``). Candidates: 0, the ceiling and every observed gap below it.
-
-    Runs on every worker release: one sort and a running sum, not a cost sum per candidate."""
-    gs = sorted(gaps)
-    best_cost, best_k = len(gs) * cold_s, 0.0  # k = 0: every period ends in a cold start
-    below = 0.0  # sum of the gaps <= k
-    i = 0
-    for k in sorted({g for g in gs if g < ceiling} | {ceiling}):
-        while i < len(gs) and gs[i] <= k:
-            below += gs[i]
-            i += 1
-        cost = below + (len(gs) - i) * (k + cold_s)
-        if cost < best_cost - 1e-12:  # a float tie keeps the shorter keep-alive
-            best_cost, best_k = cost, k
-    return best_k
-
-
-class _Worker:
-    def __init__(
-        self, pid: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, spawned: float
-    ) -> None:
-        self.pid, self.reader, self.writer = pid, reader, writer
-        self.spawned = spawned
-        self.init_s = 0.0  # cold start: fork requested -> worker ready
-        self.idle_since = spawned
-        self.keep_alive = 0.0  # of the current idle period
-        self.calls = 0
-        self.ids = 0
-
-    async def call(self, trajectory: dict[str, Any], timeout: float) -> dict[str, Any]:
-        self.ids += 1
-        self.writer.write((json.dumps({"id": self.ids, "trajectory": trajectory}) + "\n").encode())
-        await self.writer.drain()
-        line = await asyncio.wait_for(self.reader.readline(), timeout)
-        if not line:
-            raise RuntimeError(f"worker {self.pid} exited")
-        return json.loads(line)
-
-    def kill(self) -> None:
-        self.writer.close()
-        try:
-            os.kill(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 class _FunctionError(Exception):
     """The reward function raised inside a worker."""
 
@@ -188,10 +138,6 @@ class FunctionRuntime:
         self.meter = UtilisationMeter(slots=None, billed=True)
         self.faults = self.config.faults
         self._rng = random.Random(self.faults.seed)
-        self._workers: list[_Worker] = []
-        self._idle: list[_Worker] = []
-        self._waiters: collections.deque[asyncio.Future[_Worker]] = collections.deque()
-        self._starting = 0
         self._cache: collections.OrderedDict[str, tuple[str, dict[str, Any]]] = collections.OrderedDict()
         """Idempotency key -> (digest of the trajectory, result)."""
         self._inflight: dict[str, tuple[str, asyncio.Future[dict[str, Any]]]] = {}
@@ -202,19 +148,8 @@ class FunctionRuntime:
             collections.OrderedDict()
         )
         self.counters = collections.Counter[str]()
-        self.peak_workers = 0
-        self.cold_start_s: list[float] = []
-        self._cold_ewma = 0.0
-        self._gaps: collections.deque[float] = collections.deque(maxlen=128)
-        """Recent idle periods: seconds until the worker's next call (inf: stopped before one came)."""
-        self._releases = 0
+        self.pool = WorkerPool(self.config, self.meter, self.counters)
         self._runner: Any = None
-        self._reaper: asyncio.Task[None] | None = None
-        self._spawns: set[asyncio.Task[None]] = set()
-        self._hellos: dict[str, asyncio.Future[_Worker]] = {}
-        self._template: asyncio.subprocess.Process | None = None
-        self._sockdir = ""
-        self._unix: asyncio.AbstractServer | None = None
         self.url = ""
 
     # ---------------------------------------------------------------- lifecycle
@@ -242,7 +177,7 @@ class FunctionRuntime:
             r.add_post("/admin/faults", self._h_faults)
             r.add_post("/admin/reset", self._h_reset)
         try:
-            await self._start_template()
+            await self.pool.start()
             self._runner = web.AppRunner(app, access_log=None)
             await self._runner.setup()
             site = web.TCPSite(self._runner, self.config.host, self.config.port)
@@ -252,31 +187,15 @@ class FunctionRuntime:
             raise
         port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         self.url = f"http://{self.config.host}:{port}"
-        self._reaper = asyncio.create_task(self._reap_idle())
-        for _ in range(self.config.min_workers):
-            self._spawn()
         return self.url
 
     async def stop(self) -> None:
-        if self._reaper:
-            self._reaper.cancel()
-        for t in list(self._spawns) + [task for _, task in self._async_tasks.values()]:
+        for t in [task for _, task in self._async_tasks.values()]:
             t.cancel()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
-        for w in list(self._workers):
-            await self._retire(w)
-        if self._template is not None and self._template.returncode is None:
-            self._template.kill()
-            await self._template.wait()
-        if self._unix is not None:
-            self._unix.close()
-        if self._sockdir:
-            import shutil
-
-            shutil.rmtree(self._sockdir, ignore_errors=True)
-            self._sockdir = ""
+        await self.pool.stop()
 
     def _guard(self) -> Any:
         """Middleware: the bearer token check, and :class:`BadRequest` as a JSON 4xx with its message."""
@@ -302,148 +221,6 @@ class FunctionRuntime:
                 return web.json_response({"error": exc.message}, status=exc.status)
 
         return guard
-
-    async def _start_template(self) -> None:
-        """The process workers are forked from: imports and function loaded once (warm snapshot)."""
-        c = self.config
-        # removed by stop(); if this process is killed first, by the next runtime's start
-        self._sockdir = owned_tempdir("rollart-rt-")
-        path = os.path.join(self._sockdir, "workers.sock")
-        self._unix = await asyncio.start_unix_server(self._on_worker, path, limit=64 << 20)
-        t0 = time.monotonic()
-        self._template = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "rollart_reward._worker",
-            c.function,
-            json.dumps(c.options),
-            path,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-        )
-        assert self._template.stdout is not None
-        line = await asyncio.wait_for(self._template.stdout.readline(), 120)
-        if not line or not json.loads(line).get("ready"):
-            rc = await self._template.wait()
-            raise RuntimeError(f"function runtime: could not load {c.function!r} (template exited {rc})")
-        self.template_load_s = time.monotonic() - t0
-
-    async def _on_worker(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        hello = json.loads(await reader.readline())
-        fut = self._hellos.pop(hello["hello"], None)
-        if fut is None or fut.done():
-            writer.close()
-            os.kill(hello["pid"], signal.SIGKILL)
-            return
-        fut.set_result(_Worker(hello["pid"], reader, writer, time.monotonic()))
-
-    # ---------------------------------------------------------------- autoscaling
-    def _spawn(self) -> None:
-        self._starting += 1
-        task = asyncio.create_task(self._start_worker())
-        self._spawns.add(task)
-        task.add_done_callback(self._spawns.discard)
-
-    async def _start_worker(self) -> None:
-        t0 = time.monotonic()
-        token = uuid.uuid4().hex
-        fut: asyncio.Future[_Worker] = asyncio.get_running_loop().create_future()
-        self._hellos[token] = fut
-        try:
-            tpl = self._template
-            if tpl is None or tpl.returncode is not None or tpl.stdin is None:
-                raise RuntimeError("the worker template process is gone")
-            tpl.stdin.write((json.dumps({"fork": token}) + "\n").encode())
-            await tpl.stdin.drain()
-            w = await asyncio.wait_for(fut, 30)
-            w.spawned = t0
-            w.init_s = time.monotonic() - t0
-        except BaseException as exc:
-            self._starting -= 1
-            self._hellos.pop(token, None)
-            self.meter.add_provisioned(time.monotonic() - t0)
-            if fut.done() and not fut.cancelled() and fut.exception() is None:
-                fut.result().kill()
-            if not isinstance(exc, Exception):
-                raise
-            log.error("function runtime: worker start failed: %r", exc)
-            self.counters["worker_start_failures"] += 1
-            if self._waiters and not self._workers:  # nothing will ever serve them: fail them
-                while self._waiters:
-                    fut = self._waiters.popleft()
-                    if not fut.done():
-                        fut.set_exception(RuntimeError(f"cannot start a worker: {exc}"))
-            return
-        self._starting -= 1
-        self._workers.append(w)
-        self.peak_workers = max(self.peak_workers, len(self._workers))
-        self.meter.cold_starts += 1
-        self.cold_start_s.append(time.monotonic() - t0)
-        self._cold_ewma = (
-            0.8 * self._cold_ewma + 0.2 * self.cold_start_s[-1] if self._cold_ewma else self.cold_start_s[-1]
-        )
-        self._release(w)
-
-    def _release(self, w: _Worker) -> None:
-        while self._waiters:
-            fut = self._waiters.popleft()
-            if not fut.done():
-                fut.set_result(w)
-                return
-        w.idle_since = time.monotonic()
-        self._releases += 1
-        w.keep_alive = self._keep_alive(explore=self._releases % 8 == 0)
-        self._idle.append(w)
-
-    def _keep_alive(self, explore: bool = False) -> float:
-        """Keep-alive for an idle period starting now (see ``RuntimeConfig.idle_policy``)."""
-        c = self.config
-        if c.idle_policy == "fixed":
-            return c.idle_timeout_s
-        ski = max(c.idle_timeout_s, self._cold_ewma)
-        if c.idle_policy == "ski_rental" or explore or len(self._gaps) < 16:
-            return ski
-        return learned_keep_alive(list(self._gaps), self._cold_ewma, ski)
-
-    async def _acquire(self) -> _Worker:
-        if self._idle:
-            w = self._idle.pop()  # most recently used: lets the others go idle and scale down
-            self._gaps.append(time.monotonic() - w.idle_since)
-            return w
-        if len(self._waiters) >= self.config.max_queue:
-            raise _Overloaded()
-        fut: asyncio.Future[_Worker] = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
-        waiting = sum(1 for f in self._waiters if not f.done())
-        if self._starting < waiting and len(self._workers) + self._starting < self.config.max_workers:
-            self._spawn()
-        try:
-            return await fut
-        except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled():
-                self._release(fut.result())
-            raise
-
-    async def _retire(self, w: _Worker) -> None:
-        if w in self._workers:
-            self._workers.remove(w)
-            end = time.monotonic()
-            self.meter.add_provisioned(end - max(w.spawned, self.meter.t0))
-        if w in self._idle:
-            self._idle.remove(w)
-        w.kill()
-
-    async def _reap_idle(self) -> None:
-        while True:
-            await asyncio.sleep(min(0.02, self.config.idle_timeout_s / 4))
-            now = time.monotonic()
-            for w in list(self._idle):
-                if len(self._workers) <= self.config.min_workers:
-                    break
-                if now - w.idle_since >= w.keep_alive:
-                    self._idle.remove(w)
-                    self._gaps.append(math.inf)  # no call came within its keep-alive
-                    await self._retire(w)
 
     # ---------------------------------------------------------------- execution
     async def execute(
@@ -494,7 +271,7 @@ class FunctionRuntime:
         t_enq = time.monotonic()
         self.meter.enter()
         try:
-            w = await self._acquire()
+            w = await self.pool.acquire()
             queue_s = time.monotonic() - t_enq
             cold = w.calls == 0
             w.calls += 1
@@ -515,12 +292,12 @@ class FunctionRuntime:
                     cold=False,
                     billed_s=math.ceil(busy * 1000) / 1000 + (w.init_s if cold else 0.0),
                 )
-                await self._retire(w)
+                await self.pool.retire(w)
                 raise
             busy = float(reply.get("busy_s", time.monotonic() - t0))
             billed = math.ceil(busy * 1000) / 1000 + (w.init_s if cold else 0.0)  # per-request bill
             self.meter.record(busy_s=busy, queue_s=queue_s, ok="error" not in reply, billed_s=billed)
-            self._release(w)
+            self.pool.release(w)
         finally:
             self.meter.leave()
         if "error" in reply:
@@ -607,7 +384,7 @@ class FunctionRuntime:
                 {"key": key, "error": "idempotency key already used with a different trajectory"},
                 False,
             )
-        except _Overloaded:
+        except Overloaded:
             self.counters["throttled"] += 1
             return 429, {"key": key, "error": "too many queued calls"}, False
         except TimeoutError:
@@ -792,32 +569,16 @@ class FunctionRuntime:
         return web.json_response({"taskId": task_id, "status": "Failed", "errorMessage": out["error"]})
 
     def stats(self) -> dict[str, Any]:
-        now = time.monotonic()
-        live = sum(now - max(w.spawned, self.meter.t0) for w in self._workers)
-        s: dict[str, Any] = self.meter.stats(provisioned_extra=live)
+        s: dict[str, Any] = self.meter.stats(provisioned_extra=self.pool.live_provisioned_s())
         execs = list(self._executions.values())
         s.update(
             {
-                "workers": len(self._workers),
-                "idle_workers": len(self._idle),
-                "starting": self._starting,
-                "peak_workers": self.peak_workers,
-                "queued": sum(1 for f in self._waiters if not f.done()),
-                "template_load_s": getattr(self, "template_load_s", 0.0),
-                "cold_start_s_mean": sum(self.cold_start_s) / len(self.cold_start_s)
-                if self.cold_start_s
-                else 0.0,
+                **self.pool.stats(),
                 "max_executions_per_key": max(execs, default=0),
-                "keep_alive_s": self._keep_alive(),
-                "idle_policy": self.config.idle_policy,
                 "keys_executed_more_than_once": sum(1 for n in execs if n > 1),
                 "async_tasks_running": len(self._async_tasks),
                 "async_tasks_held": len(self._async_done),
                 "cache_entries": len(self._cache),
-                "pids": {
-                    "template": self._template.pid if self._template is not None else None,
-                    "workers": [w.pid for w in self._workers],
-                },
                 **dict(self.counters),
             }
         )
@@ -850,15 +611,10 @@ class FunctionRuntime:
 
         self.meter.reset()
         self.counters.clear()
-        self.peak_workers = len(self._workers)
-        self.cold_start_s.clear()
+        self.pool.reset()
         self._cache.clear()
         self._executions.clear()
         return web.json_response({"ok": True})
-
-
-class _Overloaded(Exception):
-    pass
 
 
 class KeyConflict(Exception):
