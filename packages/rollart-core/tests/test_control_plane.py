@@ -5,6 +5,7 @@ once, and runs that stop with an error instead of waiting. Real engines: integra
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -146,6 +147,33 @@ async def test_failed_push_stops_the_loop_while_it_waits(fakes: ModuleType, tmp_
     # alpha 0, update on arrival: groups admitted on version 2 wait for it forever unless the failure raises
     with pytest.raises(RollartError, match=r"weight push of version 2 failed .*refused version 2"):
         await _train(fakes, tmp_path, fakes.Script(fail_push_at=2), mode="async", alpha=0, steps=5)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+async def test_waiting_for_a_batch_polls_instead_of_spinning_after_a_push_finished(
+    fakes: ModuleType, tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A finished weight push stays in the run's background tasks until the next one starts; the
+    wait for a batch must not count it as "something finished" on every turn (a busy loop that took
+    a core from the engines and the trainer for the whole rollout)."""
+    from rollart_core.control import steps
+
+    turns = 0
+    check = steps._check_progress
+
+    def counting(run: object) -> None:
+        nonlocal turns
+        turns += 1
+        check(run)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(steps, "_check_progress", counting)
+    t0 = time.perf_counter()
+    summary, _, _ = await _train(fakes, tmp_path, fakes.Script(step_delay_s=0.05), mode=mode, steps=4)
+    elapsed = time.perf_counter() - t0
+    assert summary["steps"] == 4
+    # one turn per poll interval at most (plus one per wait that ends early): a spinning loop turns
+    # thousands of times a second
+    assert turns <= elapsed / steps._POLL_S + 2 * 4, (turns, elapsed)
 
 
 async def test_async_alpha_zero_is_on_policy(fakes: ModuleType, tmp_path: Path) -> None:

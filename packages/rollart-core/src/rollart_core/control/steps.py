@@ -140,9 +140,11 @@ async def get_batch(run: Run, rec: StepRecord, *, relaunch: bool = False) -> lis
     )
     try:
         while not taking.done():
-            await asyncio.wait(
-                [taking, *run.background], timeout=_POLL_S, return_when=asyncio.FIRST_COMPLETED
-            )
+            _check_beside(run)
+            # only what is still running: a finished push left in ``background`` would end every
+            # wait at once and turn this loop into a busy one for the whole wait
+            running = [t for t in run.background if not t.done()]
+            await asyncio.wait([taking, *running], timeout=_POLL_S, return_when=asyncio.FIRST_COMPLETED)
             if run.rollout.fatal is not None:
                 break
             _check_beside(run)
