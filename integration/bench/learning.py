@@ -33,7 +33,11 @@ of them in async mode, where training overlaps rollout (as ``rollart bench``);
 trainer option for every mode, ``--async-trainer-option KEY=VALUE`` for the async modes only (after
 ``--trainer-option``; e.g. ``ppo_epochs=1`` and ``mini_batches=4``: async spends its extra batches on fresh
 data instead of a second pass over one-step-old data, with as many optimizer steps a batch as Sync+'s
-two epochs of two) (each run records the options it trained with), and ``--merge`` puts runs made
+two epochs of two) (each run records the options it trained with). ``--task-option KEY=VALUE`` and
+``--async-task-option KEY=VALUE`` do the same for the tasks' fields (every task; validated as in a
+config file), e.g. ``group_size=4`` and ``groups_per_step=16`` for async: its staleness window holds
+alpha+1 steps of groups, and a group lives as long as its slowest member, so smaller groups turn the
+window over sooner (docs/benchmarks.md, 2026-12-04 "group shape"). ``--merge`` puts runs made
 separately (e.g. another mode or seed later) into one summary. Merged runs may have different budgets
 (e.g. longer Sync+ runs, so that its time to the bar is measured rather than "> budget"): times to a
 bar then come from each whole run, final success from the shortest budget, so finals compare alike.
@@ -113,9 +117,25 @@ def with_env_latency(
     return cfg
 
 
+def with_task_options(cfg: RunConfig, options: dict[str, Any]) -> RunConfig:
+    """``options`` (TaskConfig fields, e.g. ``group_size``) set on every task and validated as a config
+    file's would be (an unknown field or a bad value raises pydantic's ValidationError)."""
+    if not options:
+        return cfg
+    data = cfg.model_dump()
+    for task in data["tasks"]:
+        task.update(options)
+    return RunConfig.model_validate(data)
+
+
+def _task_options(args: argparse.Namespace, recipe: str) -> dict[str, Any]:
+    return {**args.task_options, **(args.async_task_options if recipe == "async" else {})}
+
+
 def _run(args: argparse.Namespace, mode: str, seed: int, out: Path) -> dict[str, Any]:
     recipe, alpha = MODES[mode]
-    cfg = load_config(Path(args.config))
+    task_options = _task_options(args, recipe)
+    cfg = with_task_options(load_config(Path(args.config)), task_options)
     cfg.seed = seed
     cfg.train.mode, cfg.train.alpha = recipe, alpha  # type: ignore[assignment]
     if not args.in_process_trainer:
@@ -157,6 +177,7 @@ def _run(args: argparse.Namespace, mode: str, seed: int, out: Path) -> dict[str,
         "mode": mode,
         "seed": seed,
         "trainer_options": cfg.trainer.options,
+        "task_options": task_options,
         "points": curve.points,
         "cpu_busy": busy,
         "budget_s": args.minutes * 60,
@@ -455,11 +476,30 @@ def main() -> None:
         "then mini_batches=4); "
         "repeatable",
     )
+    ap.add_argument(
+        "--task-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set a task field (TaskConfig) on every task for every mode, e.g. --task-option group_size=4; "
+        "repeatable",
+    )
+    ap.add_argument(
+        "--async-task-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set a task field on every task for the async modes only, after --task-option (e.g. "
+        "group_size=4, then groups_per_step=16); repeatable",
+    )
     args = ap.parse_args()
     args.trainer_options, args.async_trainer_options = {}, {}
+    args.task_options, args.async_task_options = {}, {}
     for flag, items, into in (
         ("--trainer-option", args.trainer_option, args.trainer_options),
         ("--async-trainer-option", args.async_trainer_option, args.async_trainer_options),
+        ("--task-option", args.task_option, args.task_options),
+        ("--async-task-option", args.async_task_option, args.async_task_options),
     ):
         for item in items:
             key, sep, value = item.partition("=")
@@ -475,6 +515,12 @@ def main() -> None:
         seeds = [int(s) for s in args.seeds.split(",")]
     except ValueError:
         ap.error("--seeds: comma-separated integers")
+    if not args.merge:  # a bad option stops here, not after the first run
+        for recipe in sorted({MODES[m][0] for m in modes}):
+            try:
+                with_task_options(load_config(Path(args.config)), _task_options(args, recipe))
+            except ValueError as exc:  # ConfigError and pydantic's ValidationError
+                ap.error(f"{args.config} with --task-option / --async-task-option ({recipe}): {exc}")
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     runs: list[dict[str, Any]] = []
@@ -483,11 +529,15 @@ def main() -> None:
         for path in args.merge:
             merged = json.loads(Path(path).read_text())
             cmd = merged["command"]
-            workloads[path] = (cmd["config"], cmd["env_latency"], cmd["env_sigma"])
+            task_opts = tuple(sorted(cmd.get("task_option", [])))  # files before --task-option: none
+            workloads[path] = (cmd["config"], cmd["env_latency"], cmd["env_sigma"], task_opts)
             runs.extend({"budget_s": cmd["minutes"] * 60, **r} for r in merged["runs"])
         if len(set(workloads.values())) != 1:
-            ap.error(f"--merge: the files ran different workloads (config, env latency, sigma): {workloads}")
-        (args.config, args.env_latency, args.env_sigma) = next(iter(workloads.values()))
+            ap.error(
+                f"--merge: the files ran different workloads (config, env latency, sigma, task options): "
+                f"{workloads}"
+            )
+        (args.config, args.env_latency, args.env_sigma, _) = next(iter(workloads.values()))
         args.minutes = common_budget(runs, 0.0) / 60
         seeds = sorted({r["seed"] for r in runs})
         modes = [m for m in MODES if any(r["mode"] == m for r in runs)]

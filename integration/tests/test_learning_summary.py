@@ -105,6 +105,35 @@ def test_env_latency_wraps_training_envs_and_keeps_evaluation_plain(learning: Mo
     assert paired.tasks[0].env.options["paired_scope"] == "sync/seed7"
 
 
+def test_task_options_set_every_task_and_bad_ones_are_refused(learning: ModuleType) -> None:
+    task = {
+        "env": {"impl": "frozenlake"},
+        "reward": {"impl": "success"},
+        "group_size": 8,
+        "groups_per_step": 8,
+    }
+    cfg = RunConfig.model_validate(
+        {
+            "name": "t",
+            "model": {"path": "m"},
+            "engines": [{"name": "gen", "impl": "vllm"}],
+            "tasks": [{"name": "a", **task}, {"name": "b", **task, "group_size": 2}],
+            "trainer": {"impl": "torch"},
+        }
+    )
+    shaped = learning.with_task_options(cfg, {"group_size": 4, "groups_per_step": 16})
+    assert [(t.group_size, t.groups_per_step) for t in shaped.tasks] == [(4, 16), (4, 16)]
+    assert [t.group_size for t in cfg.tasks] == [8, 2]  # the input config is left alone
+    assert learning.with_task_options(cfg, {}) is cfg
+    with pytest.raises(ValueError, match="group_sizee"):
+        learning.with_task_options(cfg, {"group_sizee": 4})
+    with pytest.raises(ValueError, match="greater than or equal to 1"):
+        learning.with_task_options(cfg, {"group_size": 0})
+    args = learning.argparse.Namespace(task_options={"group_size": 4}, async_task_options={"group_size": 2})
+    assert learning._task_options(args, "sync") == {"group_size": 4}
+    assert learning._task_options(args, "async") == {"group_size": 2}
+
+
 def test_runs_of_different_budgets_time_the_bar_whole_and_compare_finals_at_the_shorter(
     learning: ModuleType,
 ) -> None:
