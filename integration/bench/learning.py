@@ -537,7 +537,8 @@ def main() -> None:
                 f"--merge: the files ran different workloads (config, env latency, sigma, task options): "
                 f"{workloads}"
             )
-        (args.config, args.env_latency, args.env_sigma, _) = next(iter(workloads.values()))
+        (args.config, args.env_latency, args.env_sigma, task_opts) = next(iter(workloads.values()))
+        args.task_option = list(task_opts)  # the merged file records what its runs had
         args.minutes = common_budget(runs, 0.0) / 60
         seeds = sorted({r["seed"] for r in runs})
         modes = [m for m in MODES if any(r["mode"] == m for r in runs)]
