@@ -173,3 +173,25 @@ def test_runs_of_different_budgets_time_the_bar_whole_and_compare_finals_at_the_
     assert rows["async_a1"]["final_minus_sync"]["values"] == pytest.approx([0.2, 0.3])
     # ... and the Sync+ final that async is timed to is that 0.6: reached at 200 s
     assert rows["async_a1"]["s_to_sync_final"]["values"] == [200.0, 500.0]
+
+
+def test_merge_refuses_files_of_different_task_options(
+    learning: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def write(name: str, task_option: list[str]) -> str:
+        cmd = {
+            "config": "c.yaml",
+            "env_latency": 0.3,
+            "env_sigma": 1.0,
+            "minutes": 1.0,
+            "task_option": task_option,
+        }
+        path = tmp_path / name
+        path.write_text(learning.json.dumps({"command": cmd, "runs": []}))
+        return str(path)
+
+    a, b = write("a.json", ["group_size=4"]), write("b.json", [])
+    monkeypatch.setattr("sys.argv", ["learning.py", "--merge", a, b, "--out", str(tmp_path / "out")])
+    with pytest.raises(SystemExit):
+        learning.main()
+    assert "different workloads" in capsys.readouterr().err
