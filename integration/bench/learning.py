@@ -529,7 +529,8 @@ def main() -> None:
         for path in args.merge:
             merged = json.loads(Path(path).read_text())
             cmd = merged["command"]
-            task_opts = tuple(sorted(cmd.get("task_option", [])))  # files before --task-option: none
+            # the parsed options (a repeated key: the last wins); files before --task-option: none
+            task_opts = json.dumps(cmd.get("task_options", {}), sort_keys=True)
             workloads[path] = (cmd["config"], cmd["env_latency"], cmd["env_sigma"], task_opts)
             runs.extend({"budget_s": cmd["minutes"] * 60, **r} for r in merged["runs"])
         if len(set(workloads.values())) != 1:
@@ -538,7 +539,7 @@ def main() -> None:
                 f"{workloads}"
             )
         (args.config, args.env_latency, args.env_sigma, task_opts) = next(iter(workloads.values()))
-        args.task_option = list(task_opts)  # the merged file records what its runs had
+        args.task_options = json.loads(task_opts)  # the merged file records what its runs had
         args.minutes = common_budget(runs, 0.0) / 60
         seeds = sorted({r["seed"] for r in runs})
         modes = [m for m in MODES if any(r["mode"] == m for r in runs)]

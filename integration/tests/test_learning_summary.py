@@ -178,19 +178,19 @@ def test_runs_of_different_budgets_time_the_bar_whole_and_compare_finals_at_the_
 def test_merge_refuses_files_of_different_task_options(
     learning: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    def write(name: str, task_option: list[str]) -> str:
+    def write(name: str, task_options: dict[str, int]) -> str:
         cmd = {
             "config": "c.yaml",
             "env_latency": 0.3,
             "env_sigma": 1.0,
             "minutes": 1.0,
-            "task_option": task_option,
+            "task_options": task_options,
         }
         path = tmp_path / name
         path.write_text(learning.json.dumps({"command": cmd, "runs": []}))
         return str(path)
 
-    a, b = write("a.json", ["group_size=4"]), write("b.json", [])
+    a, b = write("a.json", {"group_size": 4}), write("b.json", {"group_size": 2})
     monkeypatch.setattr("sys.argv", ["learning.py", "--merge", a, b, "--out", str(tmp_path / "out")])
     with pytest.raises(SystemExit):
         learning.main()
