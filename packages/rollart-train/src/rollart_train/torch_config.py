@@ -7,7 +7,25 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["TorchTrainerConfig", "lr_factor"]
+__all__ = ["LoraConfig", "TorchTrainerConfig", "lr_factor"]
+
+
+class LoraConfig(BaseModel):
+    """Low-rank adapters on the model's linear layers (:mod:`rollart_train.lora`): the base weights
+    stay frozen, only the adapters train, and only they are pushed to the weight store (in PEFT
+    naming), so an engine serves them as a LoRA adapter on top of the unchanged base model."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    rank: int = Field(8, ge=1)
+    """Rank r of each update ``B @ A``; an engine serving it needs ``max_lora_rank >= rank``."""
+    alpha: float = Field(16.0, gt=0)
+    """The update is scaled by ``alpha / rank`` (PEFT's ``lora_alpha``)."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input while training (0: none, and train = serve exactly)."""
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"], min_length=1)
+    """Names of the ``nn.Linear`` modules to adapt, matched against the last part of each module's
+    path (Llama/Qwen2: ``q_proj k_proj v_proj o_proj gate_proj up_proj down_proj``)."""
 
 
 class TorchTrainerConfig(BaseModel):
@@ -126,6 +144,9 @@ class TorchTrainerConfig(BaseModel):
     rank_timeout_s: float = Field(900.0, gt=0)
     """Longest wait for one command on the spawned ranks before raising TrainerError."""
     seed: int = 0
+    lora: LoraConfig | None = None
+    """Train low-rank adapters instead of every weight (None: full fine-tuning); on several ranks
+    FSDP2 shards the frozen base and the adapters alike."""
 
     # state ------------------------------------------------------------------------------------
     resume_from: str | None = None

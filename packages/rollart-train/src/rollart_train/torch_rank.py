@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from rollart_core.errors import TrainerError
+from rollart_core.errors import ConfigError, TrainerError
 from rollart_core.types import Trajectory
 from rollart_train._attention import SEGMENT_ATTENTION, register_segment_attention
 from rollart_train._checkpoint import (
@@ -58,6 +58,8 @@ __all__ = ["STATE_FILE", "TorchRankWorker", "find_checkpoint"]
 
 log = logging.getLogger(__name__)
 OPTIM_FILE = "trainer_state.pt"
+ADAPTER_DIR = "adapter"
+"""A LoRA checkpoint's adapters (a PEFT adapter directory); the root holds the frozen base model."""
 _STATS = ("loss", "pg_loss", "clip_frac", "approx_kl", "behav_weight", "tis_capped_frac", "kl", "entropy")
 
 
@@ -85,15 +87,19 @@ class TorchRankWorker:
             torch.float32 if (c.dtype == "bfloat16" and c.mixed_precision) else self.compute_dtype
         )
         self.resumed_from = find_checkpoint(c.resume_from) if c.resume_from else None
-        self.model = self._load(self.resumed_from or self.model_path)
+        self.model = self._load(self.resumed_from or self.model_path, policy=True)
         self.model.train()
         self.ref_model = None
         if c.kl_coef > 0 and c.kl_reference == "reference":
             self.ref_model = self._load(Path(c.ref_model_path) if c.ref_model_path else self.model_path)
             self.ref_model.eval()
             self.ref_model.requires_grad_(False)
+        # with LoRA only the adapters train: the frozen base gets neither gradients nor AdamW state
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=c.lr, betas=c.betas, weight_decay=c.weight_decay
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=c.lr,
+            betas=c.betas,
+            weight_decay=c.weight_decay,
         )
         self.pad_id = int(self.model.config.pad_token_id or 0)
         self.attn_impl = str(getattr(self.model.config, "_attn_implementation", None) or "sdpa")
@@ -107,7 +113,9 @@ class TorchRankWorker:
 
     # model -----------------------------------------------------------------------------------
 
-    def _load(self, path: Path) -> torch.nn.Module:
+    def _load(self, path: Path, policy: bool = False) -> torch.nn.Module:
+        """The model at ``path``; the ``policy`` gets its LoRA adapters (from ``path/adapter`` when a
+        checkpoint holds them) before it is moved and sharded."""
         from transformers import AutoModelForCausalLM
 
         kw: dict[str, Any] = {"dtype": self.param_dtype}
@@ -117,6 +125,12 @@ class TorchRankWorker:
         if attn:
             kw["attn_implementation"] = attn
         model = AutoModelForCausalLM.from_pretrained(path, **kw)
+        if policy and self.config.lora is not None:
+            from rollart_train.lora import apply_lora, load_adapter_files
+
+            apply_lora(model, self.config.lora)
+            if (path / ADAPTER_DIR).is_dir():
+                load_adapter_files(model, path / ADAPTER_DIR, self.config.lora)
         if self.device.type != "cpu":
             model.to(self.device)
         if self.world_size > 1:
@@ -403,7 +417,14 @@ class TorchRankWorker:
     # weights and checkpoints -----------------------------------------------------------------
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full tensors in HF naming (collective with several ranks: every rank must iterate)."""
+        """Full tensors in HF naming (collective with several ranks: every rank must iterate). With
+        LoRA: the adapters alone, PEFT-named, ``alpha / r`` folded into ``lora_B``
+        (:func:`rollart_train.lora.served_adapter`)."""
+        if self.config.lora is not None:
+            from rollart_train.lora import served_adapter
+
+            yield from served_adapter(self.model)
+            return
         for name, t in self.model.state_dict().items():
             yield name, (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
 
@@ -431,6 +452,14 @@ class TorchRankWorker:
         tmp = staging_dir(out)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
+        if self.config.lora is not None:
+            from rollart_train.lora import PEFT_PREFIX, adapter_config, is_lora_name, save_adapter_files
+
+            lora = self.config.lora
+            adapters = {PEFT_PREFIX + n: t for n, t in sd.items() if is_lora_name(n)}
+            sd = {n: t for n, t in sd.items() if not is_lora_name(n)}  # the root stays a plain HF model
+            cfg = adapter_config(lora.rank, lora.alpha, lora.target_modules, self.model_path)
+            save_adapter_files(adapters, cfg, tmp / ADAPTER_DIR)
         save_torch_state_dict(sd, tmp, safe_serialization=True)
         self.model.config.save_pretrained(tmp)
         src = (
@@ -446,6 +475,7 @@ class TorchRankWorker:
             **self.counters,
             "world_size": self.world_size,
             "entropy_coef": self.entropy_coef,
+            "lora": None if self.config.lora is None else self.config.lora.model_dump(),
             "extra": extra if extra is not None else self.extra_state,
         }
         commit(tmp, out, state)
@@ -454,6 +484,11 @@ class TorchRankWorker:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         state = read_state(ckpt)
+        if (state.get("lora") is None) != (self.config.lora is None):
+            raise ConfigError(
+                f"{ckpt}: checkpoint of {'LoRA' if state.get('lora') else 'full'} fine-tuning, but the "
+                f"trainer's lora is {self.config.lora}: resume with the same trainer lora setting"
+            )
         blob = torch.load(ckpt / OPTIM_FILE, map_location="cpu", weights_only=True)
         set_optimizer_state_dict(
             self.model,
