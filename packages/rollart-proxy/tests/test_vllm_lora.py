@@ -213,3 +213,42 @@ def test_adapter_layout_reads_rank_and_targets() -> None:
     tensors.pop(p + "mlp.down_proj.lora_B.weight")
     with pytest.raises(WeightSyncError, match="unpaired"):
         adapter_layout(tensors)
+
+
+def test_pipeline_checks_trainer_and_engine_lora_agree() -> None:
+    from rollart_core.config import RunConfig
+    from rollart_core.control.pipeline import check_lora
+    from rollart_core.errors import ConfigError
+    from rollart_core.registry import resolve, validate_options
+
+    def check(trainer_lora: dict[str, Any] | None, engine_lora: dict[str, Any] | None) -> None:
+        raw: dict[str, Any] = {
+            "name": "lora",
+            "model": {"path": "unused"},
+            "engines": [{"name": "gen", "options": {} if engine_lora is None else {"lora": engine_lora}}],
+            "tasks": [
+                {
+                    "name": "t",
+                    "env": {"impl": "frozenlake"},
+                    "reward": {"impl": "success"},
+                    "group_size": 2,
+                    "groups_per_step": 1,
+                }
+            ],
+            "trainer": {"impl": "torch", "options": {} if trainer_lora is None else {"lora": trainer_lora}},
+        }
+        cfg = RunConfig.model_validate(raw)
+        engines = [validate_options(resolve("engine", g.impl), g.options, "e") for g in cfg.engines]
+        check_lora(cfg, engines)
+
+    check(None, None)
+    check({"rank": 8}, {"max_lora_rank": 8})
+    with pytest.raises(ConfigError, match=r"trainer.options.lora is set .* engines.0.options.lora is not"):
+        check({"rank": 8}, None)
+    with pytest.raises(ConfigError, match=r"engines.0.options.lora is set .* trainer.options.lora is not"):
+        check(None, {"max_lora_rank": 8})
+    with pytest.raises(
+        ConfigError,
+        match=r"trainer.options.lora.rank \(16\) exceeds engines.0.options.lora.max_lora_rank \(8\)",
+    ):
+        check({"rank": 16}, {"max_lora_rank": 8})

@@ -25,7 +25,7 @@ from rollart_core.protocols import ChatFormat, Proxy, RewardExecutor, Trainer, W
 from rollart_core.registry import build, check, resolve, validate_options
 from rollart_core.resources import RayCluster, get_affinity
 
-__all__ = ["Pipeline", "check_tasks", "trainer_group_config"]
+__all__ = ["Pipeline", "check_lora", "check_tasks", "trainer_group_config"]
 
 
 def _pd_roles(cfg: RunConfig) -> dict[str, set[str]]:
@@ -54,6 +54,34 @@ def check_tasks(cfg: RunConfig) -> None:
             task.reward_executor.options,
             f"tasks.{i}.reward_executor.options",
         )
+
+
+def check_lora(cfg: RunConfig, engine_cfgs: list[Any]) -> None:
+    """A trainer that trains LoRA (``trainer.options.lora``) pushes adapters, not weights: every engine
+    must serve them (its ``lora`` option, ``max_lora_rank`` >= the trainer's ``lora.rank``), and an
+    engine that serves adapters needs such a trainer. ConfigError naming both fields otherwise."""
+    served = [getattr(e, "lora", None) for e in engine_cfgs]
+    if "lora" not in cfg.trainer.options and not any(served):
+        return  # neither side uses LoRA: the trainer's class (and torch) is not imported here
+    trainer = validate_options(resolve("trainer", cfg.trainer.impl), cfg.trainer.options, "trainer.options")
+    lora = getattr(trainer, "lora", None)
+    for i, (group, engine_lora) in enumerate(zip(cfg.engines, served, strict=True)):
+        if lora is not None and engine_lora is None:
+            raise ConfigError(
+                f"trainer.options.lora is set (the trainer pushes LoRA adapters) but "
+                f"engines.{i}.options.lora is not (engine group {group.name!r}, impl {group.impl!r}, "
+                "loads full weights): set it, e.g. lora: {max_lora_rank: " + f"{lora.rank}}}"
+            )
+        if lora is None and engine_lora is not None:
+            raise ConfigError(
+                f"engines.{i}.options.lora is set (engine group {group.name!r} serves LoRA adapters) "
+                "but trainer.options.lora is not (the trainer pushes full weights)"
+            )
+        if lora is not None and lora.rank > engine_lora.max_lora_rank:
+            raise ConfigError(
+                f"trainer.options.lora.rank ({lora.rank}) exceeds engines.{i}.options.lora.max_lora_rank "
+                f"({engine_lora.max_lora_rank}) of engine group {group.name!r}"
+            )
 
 
 def _with_engine_args(options: dict[str, Any], extra: dict[str, Any] | None) -> dict[str, Any]:
@@ -169,6 +197,7 @@ class Pipeline:
             )
             for i, g in enumerate(cfg.engines)
         ]
+        check_lora(cfg, engine_cfgs)
         self._check_model()  # a model path that is no model fails before Ray starts
         group_cfg = self._trainer_group_config(cfg) if cfg.trainer.group else None
         # Ray starts while the model is created in code (a first run's tiny model) and an in-process
