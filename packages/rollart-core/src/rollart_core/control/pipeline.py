@@ -18,7 +18,7 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
-from rollart_core.config import RunConfig, TaskConfig
+from rollart_core.config import RunConfig, TaskConfig, file_sha256
 from rollart_core.control.buffer import SampleBuffer
 from rollart_core.errors import ConfigError, RegistryError
 from rollart_core.protocols import ChatFormat, Proxy, RewardExecutor, Trainer, WeightStore
@@ -305,9 +305,13 @@ class Pipeline:
         ResourceManager.from_ray().validate([*self._engine_decls(), decl])
 
     def _check_model(self) -> bool:
-        """True when the model directory has to be created (``create_tiny``); ConfigError when it is
-        not a model directory and may not be created."""
+        """True when the model directory has to be made (``create_tiny``, or a GGUF not converted
+        yet); ConfigError when it is not a model directory and cannot be made, or its GGUF is one the
+        converter does not handle."""
         m = self.config.model
+        if m.gguf is not None:
+            resolve("model", "rollart_train.gguf:inspect_gguf")(m.gguf)
+            return not resolve("model", "rollart_train.gguf:converted_ok")(m.path, file_sha256(m.gguf))
         if resolve("model", "rollart_train.tiny:is_model_dir")(m.path):
             return False
         if not m.create_tiny:
@@ -336,9 +340,14 @@ class Pipeline:
     def _ensure_model(self) -> None:
         t0 = time.perf_counter()
         m = self.config.model
-        if self._check_model():
+        if m.gguf is not None:
+            if self._check_model():
+                log.info("converting %s to a Hugging Face model at %s", m.gguf, m.path)
+            resolve("model", "rollart_train.gguf:convert_gguf")(m.gguf, m.path, dtype=m.dtype)
+        elif self._check_model():
             log.info("creating the tiny model at %s", m.path)
             resolve("model", "rollart_train.tiny:create_tiny_model")(m.path, dtype=m.dtype)
+        resolve("model", "rollart_train.model_check:check_model_dir")(m.path)
         self.timings["model_s"] = time.perf_counter() - t0  # start-up phases (the run summary)
 
     async def _start_engines(self, engine_cfgs: list[Any]) -> None:
