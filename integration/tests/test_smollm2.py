@@ -226,3 +226,239 @@ def test_bad_model_inputs_get_one_clear_error(smollm2: ModelConfig, tmp_path: Pa
         ModelConfig(preset="smollm2-135m-instruct", gguf=Path("x.gguf"))
     with pytest.raises(ConfigError, match="no such file"):
         ModelConfig(gguf=tmp_path / "absent.gguf").resolved(tmp_path)
+
+
+# tool calls through the OpenAI endpoint: SmolLM2's template renders no tools, rollart writes them
+# (Hermes / Qwen2.5 form); no engine: the model's tokenizer, template and vLLM's hermes parser
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two integers.",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a", "b"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "weather",
+            "description": "Today's weather in a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    },
+]
+
+
+@pytest.fixture(scope="module")
+def smol_template(smollm2: ModelConfig) -> Any:
+    from rollart_proxy.server.chat_template import ChatTemplate
+    from rollart_proxy.server.tools import tojson
+
+    t = ChatTemplate(str(smollm2.path))
+    t._template.environment.filters["tojson"] = tojson  # as the endpoint sets it
+    return t
+
+
+@pytest.fixture(scope="module")
+def smol_parser(smollm2: ModelConfig) -> Any:
+    from rollart_proxy.server.tools import ToolCallParser
+
+    p = ToolCallParser("hermes", str(smollm2.path))
+    p.load()
+    return p
+
+
+def test_tools_are_written_into_the_system_prompt(smol_template: Any) -> None:
+    from rollart_proxy.server.tools import hermes_tools_block
+
+    t = smol_template
+    assert not t.renders_tools
+    user = [{"role": "user", "content": "What is 2 + 3?"}]
+    text = t.render(user, tools=TOOLS)
+    block = hermes_tools_block(TOOLS)
+    assert text == (
+        f"<|im_start|>system\n{block}<|im_end|>\n<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    for tool in TOOLS:
+        assert json.dumps(tool) in text
+    assert "You may call one or more functions" in text and "within <tool_call></tool_call>" in text
+    assert '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>' in text
+    # the client's system message first, then the block; without tools: the template's own rendering
+    own = t.render([{"role": "system", "content": "Be brief."}, *user], tools=TOOLS)
+    assert own.startswith(f"<|im_start|>system\nBe brief.\n\n{block}<|im_end|>\n")
+    assert t.render(user) == t._render(user, True) and "SmolLM" in t.render(user)
+    assert t.render(user, tools=None) == t.render(user)
+
+
+@pytest.mark.parametrize(
+    "call_json",
+    ['{"name": "add", "arguments": {"a": 2, "b": 3}}', '{"name":"add","arguments":{"a":2,"b":3}}'],
+)
+def test_a_tool_conversation_extends_each_turns_tokens(
+    smol_template: Any, smol_parser: Any, call_json: str
+) -> None:
+    """user → assistant call → tool result → assistant answer: each prompt plus the ids the model
+    sampled is a prefix of the next prompt (spliced, as the endpoint does); written in the block's
+    own format, plain re-rendering gives the same ids too."""
+    from rollart_proxy.server.chat_tokens import splice_encode
+    from rollart_proxy.server.tools import template_messages
+
+    t, parser = smol_template, smol_parser
+    eos = t.eos_token_id
+    eot = (eos, t.token_str(eos))
+
+    def render(ms: list[dict[str, Any]]) -> str:
+        return t.render(template_messages(ms), tools=TOOLS)
+
+    msgs: list[dict[str, Any]] = [{"role": "user", "content": "What is 2 + 3?"}]
+    p1, _ = splice_encode(render, t.encode, msgs, {}, eot)
+    o1 = [*t.encode(f"<tool_call>\n{call_json}\n</tool_call>"), eos]
+    content, calls, err = parser.parse(t.decode(o1), TOOLS, "auto")
+    assert err is None and content is None and len(calls) == 1
+    assert calls[0]["function"] == {"name": "add", "arguments": '{"a": 2, "b": 3}'}
+    msgs += [
+        {"role": "assistant", "content": content or "", "tool_calls": calls},
+        {"role": "tool", "content": "5", "tool_call_id": calls[0]["id"]},
+    ]
+    p2, n = splice_encode(render, t.encode, msgs, {1: o1}, eot)
+    assert n == 1 and p2[: len(p1) + len(o1)] == p1 + o1
+    assert t.decode(p2[len(p1) + len(o1) :], skip_special_tokens=False) == (
+        "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+    o2 = [*t.encode("2 + 3 = 5."), eos]
+    msgs += [{"role": "assistant", "content": "2 + 3 = 5."}, {"role": "user", "content": "Thanks!"}]
+    p3, n = splice_encode(render, t.encode, msgs, {1: o1, 3: o2}, eot)
+    assert n == 2 and p3[: len(p2) + len(o2)] == p2 + o2
+    if call_json.startswith('{"name": '):  # the block's own spacing: no splice needed either
+        assert t.encode(render(msgs)) == p3
+
+
+MALFORMED_CALLS = {
+    "invalid JSON": '<tool_call>\n{"name": "add", "arguments": {"a": 2,\n</tool_call>',
+    "unknown tool": '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>',
+    "arguments a list": '<tool_call>\n{"name": "add", "arguments": [2, 3]}\n</tool_call>',
+    "arguments a string": '<tool_call>\n{"name": "add", "arguments": "{\\"a\\": 2}"}\n</tool_call>',
+    "no arguments": '<tool_call>\n{"name": "add"}\n</tool_call>',
+    "name not a string": '<tool_call>\n{"name": 7, "arguments": {}}\n</tool_call>',
+    "huge float": '<tool_call>\n{"name": "add", "arguments": {"a": 1e999, "b": 1}}\n</tool_call>',
+    "NaN": '<tool_call>\n{"name": "add", "arguments": {"a": NaN, "b": 1}}\n</tool_call>',
+    "huge integer": '<tool_call>\n{"name": "add", "arguments": {"a": '
+    + "9" * 5000
+    + ', "b": 1}}\n</tool_call>',
+    "deep nesting": '<tool_call>\n{"name": "add", "arguments": ' + "[" * 100_000 + "\n</tool_call>",
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED_CALLS))
+def test_a_malformed_call_is_the_models_text(smol_template: Any, smol_parser: Any, case: str) -> None:
+    """Through SmolLM2's tokenizer (the ids the engine would return, decoded as the endpoint does):
+    no tool call, the whole text as content, and an error saying why; never an exception."""
+    text = MALFORMED_CALLS[case]
+    ids = smol_template.encode(text)
+    decoded = smol_template.decode(ids)
+    assert decoded == text
+    content, calls, err = smol_parser.parse(decoded, TOOLS, "auto")
+    assert calls == [] and content == text and err, (case, err)
+
+
+class ScriptedEngine:
+    """Fake engine (named as such: no engine may start in this test): answers each request with the
+    next scripted output's token ids, as if the model had sampled them, and keeps the prompts."""
+
+    def __init__(self, outputs: list[list[int]]) -> None:
+        self.name = "scripted"
+        self.is_started = True
+        self.outputs = outputs
+        self.prompts: list[list[int]] = []
+
+    async def start(self) -> str:
+        return self.name
+
+    async def generate(self, request: GenerateRequest) -> Any:
+        from rollart_core.types import GenerateOutput
+
+        self.prompts.append(list(request.prompt_ids))
+        ids = self.outputs.pop(0)
+        return GenerateOutput(request.request_id, ids, [-0.1] * len(ids), [0] * len(ids), "stop", self.name)
+
+    async def abort(self, request_id: str) -> None:
+        return None
+
+    async def weight_version(self) -> int:
+        return 0
+
+
+async def test_the_endpoint_serves_smollm2_tool_calls(smollm2: ModelConfig, smol_template: Any) -> None:
+    """Over HTTP (in process): the prompt holds the tools block, a well-formed call comes back as
+    ``tool_calls``, a malformed one as the model's text with ``tool_call_error``: 200 either way."""
+    import httpx
+
+    from rollart_proxy import LLMProxy, WorkerHandle
+    from rollart_proxy.server.app import OpenAIServer
+    from rollart_proxy.server.tools import hermes_tools_block
+
+    t = smol_template
+    good = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+    bad = '<tool_call>\n{"name": "add", "arguments": [2, 3]}\n</tool_call>'
+    engine = ScriptedEngine([[*t.encode(good), t.eos_token_id], [*t.encode(bad), t.eos_token_id]])
+    server = OpenAIServer(LLMProxy([WorkerHandle("w", engine)]), str(smollm2.path), api_key="")
+    body = {
+        "model": server.model_name,
+        "messages": [{"role": "user", "content": "What is 2 + 3?"}],
+        "tools": TOOLS,
+        "max_tokens": 64,
+    }
+    transport = httpx.ASGITransport(app=server.app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://smol") as client:
+        r = await client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        reply = r.json()
+        assert hermes_tools_block(TOOLS) in t.decode(engine.prompts[0], skip_special_tokens=False)
+        choice = reply["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+        assert [c["function"] for c in choice["message"]["tool_calls"]] == [
+            {"name": "add", "arguments": '{"a": 2, "b": 3}'}
+        ]
+        assert "tool_call_error" not in reply["rollart"]
+        r = await client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        reply = r.json()
+        choice = reply["choices"][0]
+        assert choice["message"]["content"] == bad and not choice["message"].get("tool_calls")
+        assert (
+            choice["finish_reason"] == "stop" and "not a JSON object" in reply["rollart"]["tool_call_error"]
+        )
+
+
+def test_an_enforced_call_is_written_in_the_hermes_form(smol_template: Any) -> None:
+    """``tool_choice`` naming a function with ``enum`` arguments: the call the endpoint writes is the
+    block's own format, so the model's history holds calls as it was asked to write them."""
+    from rollart_proxy.server.forced_call import plan_call
+
+    t = smol_template
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "move",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"direction": {"type": "string", "enum": ["left", "right"]}},
+                },
+            },
+        }
+    ]
+    choice = {"type": "function", "function": {"name": "move"}}
+    plan = plan_call(t.render, t.encode, "<|im_end|>", [{"role": "user", "content": "Go."}], tools, choice)
+    assert plan is not None and [s.values for s in plan.slots] == [("left", "right")]
+    assert [t.decode(list(p), skip_special_tokens=False) for p in plan.pieces] == [
+        '<tool_call>\n{"name": "move", "arguments": {"direction": "',
+        '"}}\n</tool_call><|im_end|>',
+    ]

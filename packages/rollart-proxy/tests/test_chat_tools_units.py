@@ -14,6 +14,8 @@ from rollart_proxy.server.tools import (
     ToolsError,
     check_tool_choice,
     check_tools,
+    hermes_messages,
+    hermes_tools_block,
     template_messages,
     tojson,
 )
@@ -81,6 +83,75 @@ def test_spliced_prompt_extends_previous_prompt_and_output(template: ChatTemplat
     )
     assert p3[: len(p1) + len(o_cut)] == p1 + o_cut
     assert template.decode(p3[len(p1) + len(o_cut) :], skip_special_tokens=False).startswith("<|im_end|>")
+
+
+def test_a_template_that_renders_tools_is_used_as_it_is(template: ChatTemplate) -> None:
+    """The tiny model's template writes tools itself: nothing of the Hermes fallback is applied."""
+    assert template.renders_tools
+    history = template_messages(
+        [
+            {"role": "system", "content": "calc"},
+            {"role": "user", "content": "2 + 3?"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"id": "c1", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}],
+            },
+            {"role": "tool", "content": "5", "tool_call_id": "c1"},
+        ]
+    )
+    for tools in (TOOLS, None):
+        assert template.render(history, tools=tools) == template._render(history, True, tools=tools)
+    text = template.render(history, tools=TOOLS)
+    assert text.startswith("<|im_start|>system\ncalc\n\n<tools>\n") and "You may call" not in text
+    assert "<|im_start|>tool\n5<|im_end|>" in text
+
+
+def test_hermes_messages_write_tools_calls_and_results_as_chatml() -> None:
+    plain = [{"role": "user", "content": "hi"}]
+    assert hermes_messages(plain, None) == plain and hermes_messages(plain, []) == plain
+    block = hermes_tools_block(TOOLS)
+    assert block.startswith("# Tools\n\nYou may call one or more functions") and block.endswith(
+        '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+    )
+    call = {"id": "c1", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}
+    out = hermes_messages(
+        [
+            {"role": "system", "content": "calc"},
+            {"role": "user", "content": "2 + 3? 4 + 4?"},
+            {"role": "assistant", "content": "Adding.", "tool_calls": [call, {**call, "id": "c2"}]},
+            {"role": "tool", "content": "5", "tool_call_id": "c1"},
+            {"role": "tool", "content": "8", "tool_call_id": "c2"},
+            {"role": "assistant", "content": "5 and 8"},
+        ],
+        TOOLS,
+    )
+    one = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+    assert out == [
+        {"role": "system", "content": f"calc\n\n{block}"},
+        {"role": "user", "content": "2 + 3? 4 + 4?"},
+        {"role": "assistant", "content": f"Adding.\n{one}\n{one}"},
+        {
+            "role": "user",
+            "content": "<tool_response>\n5\n</tool_response>\n<tool_response>\n8\n</tool_response>",
+        },
+        {"role": "assistant", "content": "5 and 8"},
+    ]
+    # no system message: the block is the system message; a call's arguments that are not JSON stay as sent
+    out = hermes_messages(
+        [
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"function": {"name": "add", "arguments": "a=2"}}],
+            }
+        ],
+        TOOLS,
+    )
+    assert out == [
+        {"role": "system", "content": block},
+        {"role": "assistant", "content": '<tool_call>\n{"name": "add", "arguments": a=2}\n</tool_call>'},
+    ]
 
 
 def test_generated_messages_are_bounded_and_keyed_by_content_and_calls() -> None:
@@ -153,6 +224,10 @@ def test_hermes_parser_plain_parallel_and_malformed(model_dir: Path) -> None:
     assert calls == [] and err and "malformed" in err and content and content.startswith("<tool_call>")
     _, calls, err = p.parse('<tool_call>{"name": "rm", "arguments": {}}</tool_call>', TOOLS, "auto")
     assert calls == [] and err and "undeclared" in err
+    for args, why in (("[1, 2]", "not a JSON object"), ('{"a": 1e999}', "not strict JSON")):
+        text = f'<tool_call>{{"name": "add", "arguments": {args}}}</tool_call>'
+        content, calls, err = p.parse(text, TOOLS, "auto")
+        assert calls == [] and content == text and err and why in err  # the model's text, as it wrote it
     content, calls, err = p.parse("no call here", TOOLS, "required")
     assert calls == [] and content == "no call here" and err is not None and "asks for a tool call" in err
     with pytest.raises(ToolsError):

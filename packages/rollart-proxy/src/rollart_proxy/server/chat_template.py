@@ -3,16 +3,23 @@
 Used by the OpenAI-compatible endpoint to turn ``messages`` into the exact prompt token ids the
 engine sees (and the trainer records). Reads ``tokenizer.json`` plus ``chat_template.jinja`` or
 ``tokenizer_config.json["chat_template"]``; needs no transformers.
+
+A template that does not render ``tools`` (plain ChatML such as SmolLM2's) gets tools, tool calls and
+tool results as ordinary messages in the Hermes / Qwen2.5 form (:func:`.tools.hermes_messages`),
+so the model sees instructions it can follow and every turn stays ChatML. A template that renders
+tools itself is used as it is.
 """
 
 from __future__ import annotations
 
 import json
+import secrets
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from rollart_core.errors import ConfigError
+from rollart_proxy.server.tools import hermes_messages
 
 __all__ = ["ChatTemplate"]
 
@@ -44,10 +51,26 @@ class ChatTemplate:
         self._special = {k: _token_str(cfg.get(k)) for k in ("bos_token", "eos_token", "pad_token")}
         eos = self._special.get("eos_token")
         self.eos_token_id = self._tok.token_to_id(eos) if eos else None
+        self.renders_tools = self._renders_tools(template)
+        """Whether the template writes ``tools`` itself; if not, :meth:`render` writes them (Hermes form)."""
+
+    def _renders_tools(self, source: str) -> bool:
+        name = f"rollart_probe_{secrets.token_hex(4)}"
+        probe = [{"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}]
+        try:
+            text = self._render([{"role": "user", "content": "hi"}], True, tools=probe)
+        except Exception:  # a template that refuses the probe: trust its source
+            return "tools" in source
+        return name in text
 
     def render(
         self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
     ) -> str:
+        if not self.renders_tools:
+            messages = hermes_messages(list(messages), kwargs.pop("tools", None))
+        return self._render(messages, add_generation_prompt, **kwargs)
+
+    def _render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool, **kwargs: Any) -> str:
         return self._template.render(
             messages=list(messages),
             add_generation_prompt=add_generation_prompt,

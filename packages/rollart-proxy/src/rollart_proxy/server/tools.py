@@ -2,9 +2,14 @@
 and parsing of the model's output with vLLM's own tool-call parsers (chosen by name, e.g.
 ``hermes``; ``vllm.tool_parsers.ToolParserManager``), never a hand-written parser.
 
+A model whose chat template does not render ``tools`` (SmolLM2's plain ChatML) gets them in the
+Hermes / Qwen2.5 form that the ``hermes`` parser reads (:func:`hermes_messages`): the signatures and
+the calling instructions in the system message, an assistant's calls as ``<tool_call>`` text, tool
+results as a user turn of ``<tool_response>`` blocks, so the history stays ChatML.
+
 Model output is untrusted: at most ``MAX_PARSE_CHARS`` characters reach a parser, a parser that
-fails or finds a call to an undeclared function gives a reply without that call and a
-``tool_call_error`` saying why, never an exception.
+fails, finds a call to an undeclared function or arguments that are not a JSON object gives a reply
+without that call and a ``tool_call_error`` saying why, never an exception.
 
 Per request, only what changes is done: an agent sends the same ``tools`` with every call, so a
 declaration's check (JSON Schema meta-validation: ~5 ms) and vLLM's request object the parser reads
@@ -30,6 +35,8 @@ __all__ = [
     "ToolsError",
     "check_tool_choice",
     "check_tools",
+    "hermes_messages",
+    "hermes_tools_block",
     "tojson",
     "template_messages",
     "tools_key",
@@ -163,6 +170,71 @@ def _template_call(call: dict[str, Any]) -> dict[str, Any]:
     return {**call, "function": fn}
 
 
+HERMES_TOOLS_HEADER = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+)
+HERMES_TOOLS_FOOTER = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+)
+
+
+def hermes_tools_block(tools: list[dict[str, Any]]) -> str:
+    """Qwen2.5's tools section, word for word: the instructions and each tool's JSON, one a line."""
+    lines = "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools)
+    return HERMES_TOOLS_HEADER + lines + HERMES_TOOLS_FOOTER
+
+
+def hermes_messages(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+) -> list[dict[str, Any]]:
+    """Tools and tool messages as plain ChatML messages, for a template that renders neither (the
+    text Qwen2.5's template writes for them). With ``tools``, the tools block ends the system
+    message: the client's own system message first, else the block alone, in place of the template's
+    default system prompt (a default such as SmolLM2's names the model and says nothing of tools; a
+    template's default cannot be told apart from its other text). An assistant's ``tool_calls`` are
+    appended to its content as ``<tool_call>`` blocks; a run of ``tool`` messages becomes one user
+    message of ``<tool_response>`` blocks. Messages without either are returned as they are."""
+    if not tools and not any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
+        return list(messages)
+    out: list[dict[str, Any]] = []
+    if tools:
+        block = hermes_tools_block(tools)
+        if messages and messages[0].get("role") == "system":
+            system = messages[0].get("content") or ""
+            out.append({**messages[0], "content": f"{system}\n\n{block}" if system else block})
+            messages = messages[1:]
+        else:
+            out.append({"role": "system", "content": block})
+    in_responses = False  # the last message out is the user turn of tool responses
+    for m in messages:
+        if m.get("role") == "tool":
+            response = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
+            if in_responses:
+                out[-1] = {**out[-1], "content": out[-1]["content"] + "\n" + response}
+            else:
+                out.append({"role": "user", "content": response})
+            in_responses = True
+            continue
+        in_responses = False
+        if m.get("tool_calls"):
+            parts = [m["content"]] if m.get("content") else []
+            parts += [_hermes_call(c) for c in m["tool_calls"]]
+            m = {k: v for k, v in m.items() if k != "tool_calls"} | {"content": "\n".join(parts)}
+        out.append(m)
+    return out
+
+
+def _hermes_call(call: dict[str, Any]) -> str:
+    fn = call.get("function") or {}
+    args = fn.get("arguments")
+    args_text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+    name = json.dumps(fn.get("name") or "", ensure_ascii=False)
+    return f'<tool_call>\n{{"name": {name}, "arguments": {args_text}}}\n</tool_call>'
+
+
 @pass_eval_context  # like Jinja's own tojson: templates compiled against it pass the context
 def tojson(_: Any, value: Any, indent: int | None = None, **__: Any) -> str:
     """``tojson`` as Hugging Face's chat templates have it (no HTML escaping, unicode kept)."""
@@ -265,8 +337,11 @@ class ToolCallParser:
         errors: list[str] = []
         for tc in info.tool_calls if info.tools_called else []:
             name, args = tc.function.name, tc.function.arguments
+            bad_args = _arguments_error(args)
             if name not in declared:
                 errors.append(f"call to undeclared function {name!r}")
+            elif bad_args is not None:
+                errors.append(f"call to {name!r}: arguments {bad_args}")
             elif wanted is not None and name != wanted:
                 errors.append(f"call to {name!r}, but tool_choice names {wanted!r}")
             else:
@@ -278,8 +353,26 @@ class ToolCallParser:
             errors.append("malformed tool call (the parser found none)")
         if not calls and (tool_choice == "required" or wanted is not None):
             errors.append("tool_choice asks for a tool call and the output holds none")
-        content = info.content if info.tools_called else text
+        # no call kept: the reply is the model's text as it wrote it (its history renders it back)
+        content = info.content if calls else text
         return content, calls, "; ".join(errors) or None
+
+
+def _arguments_error(arguments: str) -> str | None:
+    """Why a parsed call's ``arguments`` text is not a JSON object a client can load (None: it is).
+    A parser re-serialises what it read: ``[1]``, ``"x"`` or ``NaN`` / ``Infinity`` (which Python's
+    JSON reads and writes, and strict JSON has not: ``1e999`` comes back as ``Infinity``)."""
+    try:
+        value = json.loads(arguments, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:
+        return f"are not strict JSON ({str(e)[:80]})"
+    if not isinstance(value, dict):
+        return f"are not a JSON object: {arguments[:40]!r}"
+    return None
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
 
 
 def _looks_like_call(text: str, parser: str) -> bool:
