@@ -11,7 +11,6 @@ import asyncio
 import json
 import os
 import shutil
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -123,7 +122,7 @@ async def engine(smollm2: ModelConfig) -> AsyncIterator[Any]:
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     e = VllmEngine(
-        VllmEngineConfig(max_model_len=512, dtype="bfloat16"), model_path=str(smollm2.path), name="smol"
+        VllmEngineConfig(max_model_len=512, dtype="float32"), model_path=str(smollm2.path), name="smol"
     )
     try:
         await e.start()
@@ -135,31 +134,29 @@ async def engine(smollm2: ModelConfig) -> AsyncIterator[Any]:
 @pytest.mark.vllm
 async def test_engine_logprobs_match_the_trainer_forward(smollm2: ModelConfig, engine: Any) -> None:
     """The step-0 importance ratio: the engine's logprobs of the tokens it sampled against the
-    trainer's forward over the same ids (bf16 engine, float32 trainer over the same bf16 weights)."""
+    trainer's forward over the same ids (both in float32 over the converted bf16 weights, as
+    examples/smollm2_math.yaml runs on a CPU without bf16 arithmetic)."""
     from rollart_proxy.chat import ChatMLFormat
     from rollart_train import TorchTrainer, TorchTrainerConfig
 
     chat = ChatMLFormat(str(smollm2.path))
     prompt = chat.first_turn(None, "What is 7 + 8? Think step by step.")
     sampling = SamplingParams(max_tokens=48, temperature=1.0, stop_token_ids=chat.stop_token_ids())
-    t0 = time.perf_counter()
     outs = await asyncio.gather(
         *(engine.generate(GenerateRequest(f"lp-{i}", prompt, sampling)) for i in range(4))
     )
-    t1 = time.perf_counter()
     trainer = TorchTrainer(TorchTrainerConfig(), model_path=smollm2.path)
-    print(f"generate {t1 - t0:.1f}s, trainer {time.perf_counter() - t1:.1f}s")
     diffs: list[float] = []
     for out in outs:
         assert len(out.token_ids) > 0 and len(out.logprobs) == len(out.token_ids)
         ours = trainer.logprobs(prompt + list(out.token_ids))[-len(out.token_ids) :]
         diffs += [a - b for a, b in zip(out.logprobs, ours, strict=True)]
     d = torch.tensor(diffs)
-    # per token: bf16 compute in the engine against float32 in the trainer
-    assert d.abs().mean().item() < 0.05, d.abs().mean()
-    assert d.abs().max().item() < 1.0, d.abs().max()
-    # the mean per-token importance ratio exp(ours - engine) is ~1
-    assert abs(torch.exp(-d).mean().item() - 1.0) < 0.05
+    # per token: two float32 implementations (vLLM's CPU kernels, transformers' SDPA) of one model
+    assert d.abs().mean().item() < 1e-3, d.abs().mean()
+    assert d.abs().max().item() < 2e-2, d.abs().max()
+    # the mean per-token importance ratio exp(ours - engine) is 1 within 0.1%
+    assert abs(torch.exp(-d).mean().item() - 1.0) < 1e-3
 
 
 def test_bad_model_inputs_get_one_clear_error(smollm2: ModelConfig, tmp_path: Path) -> None:
