@@ -55,6 +55,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     e.add_argument("--hf", required=True, metavar="OUT_DIR", help="the Hugging Face model directory to write")
     e.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
+    e.add_argument(
+        "--adapter-only",
+        action="store_true",
+        help="for a checkpoint of LoRA training: write its PEFT adapter directory instead of the "
+        "base model with the adapters merged in",
+    )
     e.add_argument("-v", "--verbose", action="store_true", help="show tracebacks")
     pl = sub.add_parser(
         "plan", help="propose pools and task→hardware mapping for a workload (roofline + simulation)"
@@ -192,8 +198,11 @@ def _export(args: argparse.Namespace) -> int:
     export_hf = resolve(
         "exporter", "rollart_train.export:export_hf"
     )  # rollart-core never imports rollart-train
-    out = export_hf(Path(args.checkpoint), Path(args.hf), overwrite=args.force)
-    print(f"exported {args.checkpoint} -> {out} (a Hugging Face model directory)")
+    out = export_hf(
+        Path(args.checkpoint), Path(args.hf), overwrite=args.force, adapter_only=args.adapter_only
+    )
+    what = "a PEFT LoRA adapter directory" if args.adapter_only else "a Hugging Face model directory"
+    print(f"exported {args.checkpoint} -> {out} ({what})")
     return 0
 
 

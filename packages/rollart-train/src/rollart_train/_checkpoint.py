@@ -15,9 +15,19 @@ from typing import Any
 
 from rollart_core.errors import TrainerError
 
-__all__ = ["STATE_FILE", "commit", "copy_model_files", "find_checkpoint", "read_state", "staging_dir"]
+__all__ = [
+    "ADAPTER_DIR",
+    "STATE_FILE",
+    "commit",
+    "copy_model_files",
+    "find_checkpoint",
+    "read_state",
+    "staging_dir",
+]
 
 STATE_FILE = "rollart_trainer.json"
+ADAPTER_DIR = "adapter"
+"""A LoRA checkpoint's adapters (a PEFT adapter directory); the root holds the frozen base model."""
 MODEL_FILES = (
     "config.json",
     "tokenizer.json",

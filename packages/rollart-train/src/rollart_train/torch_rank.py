@@ -28,6 +28,7 @@ from rollart_core.errors import ConfigError, TrainerError
 from rollart_core.types import Trajectory
 from rollart_train._attention import SEGMENT_ATTENTION, register_segment_attention
 from rollart_train._checkpoint import (
+    ADAPTER_DIR,
     STATE_FILE,
     commit,
     copy_model_files,
@@ -58,8 +59,6 @@ __all__ = ["STATE_FILE", "TorchRankWorker", "find_checkpoint"]
 
 log = logging.getLogger(__name__)
 OPTIM_FILE = "trainer_state.pt"
-ADAPTER_DIR = "adapter"
-"""A LoRA checkpoint's adapters (a PEFT adapter directory); the root holds the frozen base model."""
 _STATS = ("loss", "pg_loss", "clip_frac", "approx_kl", "behav_weight", "tis_capped_frac", "kl", "entropy")
 
 
