@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from rollart_core.config import RunConfig
+from rollart_core.control.state import RunState
 from rollart_core.loop import rollout_step
 from rollart_core.types import Fate, GenerateRequest, SamplingParams
 
@@ -77,11 +78,12 @@ async def test_pipeline_runs_pd_tasks_through_both_pools(tmp_path: Path) -> None
         # FrozenLake turns generate one token: not worth a second hop, served by the decode pool
         workers = p.proxy.proxy.workers
         prefilled = workers["pre-0"].served
-        trajs = await rollout_step(p, step=1)
+        state = RunState(p.config.train.alpha, p.trainer.version)
+        trajs = await rollout_step(p, step=1, state=state)
         assert {t.fate for t in trajs} == {Fate.FINISHED}
         assert workers["pre-0"].served == prefilled and workers["dec-0"].served > len(trajs)
         # a weight update reaches both pools before either resumes
-        batch = await p.buffer.get_batch(2, version=0)
+        batch = await state.get_batch(2, version=0)
         if len({t.reward for t in batch}) == 1:
             batch[0].reward = 1.0 - batch[0].reward
         p.trainer.train_step(batch)

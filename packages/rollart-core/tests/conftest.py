@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 
 from rollart_core.config import RunConfig
-from rollart_core.control.buffer import SampleBuffer
 from rollart_core.errors import ConfigError, EngineError, WeightSyncError
 from rollart_core.protocols import AgentCall, AgentEpisode, AgentSession
 from rollart_core.types import GenerateOutput, GenerateRequest, RewardResult, StepResult, Trajectory
@@ -238,7 +237,6 @@ class FakePipeline:
         self.proxy = EchoProxy(script)
         self.chat = EchoChat()
         self.rewards = {t.name: EnvReward() for t in config.tasks}
-        self.buffer = SampleBuffer(config.train.alpha)
         self.timings: dict[str, float] = {}
 
     def make_env(self, task: Any, index: int, *, held_out: bool = False) -> CountdownEnv | ScriptedAgentEnv:

@@ -5,6 +5,7 @@ import asyncio
 import pytest
 
 from rollart_core.control.buffer import SampleBuffer
+from rollart_core.control.state import RunState
 from rollart_core.errors import ConfigError
 from rollart_core.resources import AffinitySpec, affinity, get_affinity, ray_actor_options
 from rollart_core.types import Fate, Trajectory, Turn
@@ -38,39 +39,39 @@ def _traj(tid: str, group: str, version: int, fate: Fate = Fate.FINISHED) -> Tra
 
 
 async def test_buffer_waits_for_complete_groups() -> None:
-    buf = SampleBuffer(alpha=0)
-    buf.expect("g0", 2)
-    getter = asyncio.create_task(buf.get_batch(1, version=0))
-    await buf.put(_traj("a", "g0", 0))
+    state = RunState(alpha=0)
+    state.announce("g0", 2)
+    getter = asyncio.create_task(state.get_batch(1, version=0))
+    state.settle(_traj("a", "g0", 0))
     await asyncio.sleep(0)  # give the getter a chance to (wrongly) return early
     assert not getter.done()
-    await buf.put(_traj("b", "g0", 0, Fate.ENV_FAILED))
+    state.settle(_traj("b", "g0", 0, Fate.ENV_FAILED))
     batch = await asyncio.wait_for(getter, 5)
     assert [t.traj_id for t in batch] == ["a"]  # failed members are counted, not trained on
-    assert buf.fates == {"finished": 1, "env_failed": 1}
+    assert state.fates == {"finished": 1, "env_failed": 1}
 
 
 async def test_buffer_staleness_gate() -> None:
-    buf = SampleBuffer(alpha=1)
-    buf.expect("g", 3)
-    await buf.put(_traj("v0", "g", 0))
-    await buf.put(_traj("v1", "g", 1))
-    await buf.put(_traj("v2", "g", 2))
-    batch = await buf.get_batch(1, version=2)
+    state = RunState(alpha=1)
+    state.announce("g", 3)
+    for tid, v in (("v0", 0), ("v1", 1), ("v2", 2)):
+        state.settle(_traj(tid, "g", v))
+    batch = await state.get_batch(1, version=2)
     assert sorted(t.traj_id for t in batch) == ["v1", "v2"]
-    assert buf.fates["aborted_stale"] == 1
-    assert buf.fates["finished"] == 2
+    assert state.fates["aborted_stale"] == 1
+    assert state.fates["finished"] == 2
 
 
 async def test_buffer_rejects_unannounced_and_fateless() -> None:
-    buf = SampleBuffer()
+    state = RunState()
     with pytest.raises(ValueError):
-        await buf.put(_traj("x", "nope", 0))
-    buf.expect("g", 1)
+        state.settle(_traj("x", "nope", 0))
+    state.announce("g", 1)
     t = _traj("y", "g", 0)
     t.fate = None
     with pytest.raises(ValueError):
-        await buf.put(t)
+        state.settle(t)
+    assert state.fates == {}  # nothing counted for a refused trajectory
     with pytest.raises(ConfigError):
         SampleBuffer(alpha=-1)
 
@@ -87,79 +88,80 @@ def test_trajectory_flattening() -> None:
 
 
 async def test_buffer_drops_groups_with_nothing_trainable_and_keeps_waiting() -> None:
-    buf = SampleBuffer(alpha=0)
-    buf.expect("stale", 1)
-    buf.expect("failed", 1)
-    buf.expect("good", 1)
-    await buf.put(_traj("s", "stale", 0))
-    await buf.put(_traj("f", "failed", 1, Fate.ENV_FAILED))
-    getter = asyncio.create_task(buf.get_batch(1, version=1))
+    state = RunState(alpha=0)
+    for g in ("stale", "failed", "good"):
+        state.announce(g, 1)
+    state.settle(_traj("s", "stale", 0))
+    state.settle(_traj("f", "failed", 1, Fate.ENV_FAILED))
+    getter = asyncio.create_task(state.get_batch(1, version=1))
     await asyncio.sleep(0)
     assert not getter.done()  # two ready groups, but neither has anything to train on
-    await buf.put(_traj("g", "good", 1))
+    state.settle(_traj("g", "good", 1))
     batch = await asyncio.wait_for(getter, 5)
     assert [t.traj_id for t in batch] == ["g"]
-    assert buf.pending_groups() == 0
-    assert buf.fates == {"aborted_stale": 1, "env_failed": 1, "finished": 1}
+    assert state.buffer.pending_groups() == 0
+    assert state.buffer.dropped_groups == ["stale", "failed"]
+    assert state.fates == {"aborted_stale": 1, "env_failed": 1, "finished": 1}
 
 
-def _capacity(buf: SampleBuffer, limit: int):
+def _capacity(state: RunState, limit: int):
     """Admission control's wait: until fewer than ``limit`` groups are pending."""
-    return buf.wait_for(lambda: True if buf.pending_groups() < limit else None)
+    return state.wait_for(lambda: True if state.buffer.pending_groups() < limit else None)
 
 
 async def test_admission_wait_is_released_by_consumption() -> None:
-    buf = SampleBuffer()
-    buf.expect("a", 1)
-    waiter = asyncio.create_task(_capacity(buf, 1))
+    state = RunState()
+    state.announce("a", 1)
+    waiter = asyncio.create_task(_capacity(state, 1))
     await asyncio.sleep(0)
     assert not waiter.done()
-    await buf.put(_traj("x", "a", 0))
-    await buf.get_batch(1, version=0)
+    state.settle(_traj("x", "a", 0))
+    await state.get_batch(1, version=0)
     await asyncio.wait_for(waiter, 5)
 
 
 async def test_dropping_useless_groups_wakes_admission_control() -> None:
     """A producer waiting for capacity must be woken when get_batch drops a stale group."""
-    buf = SampleBuffer(alpha=0)
-    buf.expect("stale", 1)
-    await buf.put(_traj("s", "stale", 0))
-    producer = asyncio.create_task(_capacity(buf, 1))
-    getter = asyncio.create_task(buf.get_batch(1, version=1))
+    state = RunState(alpha=0)
+    state.announce("stale", 1)
+    state.settle(_traj("s", "stale", 0))
+    producer = asyncio.create_task(_capacity(state, 1))
+    getter = asyncio.create_task(state.get_batch(1, version=1))
     await asyncio.wait_for(producer, 5)  # released although nothing was consumed
-    buf.expect("fresh", 1)
-    await buf.put(_traj("f", "fresh", 1))
+    state.announce("fresh", 1)
+    state.settle(_traj("f", "fresh", 1))
     assert [t.traj_id for t in await asyncio.wait_for(getter, 5)] == ["f"]
 
 
 async def test_batch_mix_takes_each_tasks_share_however_fast_the_other_task_is() -> None:
-    buf = SampleBuffer(alpha=1)
+    state = RunState(alpha=1)
     for g in ("c0", "c1", "c2"):
-        buf.expect(g, 1, "calc")
+        state.announce(g, 1, "calc")
     for g in ("l0", "l1"):
-        buf.expect(g, 1, "lake")
-    assert buf.pending_by_task() == {"calc": 3, "lake": 2}
+        state.announce(g, 1, "lake")
+    assert state.buffer.pending_by_task() == {"calc": 3, "lake": 2}
     for g in ("c0", "c1", "c2", "l0"):  # the fast task's groups are all ready, the slow one's not yet
-        await buf.put(_traj(g, g, 0))
-    getter = asyncio.create_task(buf.get_batch(4, version=0, mix={"calc": 2, "lake": 2}))
+        state.settle(_traj(g, g, 0))
+    getter = asyncio.create_task(state.get_batch(4, {"calc": 2, "lake": 2}, version=0))
     await asyncio.sleep(0)
     assert not getter.done()  # 4 ready groups, but only one of the lake task
-    await buf.put(_traj("l1", "l1", 0))
+    state.settle(_traj("l1", "l1", 0))
     batch = await asyncio.wait_for(getter, 5)
     assert [t.group_id for t in batch] == ["c0", "c1", "l0", "l1"]  # oldest of each task, in launch order
-    assert buf.pending_by_task() == {"calc": 1}
+    assert state.buffer.pending_by_task() == {"calc": 1}
     with pytest.raises(ValueError, match="does not sum"):
-        await buf.get_batch(2, version=0, mix={"calc": 1})
+        await state.get_batch(2, {"calc": 1}, version=0)
 
 
 async def test_buffer_state_keeps_each_groups_task() -> None:
-    buf = SampleBuffer(alpha=0)
-    buf.expect("g", 1, "lake")
-    await buf.put(_traj("t", "g", 0))
-    restored = SampleBuffer(alpha=0)
-    restored.load_state_dict(buf.state_dict())
-    assert restored.pending_by_task() == {"lake": 1}
-    assert [t.traj_id for t in await restored.get_batch(1, version=0, mix={"lake": 1})] == ["t"]
+    state = RunState(alpha=0)
+    state.announce("g", 1, "lake")
+    state.settle(_traj("t", "g", 0))
+    restored = RunState(alpha=0)
+    restored.restore(state.buffer.state_dict(), state.fates, state.launched, inflight=0)
+    assert restored.buffer.pending_by_task() == {"lake": 1}
+    assert restored.fates == {"finished": 1} and restored.launched == 1
+    assert [t.traj_id for t in await restored.get_batch(1, {"lake": 1}, version=0)] == ["t"]
 
 
 def test_the_producer_launches_the_task_furthest_below_its_batch_share() -> None:
@@ -194,19 +196,16 @@ def test_admission_launches_a_group_only_if_it_can_be_trained_within_alpha() -> 
     assert on_time(0, 3, next_version=6, served_version=6, alpha=0)
 
 
-async def test_wait_for_is_woken_by_buffer_changes_and_by_notify() -> None:
-    buf = SampleBuffer(alpha=1)
-    outside = {"ok": False}
-    waiter = asyncio.create_task(
-        buf.wait_for(lambda: "go" if outside["ok"] or buf.pending_groups() else None)
-    )
+async def test_wait_for_is_woken_by_every_change_of_the_run_state() -> None:
+    state = RunState(alpha=1)
+    waiter = asyncio.create_task(state.wait_for(lambda: "go" if state.clock.served >= 1 else None))
+    await asyncio.sleep(0)
+    state.trained_to(1)
     await asyncio.sleep(0)
     assert not waiter.done()
-    outside["ok"] = True  # a change outside the buffer is seen only once notified
-    await buf.notify()
+    state.serve(1)  # a version served wakes the waiter: nobody has to remember to notify
     assert await asyncio.wait_for(waiter, 5) == "go"
-    waiter = asyncio.create_task(buf.wait_for(lambda: buf.pending_groups() or None))
+    waiter = asyncio.create_task(state.wait_for(lambda: state.buffer.pending_groups() or None))
     await asyncio.sleep(0)
-    buf.expect("g", 1, "calc")
-    await buf.put(_traj("g-0", "g", 0))
+    state.announce("g", 1, "calc")
     assert await asyncio.wait_for(waiter, 5) == 1

@@ -11,7 +11,7 @@ import pytest
 from rollart_core.bench.figures import aggregate, goals, group_sums, reward_delta, spread, window_bound
 from rollart_core.bench.report import fmt_spread, markdown, print_table, reward_lines
 from rollart_core.bench.samples import latency_samples, task_of
-from rollart_core.control.buffer import SampleBuffer
+from rollart_core.control.state import RunState
 from rollart_core.timeline import STAGES, Timeline
 from rollart_core.types import Fate, Trajectory
 
@@ -215,15 +215,15 @@ def test_printed_table_and_summary_carry_the_new_columns(tmp_path) -> None:
 
 def test_the_buffer_records_each_groups_life_on_the_timeline() -> None:
     async def scenario() -> Timeline:
-        buf = SampleBuffer(alpha=1)
+        state = RunState(alpha=1)
         with Timeline() as tl:
-            buf.expect("g0-calc", 2, "calc")
-            buf.expect("g1-lake", 1, "lake")
+            state.announce("g0-calc", 2, "calc")
+            state.announce("g1-lake", 1, "lake")
             for i, (g, task) in enumerate([("g0-calc", "calc"), ("g0-calc", "calc"), ("g1-lake", "lake")]):
                 t = Trajectory(f"{g}-{i}", task, "e", g, 0, 0)
                 t.fate = Fate.FINISHED
-                await buf.put(t)
-            batch = await buf.get_batch(2, version=0, mix={"calc": 1, "lake": 1})
+                state.settle(t)
+            batch = await state.get_batch(2, {"calc": 1, "lake": 1}, version=0)
         assert len(batch) == 3
         return tl
 

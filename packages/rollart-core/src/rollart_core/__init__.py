@@ -11,7 +11,7 @@ Public API, grouped:
 - errors: :class:`RollartError`, :class:`ConfigError`, ...
 - registry: :func:`resolve`, :func:`build`, :func:`available`
 - resource plane: :func:`affinity`, :class:`AffinitySpec`
-- control plane: :class:`SampleBuffer`, :func:`run_trajectory`, :class:`VersionClock`
+- control plane: :class:`RunState`, :class:`SampleBuffer`, :func:`run_trajectory`, :class:`VersionClock`
   (``rollart_core.control.train.train`` runs a job: one recipe per mode over named primitives)
 
 Importing rollart_core never imports torch, vLLM, Ray or any member package.
@@ -31,6 +31,7 @@ from rollart_core.config import (
 from rollart_core.control.buffer import SampleBuffer
 from rollart_core.control.clock import VersionClock
 from rollart_core.control.runner import run_trajectory
+from rollart_core.control.state import RunState
 from rollart_core.errors import (
     ConfigError,
     EngineError,
@@ -114,6 +115,7 @@ __all__ = [
     "WeightSyncError",
     # registry, resource and control planes
     "AffinitySpec",
+    "RunState",
     "SampleBuffer",
     "affinity",
     "available",

@@ -56,7 +56,6 @@ from rollart_core.bench.workload import (
     workload_config,
 )
 from rollart_core.config import RunConfig
-from rollart_core.control.buffer import SampleBuffer
 from rollart_core.errors import ConfigError
 from rollart_core.metrics import MemorySink
 from rollart_core.protocols import SupportsFreshStats
@@ -130,8 +129,8 @@ async def stats_of(executors: dict[str, Any]) -> dict[str, float]:
 
 
 def _use(p: Any, cfg: RunConfig, threads: int, rewards: RewardExecutors) -> None:
-    """Point the shared pipeline at one mode's config: its tasks, reward executors, a fresh buffer,
-    and the trainer's share of the cores (``threads``)."""
+    """Point the shared pipeline at one mode's config: its tasks, reward executors and the trainer's
+    share of the cores (``threads``); each run has its own state."""
     set_threads = getattr(p.trainer, "set_num_threads", None)
     if set_threads is None:
         raise ConfigError(
@@ -140,7 +139,6 @@ def _use(p: Any, cfg: RunConfig, threads: int, rewards: RewardExecutors) -> None
     set_threads(threads)
     p.config = cfg
     p.rewards = rewards.of(cfg)
-    p.buffer = SampleBuffer(cfg.train.alpha)
 
 
 async def _sync_engines(p: Any) -> None:
@@ -181,7 +179,7 @@ async def run_segment(
         "trained_by_task": dict(sum((Counter(h["batch_tasks"]) for h in hist), Counter())),
         "gen_tokens": sum(h["gen_tok_per_s"] * h["step_s"] for h in hist),
         "trained_gen_tokens": sum(h["trained_gen_tokens"] for h in hist),
-        "wasted_gen_tokens": sum(h["wasted_gen_tokens"] for h in hist) + p.buffer.stale_tokens,
+        "wasted_gen_tokens": sum(h["wasted_gen_tokens"] for h in hist) + summary["stale_tokens"],
         "episodes": episode_sums(hist),
         "launched": summary["launched"],
         "fates": summary["fates"],

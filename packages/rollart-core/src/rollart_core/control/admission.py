@@ -38,17 +38,17 @@ def next_task(
 
 def choose(rollout: Rollout, max_pending_groups: int, alpha: int) -> tuple[int, int] | None:
     """The next group to launch as (task index, start version), or None while none may be."""
-    buf, tasks, clock = rollout.p.buffer, rollout.p.config.tasks, rollout.clock
-    if buf.pending_groups() >= max_pending_groups:
+    state, tasks = rollout.state, rollout.p.config.tasks
+    if state.buffer.pending_groups() >= max_pending_groups:
         return None
-    pending = buf.pending_by_task()
-    next_version = clock.next_batch_version()
+    pending = state.buffer.pending_by_task()
+    next_version = state.clock.next_batch_version()
     start: dict[int, int] = {}
     for i, t in enumerate(tasks):
         v = next(
             (
                 v
-                for v in clock.start_versions()
+                for v in state.clock.start_versions()
                 if on_time(pending.get(t.name, 0), t.groups_per_step, next_version, v, alpha)
             ),
             None,
@@ -62,10 +62,9 @@ def choose(rollout: Rollout, max_pending_groups: int, alpha: int) -> tuple[int, 
 
 
 async def produce(rollout: Rollout, max_pending_groups: int, alpha: int) -> None:
-    """Keep launching groups under admission control (re-evaluated whenever the buffer or the
-    served version changes), at most ``max_pending_groups`` launched but not yet trained on."""
+    """Keep launching groups under admission control (re-evaluated on every change of the run's
+    state), at most ``max_pending_groups`` launched but not yet trained on; ends with the run's
+    failure."""
     while True:
-        task_index, version = await rollout.p.buffer.wait_for(
-            lambda: choose(rollout, max_pending_groups, alpha)
-        )
+        task_index, version = await rollout.state.wait_for(lambda: choose(rollout, max_pending_groups, alpha))
         rollout.launch_group(task_index, start_version=version)

@@ -43,8 +43,7 @@ async def run_async(run: Run) -> AsyncGenerator[StepRecord, None]:
         if pushed is not None and not on_arrival:
             await sync_weights(run, rec, run.clock.trained)  # 2-5. Suspend, Update, Resume, Recompute KV
         if on_arrival:  # the version this batch trains is served as soon as it lands: admit groups on it
-            run.clock.expect(run.clock.trained + 1)
-            await run.p.buffer.notify()
+            run.state.will_serve(run.clock.trained + 1)
         await train_step(run, rec, batch)  # 6. Train, rollout goes on
         pushed = push(run, update=on_arrival)  # in the background
         if tc.abort_stale:

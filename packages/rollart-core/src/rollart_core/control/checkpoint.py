@@ -42,7 +42,7 @@ def _fsync_tree(root: Path) -> None:
 
 
 async def save_checkpoint(p: Pipeline, run: Run, step: int, path: Path) -> None:
-    ro = run.rollout
+    ro, rs = run.rollout, run.state
     tmp = path.with_name(f".{path.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     await asyncio.to_thread(p.trainer.save, str(tmp))
@@ -50,10 +50,10 @@ async def save_checkpoint(p: Pipeline, run: Run, step: int, path: Path) -> None:
         "step": step,
         "version": p.trainer.version,
         "groups_launched": ro.groups_launched,
-        "launched": ro.launched,
-        "fates": dict(ro.fates),
+        "launched": rs.launched,
+        "fates": dict(rs.fates),
         "inflight": len(ro.inflight),
-        "buffer": p.buffer.state_dict(),
+        "buffer": rs.buffer.state_dict(),
     }
     (tmp / STATE_FILE).write_text(json.dumps(state))
     await asyncio.to_thread(_fsync_tree, tmp)
@@ -81,19 +81,17 @@ async def resume(p: Pipeline, run: Run, path: Path) -> int:
         raise ConfigError(
             f"{path}: trainer state says version {p.trainer.version}, run state {state['version']}"
         )
-    p.buffer.load_state_dict(state["buffer"])
-    ro = run.rollout
-    ro.groups_launched = state["groups_launched"]
-    ro.launched = state.get("launched", 0)
-    ro.ledger.counts.update(state.get("fates", {}))
-    ro.ledger.counts["cancelled_at_stop"] += state.get("inflight", 0)
+    run.state.restore(
+        state["buffer"], state.get("fates", {}), state.get("launched", 0), state.get("inflight", 0)
+    )
+    run.rollout.groups_launched = state["groups_launched"]
     version = p.trainer.version
     if isinstance(p.trainer, SupportsWeightPush):
         await asyncio.to_thread(p.trainer.push_weights, version)
     else:
         await asyncio.wrap_future(p.store.push(version, dict(p.trainer.named_weights())))
     await p.proxy.update_weights(version)
-    run.clock.resume_at(version)
+    run.state.resume_at(version)
     return int(state["step"]) + 1
 
 

@@ -1,4 +1,7 @@
-"""The version clock: the one owner of the policy versions the control plane reasons with.
+"""The version clock: the policy versions the control plane reasons with, and their rules.
+
+A run's clock belongs to its :class:`~rollart_core.control.state.RunState`, which moves it (and wakes
+whoever waits on a version); the planner's simulation keeps one of its own.
 
 - ``trained``: the version of the trainer's current weights (0 initially, +1 per train step);
 - ``served``: the version the engines serve; new trajectories start on it;

@@ -1,9 +1,9 @@
 """The fate ledger: every trajectory's fate counted once, in one place.
 
-The rollout records each trajectory when it gets its fate; the SampleBuffer relabels a finished one
-``aborted_stale`` when it is too old to train by the time its group is taken, and tells the ledger,
-which moves the count. The step metrics, the run summary and the bench all read this ledger, so
-their counts agree: the sum over fates is the number of trajectories that ended.
+Its only writer is the run's :class:`~rollart_core.control.state.RunState`: it records each
+trajectory when it is settled, and moves the count when a finished one turns out too old to train by
+the time its group is taken (``aborted_stale``). The step metrics, the run summary and the bench all
+read this ledger, so their counts agree: the sum over fates is the number of trajectories that ended.
 
 It also keeps what the stall detector needs: when a trajectory last finished, and the fates of the
 most recent ones (the failure share).

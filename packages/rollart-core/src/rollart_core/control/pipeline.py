@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from rollart_core.config import RunConfig, TaskConfig, file_sha256
-from rollart_core.control.buffer import SampleBuffer
 from rollart_core.errors import ConfigError, RegistryError
 from rollart_core.protocols import ChatFormat, Proxy, RewardExecutor, Trainer, WeightStore
 from rollart_core.registry import build, check, resolve, validate_options
@@ -160,14 +159,13 @@ def weight_store_options(cfg: RunConfig) -> dict[str, Any]:
 
 class Pipeline:
     """``async with Pipeline(cfg) as p:`` gives ``p.trainer``, ``p.store``, ``p.proxy``, ``p.chat``,
-    ``p.buffer``, per-task ``p.rewards`` and ``p.make_env(task)``."""
+    per-task ``p.rewards`` and ``p.make_env(task)``."""
 
     trainer: Trainer
     store: WeightStore
     proxy: Proxy
     chat: ChatFormat
     rewards: dict[str, RewardExecutor]
-    buffer: SampleBuffer
 
     def __init__(self, config: RunConfig) -> None:
         self.config = config
@@ -230,7 +228,6 @@ class Pipeline:
             )
             for i, t in enumerate(cfg.tasks)
         }
-        self.buffer = SampleBuffer(cfg.train.alpha)
         self._check_store_reach(cfg)
         if group_cfg is not None:  # placed on its pool, validated with the engines before either starts
             self._validate_plan(group_cfg)

@@ -1,10 +1,10 @@
 """Rollout: launch groups of trajectories, track them in flight, abort the ones that went stale.
 
 Each trajectory is its own asyncio task (R2): it drives env ↔ proxy ↔ reward through
-:func:`run_trajectory` and lands in the SampleBuffer with a fate, whatever happens. The training
-loop decides *when* to launch (all at once for a step, or continuously under admission control)
-and tells this object the trainer's version so that in-flight work that can no longer meet the
-staleness bound is aborted early (fate ``aborted_stale``) instead of being finished and dropped.
+:func:`run_trajectory` and is settled in the run's :class:`~rollart_core.control.state.RunState` with
+a fate, whatever happens. The training loop decides *when* to launch (all at once for a step, or
+continuously under admission control) and when in-flight work can no longer meet the staleness bound:
+it is aborted early (fate ``aborted_stale``) instead of being finished and dropped.
 """
 
 from __future__ import annotations
@@ -17,10 +17,9 @@ import time
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from rollart_core.control.clock import VersionClock
-from rollart_core.control.ledger import FateLedger
 from rollart_core.control.runner import FATAL, run_trajectory
-from rollart_core.errors import ConfigError, EnvError, EnvTimeoutError, RollartError
+from rollart_core.control.state import RunState, decide
+from rollart_core.errors import ConfigError, EnvError
 from rollart_core.types import Fate, Trajectory
 
 if TYPE_CHECKING:
@@ -36,29 +35,25 @@ def derive_seed(*parts: object) -> int:
 
 
 class Rollout:
-    def __init__(self, p: Pipeline, clock: VersionClock | None = None) -> None:
+    def __init__(self, p: Pipeline, state: RunState | None = None) -> None:
         self.p = p
-        self.clock = clock or VersionClock(p.trainer.version)
-        """The run's versions: trajectories start on ``clock.served`` (or ahead on ``clock.coming``)."""
-        self.ledger = FateLedger()
-        """Every trajectory's fate, counted once (the buffer reports stale relabels to it)."""
-        p.buffer.on_relabel = self.ledger.relabel
+        self.state = state or RunState(p.config.train.alpha, p.trainer.version)
+        """The run's state: trajectories start on its served version (or ahead, on the coming one)
+        and are settled there with their fates."""
         self.inflight: dict[str, tuple[Trajectory, asyncio.Task[None]]] = {}
-        self.launched = 0
         self.finished: list[Trajectory] = []
         """Trajectories that got a fate since the last :meth:`drain_finished`."""
         self.groups_launched = 0
-        self._group_finished: dict[str, int] = {}
-        self.cancelled_redundant = 0
-        self.fatal: RollartError | None = None
-        """A user's mistake a trajectory hit (a ConfigError building or running its environment):
-        every trajectory would hit it, so the loop stops on it (naming the stage) at its next wait."""
         self._task_index = {t.name: i for i, t in enumerate(p.config.tasks)}
 
     @property
+    def launched(self) -> int:
+        return self.state.launched
+
+    @property
     def fates(self) -> Counter[str]:
-        """Fates of every trajectory that ended (the ledger's counts)."""
-        return self.ledger.counts
+        """Fates of every trajectory that ended (the run state's one count)."""
+        return self.state.fates
 
     def launch_group(self, task_index: int, tag: str = "g", start_version: int | None = None) -> str:
         """Start ``group_size`` trajectories of one task on a fresh seed; returns the group id.
@@ -71,8 +66,7 @@ class Rollout:
         group_id = f"{tag}{n}-{task.name}"
         seed = derive_seed(cfg.seed, tag, n, task_index)
         n_launch = task.group_size + task.redundancy
-        self.p.buffer.expect(group_id, n_launch, task.name)
-        self._group_finished[group_id] = 0
+        self.state.announce(group_id, n_launch, task.name, needed=task.group_size)
         for k in range(n_launch):
             traj = Trajectory(
                 f"{group_id}-{k}",
@@ -80,10 +74,9 @@ class Rollout:
                 task.env.impl,
                 group_id,
                 seed,
-                max(self.clock.served, start_version or 0),
+                max(self.state.clock.served, start_version or 0),
             )
             self.inflight[traj.traj_id] = (traj, asyncio.create_task(self._run(traj, task_index)))
-            self.launched += 1
         return group_id
 
     def relaunch(self, task: str | None) -> str:
@@ -107,15 +100,12 @@ class Rollout:
         try:
             try:
                 env = await p.acquire_env(task, task_index)
-            except EnvTimeoutError as exc:
-                traj.fate, traj.error = Fate.TIMED_OUT, f"no environment: {exc}"
-            except EnvError as exc:
-                traj.fate, traj.error = Fate.ENV_FAILED, f"no environment: {exc}"
-            except FATAL as exc:
-                traj.fate, traj.error = Fate.ENV_FAILED, f"no environment: {exc}"
-                self._stop(task.name, "building the environment", exc)
+            except (EnvError, *FATAL) as exc:
+                decide(traj, exc, f"no environment: {exc}")
+                if isinstance(exc, FATAL):
+                    self._stop(task.name, "building the environment", exc)
             else:
-                ahead = traj.start_version > self.clock.served
+                ahead = traj.start_version > self.state.clock.served
                 await run_trajectory(
                     traj,
                     env=env,
@@ -126,7 +116,7 @@ class Rollout:
                     max_turns=task.max_turns,
                     context=task.context,
                     env_timeout_s=task.env_timeout_s,
-                    before_first_turn=functools.partial(self.wait_served, traj.start_version)
+                    before_first_turn=functools.partial(self.state.until_served, traj.start_version)
                     if ahead
                     else None,
                 )
@@ -136,50 +126,37 @@ class Rollout:
             self._stop(task.name, "running an episode", exc)
         except Exception as exc:  # the runner records every fate itself; this is a bug guard
             log.exception("trajectory %s: runner crashed", traj.traj_id)
-            traj.fate, traj.error = Fate.ENV_FAILED, repr(exc)
+            decide(traj, Fate.ENV_FAILED, repr(exc))
         finally:
-            if traj.fate is None:
-                traj.fate = Fate.CANCELLED_REDUNDANT
+            decide(traj, traj.fate or Fate.CANCELLED_REDUNDANT)
             traj.add_timing("episode", time.perf_counter() - t0)  # wall time from launch to fate
             self.inflight.pop(traj.traj_id, None)
-            if traj.fate is Fate.FINISHED:
-                if traj.group_id in self._group_finished:
-                    self._group_finished[traj.group_id] += 1
-                    if self._group_finished[traj.group_id] >= task.group_size:
-                        self._cancel_surplus(traj.group_id)
-                elif task.redundancy:  # finished after its group was already complete: surplus
-                    traj.fate = Fate.CANCELLED_REDUNDANT
-                    self.cancelled_redundant += 1
-            self.ledger.record(traj)
+            if self.state.settle(traj):
+                self._cancel_surplus(traj.group_id)
             self.finished.append(traj)
-            await p.buffer.put(traj)
 
     def _stop(self, task: str, doing: str, exc: Exception) -> None:
-        if self.fatal is None:
+        """A user's mistake a trajectory hit (a ConfigError building or running its environment):
+        every trajectory would hit it, so the run stops on it, naming the stage."""
+        error = ConfigError(f"env: task {task!r}, {doing}: {exc}")
+        error.__cause__ = exc
+        if self.state.fail(error):
             log.error("task %s: %s failed: %s", task, doing, exc)
-            self.fatal = ConfigError(f"env: task {task!r}, {doing}: {exc}")
-            self.fatal.__cause__ = exc
-
-    async def wait_served(self, version: int) -> None:
-        """Until the engines serve ``version`` or newer (the loop's update notifies the buffer)."""
-        await self.p.buffer.wait_for(lambda: True if self.clock.served >= version else None)
 
     def _cancel_surplus(self, group_id: str) -> None:
         """The group has its ``group_size`` finished trajectories: cancel the stragglers now
         (synchronously, so none of them can still slip in as finished)."""
-        del self._group_finished[group_id]
         for traj, task in list(self.inflight.values()):
             if traj.group_id == group_id and traj.fate is None and not task.done():
-                traj.fate = Fate.CANCELLED_REDUNDANT
+                decide(traj, Fate.CANCELLED_REDUNDANT)
                 task.cancel()
-                self.cancelled_redundant += 1
 
     def abort_stale(self, trainer_version: int, alpha: int) -> int:
         """Cancel in-flight trajectories that can no longer be trained within ``alpha``."""
         n = 0
         for traj, task in list(self.inflight.values()):
             if traj.fate is None and trainer_version - traj.min_version() > alpha and not task.done():
-                traj.fate = Fate.ABORTED_STALE
+                decide(traj, Fate.ABORTED_STALE)
                 task.cancel()
                 n += 1
         return n
@@ -192,7 +169,7 @@ class Rollout:
     async def cancel_all(self) -> None:
         """End the run's rollout: every trajectory still in flight gets ``cancelled_at_stop``."""
         for traj, task in self.inflight.values():
-            traj.fate = traj.fate or Fate.CANCELLED_AT_STOP
+            decide(traj, traj.fate or Fate.CANCELLED_AT_STOP)
             task.cancel()
         await self.wait_all()
 

@@ -15,14 +15,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
-from rollart_core.errors import (
-    ConfigError,
-    EngineError,
-    EnvError,
-    EnvTimeoutError,
-    MissingExtraError,
-    RewardError,
-)
+from rollart_core.control.state import decide
+from rollart_core.errors import ConfigError, EnvError, EnvTimeoutError, MissingExtraError
 from rollart_core.protocols import AgentCall, AgentSession, ChatFormat, Environment, SupportsAgentEpisode
 from rollart_core.timeline import record
 from rollart_core.types import (
@@ -160,9 +154,9 @@ async def run_trajectory(
         _timed(traj, "reward", t0)
         traj.reward = result.score
         traj.info["reward_details"] = result.details
-        traj.fate = Fate.FINISHED
+        decide(traj, Fate.FINISHED)
     except asyncio.CancelledError:
-        traj.fate = traj.fate or Fate.CANCELLED_REDUNDANT
+        decide(traj, traj.fate or Fate.CANCELLED_REDUNDANT)
         raise
     except Exception as exc:  # a stage failed: the trajectory gets the fate naming it, the run goes on
         fatal = _fail(traj, exc, "environment")
@@ -220,9 +214,9 @@ async def run_agent_trajectory(
             traj.reward = result.score
             traj.info["reward_details"] = result.details
         _timed(traj, "reward", t0)
-        traj.fate = Fate.FINISHED
+        decide(traj, Fate.FINISHED)
     except asyncio.CancelledError:
-        traj.fate = traj.fate or Fate.CANCELLED_REDUNDANT
+        decide(traj, traj.fate or Fate.CANCELLED_REDUNDANT)
         raise
     except Exception as exc:  # a stage failed: the trajectory gets the fate naming it, the run goes on
         fatal = _fail(traj, exc, "agent")
@@ -279,17 +273,11 @@ def assemble_agent_turns(traj: Trajectory, calls: list[AgentCall], chat: ChatFor
 
 
 def _fail(traj: Trajectory, exc: Exception, who: str) -> Exception | None:
-    """The fate of a trajectory whose ``exc`` escaped: the engine's, the reward's, a timeout, or else
-    the environment's (or the agent's) failure. Returns ``exc`` if the run must stop on it (FATAL)."""
-    if isinstance(exc, EngineError):
-        traj.fate, traj.error = Fate.GENERATION_FAILED, str(exc)
-    elif isinstance(exc, RewardError):
-        traj.fate, traj.error = Fate.REWARD_FAILED, str(exc)
-    elif isinstance(exc, (TimeoutError, EnvTimeoutError)):
-        traj.fate, traj.error = Fate.TIMED_OUT, str(exc) or repr(exc)
-    else:
+    """The fate of a trajectory whose ``exc`` escaped (:func:`~rollart_core.control.state.fate_of`).
+    Returns ``exc`` if the run must stop on it (FATAL)."""
+    decide(traj, exc)
+    if traj.fate is Fate.ENV_FAILED:
         log.warning("trajectory %s: %s failed: %r", traj.traj_id, who, exc)
-        traj.fate, traj.error = Fate.ENV_FAILED, str(exc) if isinstance(exc, EnvError) else repr(exc)
     return exc if isinstance(exc, FATAL) else None
 
 

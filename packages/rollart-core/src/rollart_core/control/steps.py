@@ -1,13 +1,14 @@
 """The control plane's primitives: the named steps the mode recipes are written in.
 
-A :class:`Run` holds what a recipe works on: the pipeline's typed components, the rollout, the
-version clock and the current step's record. Each primitive is one step of the asynchronous
+A :class:`Run` holds what a recipe works on: the pipeline's typed components, the rollout and the
+run's :class:`~rollart_core.control.state.RunState` (versions, groups, fates, failure). Each primitive is one step of the asynchronous
 training protocol and records its own timing in the step's :class:`StepRecord`:
 
 ==================  ===========================================================================
 ``get_batch``       1. Get Batch: wait for the step's groups behind the staleness gate; never
-                    silently: a failed background task (a push, the producer), a stalled /
-                    failing rollout or a user's mistake an episode hit raises, naming the stage
+                    silently: the run's failure (a failed background task such as a push or the
+                    producer, a user's mistake an episode hit) or a stalled / failing rollout
+                    raises at once, naming the stage
 ``sync_weights``    2-5. Suspend → Update → Resume → Recompute KV on every engine (each engine
                     pauses with its requests kept, swaps in the version, re-prefills the running
                     requests and resumes: its pause is only its own swap)
@@ -31,6 +32,7 @@ from rollart_core.config import RunConfig
 from rollart_core.control.clock import VersionClock
 from rollart_core.control.pipeline import Pipeline
 from rollart_core.control.rollout import Rollout
+from rollart_core.control.state import RunState
 from rollart_core.errors import RollartError
 from rollart_core.protocols import SupportsWeightPrefetch, SupportsWeightPush
 from rollart_core.timeline import record
@@ -47,7 +49,6 @@ __all__ = [
     "train_step",
 ]
 
-_POLL_S = 0.25
 _MIN_FAILURE_SAMPLE = 64
 
 
@@ -75,28 +76,42 @@ class Run:
         self.p = p
         self.cfg: RunConfig = cfg or p.config
         """The run's config: ``train()``'s (a borrowed pipeline may have been built from another)."""
-        self.clock = VersionClock(p.trainer.version)
-        self.rollout = Rollout(p, self.clock)
+        self.state = RunState(self.cfg.train.alpha, p.trainer.version)
+        """The run's changing state: versions, groups, fates, its failure."""
+        self.rollout = Rollout(p, self.state)
         self.mix = {t.name: t.groups_per_step for t in self.cfg.tasks}
         """Groups of each task in every batch."""
         self.num_groups = sum(self.mix.values())
         self.first_step = first_step
         self.relaunches = 0
         self.background: list[asyncio.Task[Any]] = []
-        """Tasks beside the loop (the producer, pushes): their failure stops the next wait."""
+        """Tasks beside the loop (the producer, pushes): the first to fail is the run's failure."""
         self.t_start = time.perf_counter()
+
+    @property
+    def clock(self) -> VersionClock:
+        """The run's versions (read them; they move through :attr:`state`)."""
+        return self.state.clock
 
     def steps(self) -> Iterator[StepRecord]:
         for step in range(self.first_step, self.cfg.train.steps + 1):
             yield StepRecord(step)
 
     def beside(self, coro: Awaitable[Any], name: str) -> asyncio.Task[Any]:
-        """Run ``coro`` beside the loop; the loop's waits fail as soon as it fails."""
+        """Run ``coro`` beside the loop; if it fails, the run fails (every wait raises at once)."""
         task = asyncio.ensure_future(coro)
         task.set_name(name)
-        self.background = [t for t in self.background if not t.done() or _failed(t)]
+        task.add_done_callback(self._ended_beside)
+        self.background = [t for t in self.background if not t.done()]
         self.background.append(task)
         return task
+
+    def _ended_beside(self, task: asyncio.Task[Any]) -> None:
+        if task.cancelled() or (exc := task.exception()) is None:
+            return
+        error = RollartError(f"{task.get_name()} failed beside the loop: {exc!r}")
+        error.__cause__ = exc
+        self.state.fail(error)
 
     async def stop(self) -> None:
         """Cancel what runs beside the loop and every trajectory still in flight."""
@@ -113,76 +128,45 @@ class Run:
 async def get_batch(run: Run, rec: StepRecord, *, relaunch: bool = False) -> list[Trajectory]:
     """The step's groups at the trainer's version, oldest first. ``relaunch`` (sync/one_off, where
     nothing else launches): a group that ended with nothing trainable is replaced by a fresh one of
-    its task, within ``train.max_group_relaunches``."""
+    its task, within ``train.max_group_relaunches``. Evaluated on every change of the run's state (and
+    at the stall deadline); raises the run's failure as soon as it is set."""
     t0 = time.perf_counter()
+    state, tc = run.state, run.cfg.train
 
-    def replace(group: str, task: str | None) -> None:
-        _check_fatal(run)  # a group failed on a user's mistake: that, not a spent relaunch budget
-        if not relaunch:
-            return
-        if run.relaunches >= run.cfg.train.max_group_relaunches:
-            raise RunStalled(
-                f"{_failing_stage(run)}: group {group} of task {task!r} ended with nothing trainable "
-                f"and the relaunch budget (train.max_group_relaunches = "
-                f"{run.cfg.train.max_group_relaunches}) is spent; {_fates_report(run)}"
-            )
-        run.relaunches += 1
-        run.rollout.relaunch(task)
+    def ready() -> list[Trajectory] | None:
+        for group, task in state.drop_untrainable():
+            _replace(run, group, task, relaunch)
+        batch = state.take_batch(run.num_groups, run.mix)
+        if batch is None:
+            _check_progress(run)
+        return batch
 
-    taking = asyncio.ensure_future(
-        run.p.buffer.get_batch(
-            run.num_groups,
-            version=run.clock.trained,
-            mix=run.mix,
-            on_drop=replace,
-            on_taken=run.clock.batch_taken,
-        )
-    )
-    try:
-        while not taking.done():
-            _check_beside(run)
-            # only what is still running: a finished push left in ``background`` would end every
-            # wait at once and turn this loop into a busy one for the whole wait
-            running = [t for t in run.background if not t.done()]
-            await asyncio.wait([taking, *running], timeout=_POLL_S, return_when=asyncio.FIRST_COMPLETED)
-            if run.rollout.fatal is not None:
-                break
-            _check_beside(run)
-            if not taking.done():
-                _check_progress(run)
-    finally:
-        if not taking.done():
-            taking.cancel()
-            await asyncio.gather(taking, return_exceptions=True)
-    if run.rollout.fatal is not None:
-        if not taking.cancelled():
-            taking.exception()  # retrieved: the fatal error below is the one to tell
-        raise run.rollout.fatal
-    batch = taking.result()
+    def stall_deadline() -> float | None:
+        if tc.stall_timeout_s is None:
+            return None
+        return state.ledger.last_finished_at + tc.stall_timeout_s
+
+    batch = await state.wait_for(ready, wake_at=stall_deadline)
     rec.wait_s += time.perf_counter() - t0
     rec.batch = batch
     return batch
 
 
-def _failed(task: asyncio.Task[Any]) -> bool:
-    return task.done() and not task.cancelled() and task.exception() is not None
-
-
-def _check_fatal(run: Run) -> None:
-    if run.rollout.fatal is not None:
-        raise run.rollout.fatal
-
-
-def _check_beside(run: Run) -> None:
-    for t in run.background:
-        if _failed(t):
-            raise RollartError(
-                f"{t.get_name()} failed while the loop waited for a batch: {t.exception()!r}"
-            ) from t.exception()
+def _replace(run: Run, group: str, task: str | None, relaunch: bool) -> None:
+    if not relaunch:
+        return
+    if run.relaunches >= run.cfg.train.max_group_relaunches:
+        raise RunStalled(
+            f"{_failing_stage(run)}: group {group} of task {task!r} ended with nothing trainable "
+            f"and the relaunch budget (train.max_group_relaunches = "
+            f"{run.cfg.train.max_group_relaunches}) is spent; {_fates_report(run)}"
+        )
+    run.relaunches += 1
+    run.rollout.relaunch(task)
 
 
 def _check_progress(run: Run) -> None:
-    ledger, tc = run.rollout.ledger, run.cfg.train
+    ledger, tc = run.state.ledger, run.cfg.train
     share, stage = ledger.failure_share()
     if len(ledger.recent) >= _MIN_FAILURE_SAMPLE and share >= tc.max_failure_share:
         raise RunStalled(
@@ -190,7 +174,7 @@ def _check_progress(run: Run) -> None:
             f"(train.max_failure_share = {tc.max_failure_share}); {_fates_report(run)}"
         )
     idle = time.monotonic() - ledger.last_finished_at
-    if tc.stall_timeout_s is not None and idle > tc.stall_timeout_s:
+    if tc.stall_timeout_s is not None and idle >= tc.stall_timeout_s:
         raise RunStalled(
             f"{_failing_stage(run)}: no trajectory finished for {idle:.0f} s while waiting for a batch "
             f"(train.stall_timeout_s = {tc.stall_timeout_s:g}); {len(run.rollout.inflight)} in flight; "
@@ -199,11 +183,11 @@ def _check_progress(run: Run) -> None:
 
 
 def _failing_stage(run: Run) -> str:
-    return run.rollout.ledger.failure_share()[1] or "rollout"
+    return run.state.ledger.failure_share()[1] or "rollout"
 
 
 def _fates_report(run: Run) -> str:
-    ledger = run.rollout.ledger
+    ledger = run.state.ledger
     errors = "; ".join(f"{n}× {e}" for e, n in ledger.errors.most_common(3))
     return f"fates so far {dict(ledger.counts)}" + (f"; most frequent errors: {errors}" if errors else "")
 
@@ -217,8 +201,7 @@ async def sync_weights(run: Run, rec: StepRecord | None, version: int) -> dict[s
     ``version``. Returns each engine's pause."""
     t0 = time.perf_counter()
     pauses = await run.p.proxy.update_weights(version)
-    run.clock.serve(version)
-    await run.p.buffer.notify()  # admission: groups launched from now on start on this version
+    run.state.serve(version)  # admission: groups launched from now on start on this version
     record("weight_sync", t0, time.perf_counter())
     if rec is not None:
         rec.pauses = pauses
@@ -247,7 +230,7 @@ async def train_step(run: Run, rec: StepRecord, batch: list[Trajectory]) -> dict
     t0 = time.perf_counter()
     metrics = await asyncio.to_thread(run.p.trainer.train_step, batch)
     record("train", t0, time.perf_counter())
-    run.clock.trained_to(run.p.trainer.version)
+    run.state.trained_to(run.p.trainer.version)
     rec.train = metrics
     return metrics
 
@@ -322,7 +305,7 @@ def step_metrics(run: Run, rec: StepRecord) -> dict[str, Any]:
             task: sum(bool(t.info.get("success")) for t in batch if t.task == task) / n
             for task, n in Counter(t.task for t in batch).items()
         },
-        "fates": run.rollout.ledger.take_step(),
+        "fates": run.state.ledger.take_step(),
     }
 
 

@@ -22,6 +22,7 @@ from rollart_core.control.one_off import run_one_off
 from rollart_core.control.pipeline import Pipeline
 from rollart_core.control.rollout import Rollout, derive_seed
 from rollart_core.control.runner import run_trajectory
+from rollart_core.control.state import RunState
 from rollart_core.control.steps import Run, StepRecord, step_metrics
 from rollart_core.control.sync import run_sync
 from rollart_core.metrics import MetricsSink, default_sinks, since_process_start
@@ -105,7 +106,6 @@ async def train(
 
 
 def _summary(p: Pipeline, run: Run, history: list[dict[str, Any]], completed: bool) -> dict[str, Any]:
-    ro = run.rollout
     return {
         "mode": run.cfg.train.mode,
         "alpha": run.cfg.train.alpha,
@@ -113,10 +113,11 @@ def _summary(p: Pipeline, run: Run, history: list[dict[str, Any]], completed: bo
         "steps": len(history),
         "final_version": p.trainer.version,
         "served_version": run.clock.served,
-        "launched": ro.launched,
-        "fates": dict(ro.fates),
+        "launched": run.state.launched,
+        "fates": dict(run.state.fates),
+        "stale_tokens": run.state.stale_tokens,
         "wall_s": time.perf_counter() - run.t_start,
-        "dropped_groups": sorted(p.buffer.dropped_groups),
+        "dropped_groups": sorted(run.state.buffer.dropped_groups),
         "relaunched_groups": run.relaunches,
         "trainer_restarts": getattr(p.trainer, "restarts", 0),
         "history": history,
@@ -124,9 +125,12 @@ def _summary(p: Pipeline, run: Run, history: list[dict[str, Any]], completed: bo
     }
 
 
-async def rollout_step(p: Pipeline, step: int, *, launch_tag: str = "s") -> list[Trajectory]:
-    """Launch one step's groups of every task and wait for all of them (used by tests and tools)."""
-    ro = Rollout(p)
+async def rollout_step(
+    p: Pipeline, step: int, *, launch_tag: str = "s", state: RunState | None = None
+) -> list[Trajectory]:
+    """Launch one step's groups of every task and wait for all of them (used by tests and tools);
+    they are settled in ``state`` (default: a fresh one at the trainer's version)."""
+    ro = Rollout(p, state)
     for ti, task in enumerate(p.config.tasks):
         for _ in range(task.groups_per_step):
             ro.launch_group(ti, tag=f"{launch_tag}{step}-g")
