@@ -97,58 +97,9 @@ async def run_trajectory(
         sampling = sampling.model_copy(update={"stop_token_ids": tuple(chat.stop_token_ids())})
     fatal: Exception | None = None
     try:
-        t0 = time.perf_counter()
-        obs, info = await _within(env.reset(traj.seed), env_timeout_s, "reset")
-        _timed(traj, "env", t0)
-        traj.info.update(info)
-        prompt = chat.first_turn(env.system_prompt, obs)
-        if before_first_turn is not None:
-            await before_first_turn()
-        history: list[int] = []
-        for k in range(max_turns):
-            new_sequence = k > 0 and context == "last_turn"
-            history = list(prompt) if new_sequence else history + prompt
-            turn = Turn(
-                context_ids=prompt,
-                allowed_token_ids=sampling.allowed_token_ids,
-                temperature=sampling.temperature,
-                new_sequence=new_sequence,
-            )
-            traj.turns.append(turn)
-            t0 = time.perf_counter()
-            request_id = f"{traj.traj_id}-t{k}"
-            try:
-                out = await generator.generate(
-                    GenerateRequest(request_id, list(history), sampling, traj.traj_id, traj.task)
-                )
-            except asyncio.CancelledError:
-                # cancelled (redundant or too stale): free the engine's slot, not just our await
-                await asyncio.shield(_abort_quietly(generator, request_id))
-                raise
-            _timed(traj, "generate", t0)
-            turn.output_ids, turn.output_logprobs, turn.output_versions = (
-                out.token_ids,
-                out.logprobs,
-                out.versions,
-            )
-            turn.finish_reason = out.finish_reason
-            history += out.token_ids
-            turn.action_text = chat.decode(out.token_ids)
-            t0 = time.perf_counter()
-            step = await _within(env.step(turn.action_text), env_timeout_s, f"step {k}")
-            _timed(traj, "env", t0)
-            turn.env_reward = step.reward
-            traj.env_return += step.reward
-            traj.info.update(step.info)
-            if step.terminated or step.truncated:
-                traj.terminated, traj.truncated = step.terminated, step.truncated
-                break
-            if context == "last_turn":
-                prompt = chat.first_turn(env.system_prompt, step.observation)
-            else:
-                prompt = chat.next_turn(step.observation, out.token_ids)
-        else:
-            traj.truncated = True
+        await _play(
+            traj, env, generator, chat, sampling, max_turns, context, env_timeout_s, before_first_turn
+        )
         t0 = time.perf_counter()
         result = await scorer.score(traj)
         _timed(traj, "reward", t0)
@@ -168,6 +119,78 @@ async def run_trajectory(
         except Exception as exc:
             log.warning("trajectory %s: env.close failed: %r", traj.traj_id, exc)
     return await _finish(traj, on_done, fatal)
+
+
+async def _play(
+    traj: Trajectory,
+    env: Environment,
+    generator: Generator,
+    chat: ChatFormat,
+    sampling: SamplingParams,
+    max_turns: int,
+    context: str,
+    env_timeout_s: float | None,
+    before_first_turn: Callable[[], Awaitable[Any]] | None,
+) -> None:
+    """The episode of :func:`run_trajectory`: reset, then generate and step turn by turn until the
+    environment ends it or ``max_turns`` is reached (truncated)."""
+    t0 = time.perf_counter()
+    obs, info = await _within(env.reset(traj.seed), env_timeout_s, "reset")
+    _timed(traj, "env", t0)
+    traj.info.update(info)
+    prompt = chat.first_turn(env.system_prompt, obs)
+    if before_first_turn is not None:
+        await before_first_turn()
+    history: list[int] = []
+    for k in range(max_turns):
+        new_sequence = k > 0 and context == "last_turn"
+        history = list(prompt) if new_sequence else history + prompt
+        turn = Turn(
+            context_ids=prompt,
+            allowed_token_ids=sampling.allowed_token_ids,
+            temperature=sampling.temperature,
+            new_sequence=new_sequence,
+        )
+        traj.turns.append(turn)
+        out = await _generate(traj, f"{traj.traj_id}-t{k}", history, sampling, generator)
+        turn.output_ids, turn.output_logprobs, turn.output_versions = (
+            out.token_ids,
+            out.logprobs,
+            out.versions,
+        )
+        turn.finish_reason = out.finish_reason
+        history += out.token_ids
+        turn.action_text = chat.decode(out.token_ids)
+        t0 = time.perf_counter()
+        step = await _within(env.step(turn.action_text), env_timeout_s, f"step {k}")
+        _timed(traj, "env", t0)
+        turn.env_reward = step.reward
+        traj.env_return += step.reward
+        traj.info.update(step.info)
+        if step.terminated or step.truncated:
+            traj.terminated, traj.truncated = step.terminated, step.truncated
+            return
+        if context == "last_turn":
+            prompt = chat.first_turn(env.system_prompt, step.observation)
+        else:
+            prompt = chat.next_turn(step.observation, out.token_ids)
+    traj.truncated = True
+
+
+async def _generate(
+    traj: Trajectory, request_id: str, history: list[int], sampling: SamplingParams, generator: Generator
+) -> GenerateOutput:
+    t0 = time.perf_counter()
+    try:
+        out = await generator.generate(
+            GenerateRequest(request_id, list(history), sampling, traj.traj_id, traj.task)
+        )
+    except asyncio.CancelledError:
+        # cancelled (redundant or too stale): free the engine's slot, not just our await
+        await asyncio.shield(_abort_quietly(generator, request_id))
+        raise
+    _timed(traj, "generate", t0)
+    return out
 
 
 async def run_agent_trajectory(
