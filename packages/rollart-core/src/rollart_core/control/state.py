@@ -27,6 +27,7 @@ primitive                   who calls it
 ``wait_for``                the loop and admission: until a choice over this state is possible;
                             raises the run's failure in every such waiter as soon as it is set
 ``until_served``            a trajectory admitted ahead of a version, before its first generation
+``restore``, ``resume_at``  resuming from a checkpoint: its groups and counts, then its version
 ==========================  ========================================================================
 
 Fates are assigned in this module only: :func:`decide` gives a trajectory its fate (an outcome, or
@@ -83,6 +84,9 @@ def decide(traj: Trajectory, outcome: Fate | BaseException, error: str | None = 
 
 
 class RunState:
+    """One run's changing state (see the module): ``alpha`` is the staleness bound, ``trained`` the
+    trainer's version (and the engines') when the run starts."""
+
     def __init__(self, alpha: int = 0, trained: int = 0) -> None:
         self.alpha = alpha
         self.clock = VersionClock(trained)
