@@ -9,6 +9,7 @@ import asyncio
 
 import pytest
 
+from rollart_core.errors import EngineError
 from rollart_core.types import GenerateOutput, GenerateRequest, SamplingParams
 from rollart_proxy import LLMProxy, WorkerHandle
 from rollart_proxy.errors import EngineNotStartedError, ProxyOverloadedError, WorkerUnavailableError
@@ -25,6 +26,8 @@ class FakeEngine:
         self.dead = False
         self.gate: asyncio.Event | None = None
         self.starts = 0
+        self.start_calls = 0
+        self.start_gate: asyncio.Event | None = None
         self.paused = False
 
     def _alive(self) -> None:
@@ -37,6 +40,9 @@ class FakeEngine:
         self.dead, self.is_started, self.version, self.paused = False, False, 0, False
 
     async def start(self) -> str:
+        self.start_calls += 1
+        if self.start_gate is not None:  # an engine start takes a while
+            await self.start_gate.wait()
         self.starts += 1
         self.is_started = True
         return self.name
@@ -140,6 +146,39 @@ async def test_restarted_worker_is_started_and_updated_before_it_serves() -> Non
     finally:
         await proxy.stop_health_loop()
     assert b.version == 3 and proxy.workers["b"].metrics.restarts_seen == 2
+
+
+async def test_lone_worker_restart_requests_wait_and_one_start_serves_them() -> None:
+    """The pool's only engine dies and Ray restarts it: requests wait for its recovery instead of
+    failing, and the many waiters share one start of the restarted engine."""
+    b = FakeEngine("b")
+    proxy = LLMProxy([WorkerHandle("b", b)], recover_poll_s=0.01)
+    await proxy.update_weights(2)
+    b.dead = True
+    tasks = [asyncio.create_task(proxy.generate(req(f"w{i}"))) for i in range(8)]
+    await asyncio.wait_for(_until(lambda: not proxy.workers["b"].healthy), 10)
+    b.start_gate = asyncio.Event()
+    b.restart()  # back, not started, on version 0
+    await asyncio.wait_for(_until(lambda: b.start_calls >= 1), 10)
+    assert not any(t.done() for t in tasks)  # still waiting, none failed
+    b.start_gate.set()
+    outs = await asyncio.wait_for(asyncio.gather(*tasks), 10)
+    assert {o.worker for o in outs} == {"b"} and all(o.versions == [2] for o in outs)
+    assert b.start_calls == 1 and b.starts == 1  # one recovery, joined by all eight
+    assert proxy.workers["b"].metrics.recovered == 1
+
+
+async def test_wait_for_a_dead_pool_is_bounded() -> None:
+    c = FakeEngine("c")
+    c.dead = True
+    lone = LLMProxy([WorkerHandle("c", c)], recover_wait_s=0.05, recover_poll_s=0.01)
+    with pytest.raises(WorkerUnavailableError, match=r"none recovered within recover_wait_s=0.05"):
+        await asyncio.wait_for(lone.generate(req("x")), 10)
+    at_once = LLMProxy([WorkerHandle("c", c)], recover_wait_s=0)
+    with pytest.raises(WorkerUnavailableError, match=r"failed on|no healthy worker"):
+        await asyncio.wait_for(at_once.generate(req("y")), 10)
+    with pytest.raises(EngineError, match="recover_wait_s"):
+        LLMProxy([WorkerHandle("c", c)], recover_wait_s=-1)
 
 
 async def test_fan_out_skips_a_dead_worker_and_recovery_catches_up() -> None:

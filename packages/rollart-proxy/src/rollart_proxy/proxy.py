@@ -23,7 +23,9 @@ probes it; once it answers it is brought back before it takes a request: an engi
 ``start()`` did not, it holds the initial weights) is started, then updated to the version the proxy
 serves (the last :meth:`LLMProxy.update_weights`, or the newest version its healthy workers report),
 paused if the proxy is suspended, and only then marked healthy. Counted per worker in
-:meth:`LLMProxy.metrics` (``restarts_seen``, ``recovered``).
+:meth:`LLMProxy.metrics` (``restarts_seen``, ``recovered``). A worker has one recovery at a time,
+joined by every caller. A request whose pool has no healthy worker (its only engine was killed and
+Ray restarts it) waits for one to recover, up to ``recover_wait_s``, instead of failing at once.
 
 Bounded memory: session stickiness is an LRU table of at most ``max_sessions`` trajectories
 (:meth:`LLMProxy.end_session` drops one when its trajectory ends); per-session request sets exist
@@ -100,12 +102,20 @@ class LLMProxy:
         probe_timeout_s: float = 10.0,
         start_timeout_s: float = 600.0,
         update_timeout_s: float = 600.0,
+        recover_wait_s: float = 600.0,
+        recover_poll_s: float = 1.0,
     ) -> None:
         """``max_sessions``: size of the session-stickiness LRU table. ``health_period_s``: period
         of :meth:`start_health_loop`. ``start_timeout_s`` / ``update_timeout_s``: bounds on starting
-        a restarted engine and on bringing it to the served weights during recovery."""
+        a restarted engine and on bringing it to the served weights during recovery.
+        ``recover_wait_s``: how long a request whose pool has no healthy worker waits for one to
+        recover (probing every ``recover_poll_s``) before it fails; 0 fails it at once."""
         if max_sessions < 1:
             raise EngineError(f"max_sessions must be >= 1, got {max_sessions}")
+        if recover_wait_s < 0 or recover_poll_s <= 0:
+            raise EngineError(
+                f"recover_wait_s must be >= 0 and recover_poll_s > 0, got {recover_wait_s}, {recover_poll_s}"
+            )
         if isinstance(workers, Mapping):
             handles = [WorkerHandle(n, e) for n, e in workers.items()]
         else:
@@ -126,6 +136,10 @@ class LLMProxy:
         self.probe_timeout_s = probe_timeout_s
         self.start_timeout_s = start_timeout_s
         self.update_timeout_s = update_timeout_s
+        self.recover_wait_s = recover_wait_s
+        self.recover_poll_s = recover_poll_s
+        self._wait_logged: dict[str | None, float] = {}
+        """Pool → when a request last logged that it waits for a worker of it to recover."""
         self._session: OrderedDict[str, str] = OrderedDict()
         """Session → the worker that served its last turn (LRU, at most ``max_sessions``)."""
         self._request_worker: dict[str, str] = {}
@@ -136,7 +150,8 @@ class LLMProxy:
         self.version: int | None = None
         """The weight version the proxy serves: the last :meth:`update_weights` (None: never updated)."""
         self._update_lock = asyncio.Lock()
-        self._recovering: set[str] = set()
+        self._recoveries: dict[str, asyncio.Future[bool]] = {}
+        """Worker → its recovery in progress: one at a time per worker, joined by every caller."""
         self._health_task: asyncio.Task[None] | None = None
         self._health_owner: LLMProxy | None = None
         """A routing view over another proxy's worker handles (the PD router's pools) recovers
@@ -175,7 +190,9 @@ class LLMProxy:
         return ws
 
     def _pick(self, request: GenerateRequest, exclude: set[str]) -> WorkerHandle:
-        cands = [w for w in self._candidates(request.task) if w.name not in exclude]
+        healthy = self._candidates(request.task)
+        # a worker this request already failed on is healthy again only if it was recovered since
+        cands = [w for w in healthy if w.name not in exclude] or healthy
         if not cands:
             raise WorkerUnavailableError(f"request {request.request_id}: every worker of its pool failed")
         open_ = [w for w in cands if not w.full]
@@ -229,13 +246,7 @@ class LLMProxy:
             self._session_requests.setdefault(sid, set()).add(request.request_id)  # for abort by session
         try:
             while True:
-                try:
-                    w = self._pick(request, tried)
-                except WorkerUnavailableError:
-                    # Workers marked unhealthy may have come back: probe once before failing.
-                    if not await self.check_health():
-                        raise
-                    w = self._pick(request, tried)
+                w = await self._pick_or_wait(request, tried)
                 streamed: list[int] = []
                 try:
                     out = await self._run_on(w, request, on_delta, streamed)
@@ -266,6 +277,43 @@ class LLMProxy:
                 pending.discard(request.request_id)
                 if not pending:
                     del self._session_requests[sid]  # type: ignore[arg-type]
+
+    async def _pick_or_wait(self, request: GenerateRequest, tried: set[str]) -> WorkerHandle:
+        """A worker for ``request``; when its pool has none healthy, recover them (a restarted
+        engine is started and updated first) and wait up to ``recover_wait_s`` for one."""
+        try:
+            return self._pick(request, tried)
+        except WorkerUnavailableError:
+            pass
+        deadline = time.monotonic() + self.recover_wait_s
+        while True:
+            await self.check_health()
+            try:
+                return self._pick(request, tried)
+            except WorkerUnavailableError as exc:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    if self.recover_wait_s == 0:
+                        raise
+                    raise WorkerUnavailableError(
+                        f"{exc}: none recovered within recover_wait_s={self.recover_wait_s:g}"
+                    ) from None
+            self._log_wait(request.task)
+            await asyncio.sleep(min(left, self.recover_poll_s))  # the next probe of the dead workers
+
+    def _log_wait(self, task: str | None) -> None:
+        pool = self.pool_of(task)
+        now = time.monotonic()
+        if now - self._wait_logged.get(pool, -1e9) >= 30.0:
+            self._wait_logged[pool] = now
+            down = sorted(w.name for w in self.workers.values() if not w.healthy)
+            log.warning(
+                "requests of task %r wait for a worker of pool %r to recover (down: %s; at most %gs)",
+                task,
+                pool,
+                ", ".join(down),
+                self.recover_wait_s,
+            )
 
     def _remember(self, session_id: str, worker: str) -> None:
         self._session[session_id] = worker
@@ -458,12 +506,16 @@ class LLMProxy:
         engine is started and updated to the served version first). Returns how many came back."""
         if self._health_owner is not None:
             return await self._health_owner.check_health(timeout)
-        down = [w for w in self.workers.values() if not w.healthy and w.name not in self._recovering]
-        back = await asyncio.gather(*(self._recover(w, timeout) for w in down))
+        runs = []
+        for w in [w for w in self.workers.values() if not w.healthy]:
+            run = self._recoveries.get(w.name)
+            if run is None:  # one recovery per worker at a time, joined by every caller
+                run = self._recoveries[w.name] = asyncio.ensure_future(self._recover(w, timeout))
+            runs.append(run)
+        back = await asyncio.gather(*(asyncio.shield(r) for r in runs))  # a caller's cancel: not the run's
         return sum(back)
 
     async def _recover(self, w: WorkerHandle, timeout: float) -> bool:
-        self._recovering.add(w.name)
         try:
             try:
                 await asyncio.wait_for(w.engine.weight_version(), timeout)
@@ -498,7 +550,7 @@ class LLMProxy:
             log.info("worker %s not recovered yet: %r", w.name, exc)
             return False
         finally:
-            self._recovering.discard(w.name)
+            self._recoveries.pop(w.name, None)
         w.metrics.recovered += 1
         log.warning("worker %s recovered (version %s)", w.name, have)
         return True
@@ -518,7 +570,7 @@ class LLMProxy:
         """Ask every healthy worker for its version; mark the dead (or restarted) ones unhealthy.
         Returns how many were marked. A slow answer is not a death: only logged."""
         t = self.probe_timeout_s if timeout is None else timeout
-        ws = [w for w in self.workers.values() if w.healthy and w.name not in self._recovering]
+        ws = [w for w in self.workers.values() if w.healthy and w.name not in self._recoveries]
         rs = await asyncio.gather(
             *(asyncio.wait_for(w.engine.weight_version(), t) for w in ws), return_exceptions=True
         )
