@@ -8,6 +8,7 @@ serving the converted directory in bf16; the trainer is rollart's torch trainer 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import shutil
@@ -459,3 +460,167 @@ def test_an_enforced_call_is_written_in_the_hermes_form(smol_template: Any) -> N
         '<tool_call>\n{"name": "move", "arguments": {"direction": "',
         '"}}\n</tool_call><|im_end|>',
     ]
+
+
+# a 3-turn agent session with tool calls on the real engine: the trainer gets the engine's tokens
+
+
+class RecordingGenerator:
+    """The real proxy; each request's prompt ids and the engine's output, as it produced them."""
+
+    def __init__(self, proxy: Any) -> None:
+        self.proxy = proxy
+        self.seen: list[tuple[str | None, list[int], Any]] = []
+
+    async def generate(self, request: GenerateRequest) -> Any:
+        out = await self.proxy.generate(request)
+        self.seen.append((request.session_id, list(request.prompt_ids), out))
+        return out
+
+    async def abort(self, request_id: str) -> int:
+        return int(await self.proxy.abort(request_id))
+
+    def end_session(self, session_id: str) -> None:
+        self.proxy.end_session(session_id)
+
+
+def _tool_result(call: Any) -> str:
+    try:
+        args = json.loads(call.function.arguments)
+    except ValueError:
+        return "error: arguments are not JSON"
+    if call.function.name == "add" and isinstance(args, dict):
+        try:
+            return str(int(args.get("a", 0)) + int(args.get("b", 0)))
+        except (TypeError, ValueError):
+            return "error: a and b must be integers"
+    return "sunny, 21 C" if call.function.name == "weather" else f"error: no tool {call.function.name!r}"
+
+
+# SmolLM2-135M asked to use a tool answers in prose (greedy, seen here with several prompts, with
+# and without a worked example); asked to copy a call, it writes it, compact JSON included, which
+# the template would re-render with spaces: re-tokenising the history would change the tokens
+COMPACT_CALL = '<tool_call>\n{"name":"add","arguments":{"a":17,"b":25}}\n</tool_call>'
+
+
+async def smol_tool_agent(client: Any, task: Any) -> Any:
+    """Three model calls with the tools; after each of the first two, the tools' results. The SDK's
+    message goes back unchanged; where the model wrote no call, the client answers anyway (as an
+    agent that reports a tool's output unasked), so that turns 2 and 3 follow tool messages."""
+    from rollart_env.agent import AgentResult
+
+    messages: list[Any] = [{"role": "user", "content": f"Copy this line exactly: {COMPACT_CALL}"}]
+    sent: list[list[dict[str, Any]]] = []  # each call's messages as plain dicts, for the test
+    for k in range(3):
+        sent.append([m if isinstance(m, dict) else m.model_dump(exclude_none=True) for m in messages])
+        r = await client.chat.completions.create(
+            model=task.model, messages=messages, tools=TOOLS, max_tokens=task.max_tokens, temperature=0.0
+        )
+        msg = r.choices[0].message
+        if k == 2:
+            return AgentResult(answer=msg.content, reward=1.0, info={"sent": sent})
+        messages.append(msg)
+        for call in msg.tool_calls or []:
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": _tool_result(call)})
+        if not msg.tool_calls:
+            messages.append({"role": "tool", "tool_call_id": f"client-{k}", "content": "42"})
+    raise AssertionError("unreachable")
+
+
+@pytest.mark.vllm
+async def test_a_three_turn_tool_session_trains_on_the_engines_tokens(
+    smollm2: ModelConfig, engine: Any
+) -> None:
+    """An OpenAI-SDK agent with tools, three calls through the proxy's endpoint on the real engine:
+    the trajectory the trainer packs is one sequence whose generated spans are exactly the engine's
+    ids (and logprobs), earlier turns never re-tokenised, and the prompt tokens between turns are the
+    chat template's rendering of the tool messages and the next assistant header."""
+    from transformers import AutoTokenizer
+
+    from rollart_core.control.runner import run_trajectory
+    from rollart_core.types import Fate, Trajectory
+    from rollart_env.agent import AgentEnv
+    from rollart_proxy import LLMProxy, WorkerHandle
+    from rollart_proxy.chat import ChatMLFormat
+    from rollart_proxy.server.tools import hermes_messages, template_messages
+    from rollart_reward.builtin import SuccessReward
+    from rollart_reward.executor import InlineExecutor
+    from rollart_train._packing import seq_data, split_sequences
+
+    model = str(smollm2.path)
+    gen = RecordingGenerator(LLMProxy([WorkerHandle("smol", engine)]))
+    env = AgentEnv(AgentEnv.Config(entry=f"{Path(__file__).resolve()}:smol_tool_agent", model=model))
+    traj = await asyncio.wait_for(
+        run_trajectory(
+            Trajectory("smol-tools-1", "agent", "agent", "g0", 0, 0),
+            env=env,
+            generator=gen,
+            chat=ChatMLFormat(model),
+            scorer=InlineExecutor(SuccessReward()),
+            sampling=SamplingParams(max_tokens=40, temperature=0.0),
+            max_turns=1,
+        ),
+        240,
+    )
+    assert traj.fate is Fate.FINISHED, traj.error
+    seen = [(p, o) for s, p, o in gen.seen if s == "smol-tools-1"]
+    assert len(seen) == traj.info["agent_calls"] == 3 and traj.info["segments"] == 1
+    # each call's prompt extends the previous prompt + the engine's output: nothing re-tokenised
+    for (p0, o0), (p1, _) in itertools.pairwise(seen):
+        assert p1[: len(p0) + len(o0.token_ids)] == p0 + list(o0.token_ids)
+    # per turn: the engine's ids, logprobs and versions; the context is what the engine was prompted with
+    assert [t.output_ids for t in traj.turns] == [list(o.token_ids) for _, o in seen]
+    assert [t.output_logprobs for t in traj.turns] == [list(o.logprobs) for _, o in seen]
+    assert [t.output_versions for t in traj.turns] == [list(o.versions) for _, o in seen]
+    assert traj.turns[0].context_ids == seen[0][0]
+
+    # what the trainer packs: one sequence, the engine's last prompt + output, loss on generated ids only
+    seqs, _ = split_sequences([traj], [1.0])
+    assert len(seqs) == 1
+    packed = seq_data(seqs[0], 1.0, match_sampling=True)
+    assert packed.ids == seen[-1][0] + list(seen[-1][1].token_ids)
+    trained = [i for i, m in enumerate(packed.mask) if m]
+    starts = [len(p) for p, _ in seen]
+    assert trained == [s + j for s, (_, o) in zip(starts, seen, strict=True) for j in range(len(o.token_ids))]
+    assert [packed.behaviour[i] for i in trained] == [lp for _, o in seen for lp in o.logprobs]
+
+    # between turns: the chat template's rendering of the new tool messages and the next assistant
+    # header (SmolLM2's template renders no tools: rollart's Hermes form, hermes_messages), after the
+    # assistant turn's end (the engine's own <|im_end|>, or the template's after a cut-off reply)
+    hf = AutoTokenizer.from_pretrained(model)
+    eos = hf.convert_tokens_to_ids("<|im_end|>")
+
+    def render(messages: list[dict[str, Any]], generation_prompt: bool) -> str:
+        msgs = hermes_messages(template_messages(messages), TOOLS)
+        text: str = hf.apply_chat_template(msgs, add_generation_prompt=generation_prompt, tokenize=False)
+        return text
+
+    sent = traj.info["sent"]
+    for k in (1, 2):
+        before, now = sent[k - 1], sent[k]
+        n_assistant = len(before) + 1  # the call's messages, then the reply sent back unchanged
+        assert now[len(before)]["role"] == "assistant" and now[n_assistant:]
+        assert {m["role"] for m in now[n_assistant:]} == {"tool"}
+        closed, full = render(now[:n_assistant], False), render(now, True)
+        assert full.startswith(closed) and closed.endswith("<|im_end|>\n")
+        new_messages = full[len(closed) :]
+        assert new_messages.startswith("<|im_start|>user\n<tool_response>\n")
+        out = list(seen[k - 1][1].token_ids)
+        head = "\n" if out and out[-1] == eos else "<|im_end|>\n"
+        expected = hf(head + new_messages, add_special_tokens=False)["input_ids"]
+        assert traj.turns[k].context_ids == expected, (
+            hf.decode(traj.turns[k].context_ids, skip_special_tokens=False),
+            head + new_messages,
+        )
+
+    # the model's own call (it copies it, see COMPACT_CALL): parsed, its result sent back, and its
+    # sampled ids kept where the template's re-rendering would have written other tokens
+    first = sent[1][1]
+    if first.get("tool_calls"):
+        assert [c["function"] for c in first["tool_calls"]] == [
+            {"name": "add", "arguments": '{"a": 17, "b": 25}'}
+        ]
+        assert sent[1][2]["content"] == "42"
+        assert hf.decode(traj.turns[0].output_ids, skip_special_tokens=False) == COMPACT_CALL + "<|im_end|>"
+        retokenised = hf(render(sent[1], True), add_special_tokens=False)["input_ids"]
+        assert retokenised != seen[1][0] and len(retokenised) > len(seen[1][0])
