@@ -250,3 +250,35 @@ async def test_replicated_envs_mask_single_replica_failures(ray_env_pool, llm) -
         assert m.stats["replacements"] == faulty
         await m.wait_ready("lake", 2 * n)
     await engine_idle(llm["engine"])
+
+
+async def test_model_caused_env_failures_are_scored_not_env_failed(ray_env_pool) -> None:
+    """The calculator overflow (``1e308 / 0.3``) inside a Ray env actor is the tool's answer, not a
+    raised error; an InvalidActionError raised in an actor reaches the caller with its reward, which
+    is what the manager hands to the runner (scored), while any other error stays ``env_failed``."""
+    import ray
+    from ray.exceptions import RayTaskError
+
+    from rollart_core.errors import InvalidActionError
+    from rollart_env import EnvManager, EnvManagerConfig
+    from rollart_env.manager import _cause
+
+    cfg = EnvManagerConfig.model_validate(
+        {"groups": {"calc": {"impl": "calculator", "num_envs": 1}}, "step_timeout_s": 30.0}
+    )
+    async with EnvManager(cfg) as m:
+        env = await m.acquire("calc")
+        await env.reset(0)
+        res = await env.step("<calc>1e308 / 0.3</calc>")
+        assert res.observation.startswith("calc error: ") and not res.terminated
+        await env.close()
+        assert m.stats["errors"] == 0 and m.snapshot()["slots"] == {"ready": 1}
+
+    @ray.remote(num_cpus=0)
+    def reject() -> None:
+        raise InvalidActionError("overflow", reward=-1.0)
+
+    with pytest.raises(RayTaskError) as info:
+        await reject.remote()
+    cause = _cause(info.value)
+    assert isinstance(cause, InvalidActionError) and cause.reward == -1.0 and str(cause) == "overflow"

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from rollart_core.errors import ConfigError, EnvError
+from rollart_core.errors import ConfigError, EnvError, InvalidActionError
 from rollart_core.registry import build
 from rollart_env import EnvServer, GemConfig, GemEnv, GymnasiumConfig, GymnasiumEnv, RemoteEnv, SokobanEnv
+from rollart_env.calculator import CalculatorEnv
 
 
 def lake(**kw) -> GymnasiumEnv:
@@ -171,3 +172,32 @@ async def test_remote_errors_are_env_errors() -> None:
 def test_remote_config_is_validated() -> None:
     with pytest.raises(ConfigError, match="url"):
         build("env", "remote", {"url": "ftp://x"}, "tasks.0.env.options")
+
+
+class _RejectingEnv(SokobanEnv):
+    """Sokoban whose step rejects the action ``boom`` as the model's fault (InvalidActionError)."""
+
+    async def step(self, action_text: str):  # type: ignore[no-untyped-def]
+        if action_text == "boom":
+            raise InvalidActionError("boom is not an action", reward=-1.0)
+        return await super().step(action_text)
+
+
+async def test_calculator_overflow_over_http_is_an_observation_not_a_500() -> None:
+    async with EnvServer(CalculatorEnv) as server:
+        env = await RemoteEnv.connect(server.url)
+        await env.reset(0)
+        res = await env.step("<calc>1e308 / 0.3</calc>")
+        assert res.observation.startswith("calc error: ") and not res.terminated
+        await env.close()
+
+
+async def test_an_invalid_action_crosses_http_as_itself_with_its_reward() -> None:
+    async with EnvServer(_RejectingEnv) as server:
+        env = await RemoteEnv.connect(server.url)
+        await env.reset(1)
+        with pytest.raises(InvalidActionError, match="boom is not an action") as info:
+            await env.step("boom")
+        assert info.value.reward == -1.0
+        assert (await env.step("U")).observation  # the session is still served
+        await env.close()

@@ -9,7 +9,14 @@ from fractions import Fraction
 import pytest
 from pydantic import ValidationError
 
-from rollart_env.calculator import CalculatorConfig, CalculatorEnv, ToolError, evaluate, make_problem
+from rollart_env.calculator import (
+    CalculatorConfig,
+    CalculatorEnv,
+    ToolError,
+    evaluate,
+    format_number,
+    make_problem,
+)
 
 
 def test_evaluate_exact_and_restricted() -> None:
@@ -98,3 +105,30 @@ def test_invalid_config_names_the_field() -> None:
         CalculatorConfig(operators="+^")
     with pytest.raises(ValidationError, match="num_operands"):
         CalculatorConfig(num_operands=1)
+
+
+@pytest.mark.parametrize(
+    "expr",
+    ["1e308 / 0.3", "1e308 * 1e308", "9" * 199, "1e-300 / 1e300", "1e59 * 1e59", "1e999", "1 / 0", "\x00"],
+)
+def test_huge_tiny_and_overflowing_numbers_are_tool_errors(expr: str) -> None:
+    with pytest.raises(ToolError):
+        evaluate(expr)
+
+
+async def test_calculator_overflow_is_an_observation_never_an_exception() -> None:
+    """The action that used to raise OverflowError (HTTP 500, fate env_failed) is the tool's answer."""
+    env = CalculatorEnv(CalculatorConfig(max_ops_per_call=3, tool_error_penalty=-0.2))
+    await env.reset(0)
+    for action in ["<calc>1e308 / 0.3</calc>", "<calc>1e308 * 1e308 * 10</calc>", "<calc>1e-300 / 3</calc>"]:
+        res = await env.step(action)
+        assert res.observation.startswith("calc error: ") and res.reward == -0.2 and not res.terminated
+    res = await env.step("<answer>1e308</answer>")
+    assert res.terminated and res.reward == 0.0 and not res.info["success"]
+
+
+def test_format_number_small_values() -> None:
+    assert format_number(Fraction(1, 3)) == "0.333333"
+    assert format_number(Fraction(1, 10**9)) == "0"
+    assert format_number(Fraction(-1, 10**9)) == "0"
+    assert format_number(Fraction(7, 2)) == "3.5"

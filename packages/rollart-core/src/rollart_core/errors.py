@@ -7,6 +7,7 @@ __all__ = [
     "EngineError",
     "EnvError",
     "EnvTimeoutError",
+    "InvalidActionError",
     "MissingExtraError",
     "RegistryError",
     "RewardError",
@@ -42,6 +43,25 @@ class EnvError(RollartError):
 
 class EnvTimeoutError(EnvError):
     """An environment call (reset/step/start-up) exceeded its timeout."""
+
+
+class InvalidActionError(RollartError):
+    """The model's action is one the environment cannot carry out (a tool call that overflows, a
+    command the environment rejects): the model's fault, not the environment's.
+
+    An environment raises it from ``step()`` instead of letting the action crash it; the runner ends
+    the episode (``terminated``) with ``reward`` as the turn's reward, the task's failure reward, and
+    scores the trajectory as usual: fate ``finished``, never ``env_failed``, so a policy cannot
+    escape a bad episode by crashing its environment. Not an :class:`EnvError`, which is kept for
+    the environment's own faults (a dead actor, a host timeout, a bug not caused by the action)."""
+
+    def __init__(self, message: str, reward: float = 0.0) -> None:
+        super().__init__(message)
+        self.reward = float(reward)
+
+    def __reduce__(self) -> tuple[type[InvalidActionError], tuple[str, float]]:
+        # across process boundaries (Ray actors): keep the reward, not only the message
+        return (type(self), (str(self), self.reward))
 
 
 class RewardError(RollartError):

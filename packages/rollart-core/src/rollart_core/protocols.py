@@ -205,7 +205,10 @@ class Environment(Protocol):
         ...
 
     async def step(self, action_text: str) -> StepResult:
-        """Apply an action. An unparsable action yields an observation saying so, not an exception."""
+        """Apply an action. An unparsable action yields an observation saying so, not an exception;
+        an action the environment cannot carry out (a tool it crashes) raises
+        :class:`~rollart_core.errors.InvalidActionError` (the episode ends, scored with its reward),
+        never another exception, which would count as the environment's own fault (``env_failed``)."""
         ...
 
     async def close(self) -> None: ...

@@ -8,8 +8,11 @@ Text tool-call syntax, one call per turn::
     <answer>5895</answer>        → checked against the exact value; ends the episode
 
 Anything else is a format error: an observation saying so and ``format_penalty``, never an
-exception. A calculator error (bad expression, too many operations, division by zero) is reported
-as the tool's output, with ``tool_error_penalty``.
+exception. A calculator error (bad expression, too many operations, division by zero, a number or
+result beyond ``MAX_MAGNITUDE``: ``1e308 / 0.3`` included) is reported as the tool's output, with
+``tool_error_penalty``. The evaluation is total and bounded: every value is an exact fraction whose
+numerator and denominator stay within ``MAX_MAGNITUDE``, so no action can make ``step()`` raise or
+run long (an action that crashed the environment would be a way out of a bad episode).
 """
 
 from __future__ import annotations
@@ -25,7 +28,19 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rollart_core.types import StepResult
 
-__all__ = ["CalculatorConfig", "CalculatorEnv", "ToolError", "evaluate", "make_problem"]
+__all__ = [
+    "MAX_MAGNITUDE",
+    "CalculatorConfig",
+    "CalculatorEnv",
+    "ToolError",
+    "evaluate",
+    "format_number",
+    "make_problem",
+]
+
+MAX_MAGNITUDE = 10**60
+"""Bound on the numerator and the denominator of every number and intermediate result: larger ones
+are a tool error. Keeps each operation's cost and every result's text small, whatever the action."""
 
 _CALC = re.compile(r"<calc>(.*?)</calc>", re.S)
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
@@ -46,7 +61,8 @@ class CalculatorConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     num_operands: int = Field(4, ge=2, le=12)
-    max_operand: int = Field(999, ge=2)
+    max_operand: int = Field(999, ge=2, le=10**4)
+    """Largest operand of a problem (bounded so that every problem's value stays exact and small)."""
     operators: str = Field("+-*", pattern=r"^[+\-*]+$")
     """Operators the problems use (the calculator itself also divides)."""
     max_ops_per_call: int = Field(1, ge=1)
@@ -62,6 +78,12 @@ def _count_ops(node: ast.AST) -> int:
     return sum(isinstance(n, ast.BinOp) for n in ast.walk(node))
 
 
+def _bounded(x: Fraction) -> Fraction:
+    if abs(x.numerator) > MAX_MAGNITUDE or x.denominator > MAX_MAGNITUDE:
+        raise ToolError("number out of range (at most 60 digits, and no finer than 1e-60)")
+    return x
+
+
 def _eval(node: ast.AST) -> Fraction:
     if isinstance(node, ast.Expression):
         return _eval(node.body)
@@ -70,10 +92,13 @@ def _eval(node: ast.AST) -> Fraction:
         and isinstance(node.value, int | float)
         and not isinstance(node.value, bool)
     ):
+        if isinstance(node.value, int) and node.value.bit_length() > 256:
+            raise ToolError("number out of range (at most 60 digits, and no finer than 1e-60)")
         try:
-            return Fraction(str(node.value))
+            value = Fraction(str(node.value))
         except (ValueError, OverflowError):
             raise ToolError(f"not a finite number: {node.value!r}") from None
+        return _bounded(value)
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
         v = _eval(node.operand)
         return -v if isinstance(node.op, ast.USub) else v
@@ -81,18 +106,19 @@ def _eval(node: ast.AST) -> Fraction:
         left, right = _eval(node.left), _eval(node.right)
         if isinstance(node.op, ast.Div) and right == 0:
             raise ToolError("division by zero")
-        return _OPS[type(node.op)](left, right)
+        return _bounded(_OPS[type(node.op)](left, right))
     raise ToolError(f"unsupported syntax {type(node).__name__}; use numbers, + - * / and parentheses")
 
 
 def evaluate(expression: str, max_ops: int | None = None) -> Fraction:
-    """Exact value of an arithmetic expression (numbers, ``+ - * /``, parentheses); ToolError otherwise."""
+    """Exact value of an arithmetic expression (numbers, ``+ - * /``, parentheses); ToolError otherwise,
+    never another exception (numbers and results beyond :data:`MAX_MAGNITUDE` included)."""
     text = expression.strip()
     if not text or len(text) > 200:
         raise ToolError("expression must be 1..200 characters")
     try:
         tree = ast.parse(text, mode="eval")
-    except SyntaxError:
+    except (SyntaxError, ValueError, RecursionError, MemoryError):  # ValueError: e.g. a NUL byte
         raise ToolError(f"cannot parse {text[:40]!r}") from None
     if max_ops is not None and _count_ops(tree) > max_ops:
         raise ToolError(f"at most {max_ops} operation(s) per call")
@@ -100,9 +126,12 @@ def evaluate(expression: str, max_ops: int | None = None) -> Fraction:
 
 
 def format_number(x: Fraction) -> str:
+    """An integer exactly, else six decimals without trailing zeros (values from :func:`evaluate`
+    are within :data:`MAX_MAGNITUDE`, so the float conversion cannot overflow)."""
     if x.denominator == 1:
         return str(x.numerator)
-    return f"{float(x):.6f}".rstrip("0")
+    text = f"{float(x):.6f}".rstrip("0").rstrip(".")
+    return "0" if text == "-0" else text
 
 
 def make_problem(cfg: CalculatorConfig, rng: random.Random) -> tuple[str, Fraction]:

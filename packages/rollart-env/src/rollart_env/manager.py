@@ -11,6 +11,11 @@ A trajectory leases a slot with :meth:`EnvManager.acquire`, which returns a :cla
 an ordinary :class:`~rollart_core.protocols.Environment`, so
 :func:`rollart_core.control.runner.run_trajectory` drives it unchanged, and ``close()`` gives the slot back.
 
+Whose fault: a ``step`` that raises :class:`~rollart_core.errors.InvalidActionError` failed because
+of the model's action; it reaches the runner as that error (the episode ends with its failure
+reward, scored, fate ``finished``) and the environment stays in service. Everything else is the
+environment's own fault.
+
 Failures are masked, never propagated to the run: a call that raises is re-raised as
 :class:`~rollart_core.errors.EnvError` (fate ``env_failed``); a call that exceeds its per-call or
 per-episode timeout raises :class:`~rollart_core.errors.EnvTimeoutError` (fate ``timed_out``); an
@@ -32,7 +37,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rollart_core.errors import ConfigError, EnvError, EnvTimeoutError
+from rollart_core.errors import ConfigError, EnvError, EnvTimeoutError, InvalidActionError
 from rollart_core.extras import require
 from rollart_core.registry import resolve, validate_options
 from rollart_core.resources import affinity, get_affinity, ray_actor_options
@@ -540,9 +545,13 @@ class EnvManager:
             self._retire(slot, reason="actor_died")
             raise EnvError(f"{slot.env_id}: its actor {slot.actor.name} died during {method}") from None
         except RayTaskError as exc:
+            cause = _cause(exc)
+            if isinstance(cause, InvalidActionError):  # the model's fault: the environment is sound
+                slot.pending = None
+                self.stats["invalid_actions"] += 1
+                raise InvalidActionError(str(cause), cause.reward) from None
             self.stats["errors"] += 1
             self._retire(slot, reason="raised")
-            cause = _cause(exc)
             raise EnvError(f"{slot.env_id}: {method} raised {type(cause).__name__}: {cause}") from None
         slot.pending = None
         return result

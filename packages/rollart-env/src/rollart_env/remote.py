@@ -29,7 +29,10 @@ Errors come back as ``{"error": ..., "type": ...}`` with status 401 (no or wrong
 (another key's session), 404 (unknown or expired session), 413 (body too large), 422 (bad body),
 429 (``max_sessions`` reached) or 500 (the environment raised); the client raises
 :class:`~rollart_core.errors.EnvError` naming the cause, or
-:class:`~rollart_core.errors.EnvTimeoutError` when a call exceeds its timeout.
+:class:`~rollart_core.errors.EnvTimeoutError` when a call exceeds its timeout. A step whose action
+the environment rejects with :class:`~rollart_core.errors.InvalidActionError` (the model's fault) is
+a 422 of type ``InvalidActionError`` with its ``reward``, raised again as that error by the client,
+so the episode is scored with the failure reward rather than failed.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rollart_core.errors import EnvError, EnvTimeoutError
+from rollart_core.errors import EnvError, EnvTimeoutError, InvalidActionError
 from rollart_core.extras import require
 from rollart_core.protocols import Environment
 from rollart_core.serving import ApiKeys, bearer_token, is_loopback
@@ -316,6 +319,10 @@ class EnvServer:
                 return self._error(422, f"body must be {usage}")
             try:
                 return self._json(await call(session.env, value))
+            except InvalidActionError as exc:  # the model's fault, not the server's: 422 with its reward
+                return self._json(
+                    {"error": str(exc), "type": "InvalidActionError", "reward": exc.reward}, 422
+                )
             except Exception as exc:
                 return self._error(500, exc)
         finally:
@@ -409,6 +416,11 @@ class RemoteEnv:
             ) from None
         except aiohttp.ClientError as exc:
             raise EnvError(f"{method} {url}: {type(exc).__name__}: {exc}") from exc
+        if status == 422 and isinstance(data, dict) and data.get("type") == "InvalidActionError":
+            reward = data.get("reward")
+            raise InvalidActionError(
+                str(data.get("error")), float(reward) if isinstance(reward, int | float) else 0.0
+            )
         if status != 200:
             err = data.get("error", data) if isinstance(data, dict) else data
             raise EnvError(f"remote env {method} {path} failed ({status}): {err}")

@@ -14,6 +14,8 @@ done, so a replica that straggled once lags behind and may win again later. A re
 times out or answers differently from the winner (a non-deterministic env) is dropped for the rest of
 the episode; the call fails only when every replica has failed (the last error is raised, so the
 trajectory's fate is that of the last replica). So a single replica's crash or hang is masked too.
+An :class:`~rollart_core.errors.InvalidActionError` (the model's action, not the replica, failed) is
+an answer like any other: the first one is raised at once and no replica is dropped for it.
 
 ``close()`` cancels the calls still running on lagging replicas and closes every replica.
 
@@ -39,7 +41,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollart_core.config import ComponentConfig
-from rollart_core.errors import EnvError
+from rollart_core.errors import EnvError, InvalidActionError
 from rollart_core.protocols import Environment
 from rollart_core.types import StepResult
 
@@ -176,7 +178,7 @@ class ReplicatedEnv:
             raise _Dropped
         try:
             return await getattr(r.env, method)(arg)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, InvalidActionError):  # the latter is an answer: the model's fault
             raise
         except Exception:
             self._drop(r, "failed")
@@ -221,6 +223,8 @@ class ReplicatedEnv:
                             self.stats["hedge_wins"] += 1
                         self._last = t.result()
                         return self._last
+                    if isinstance(exc, InvalidActionError):
+                        raise exc  # the first answer, as a success would be
                     if not isinstance(exc, _Dropped):
                         error = exc
         except asyncio.CancelledError:

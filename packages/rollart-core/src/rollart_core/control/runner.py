@@ -16,7 +16,13 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
 from rollart_core.control.state import decide
-from rollart_core.errors import ConfigError, EnvError, EnvTimeoutError, MissingExtraError
+from rollart_core.errors import (
+    ConfigError,
+    EnvError,
+    EnvTimeoutError,
+    InvalidActionError,
+    MissingExtraError,
+)
 from rollart_core.protocols import AgentCall, AgentSession, ChatFormat, Environment, SupportsAgentEpisode
 from rollart_core.timeline import record
 from rollart_core.types import (
@@ -25,6 +31,7 @@ from rollart_core.types import (
     GenerateRequest,
     RewardResult,
     SamplingParams,
+    StepResult,
     Trajectory,
     Turn,
 )
@@ -67,6 +74,9 @@ async def run_trajectory(
     prompt and the current observation only (each such turn is marked ``new_sequence``).
     ``env_timeout_s``: a ``reset`` or ``step`` that takes longer ends the trajectory with fate
     ``timed_out`` (None: wait as long as the environment takes).
+    A ``step`` that raises :class:`~rollart_core.errors.InvalidActionError` (the model's action, not
+    the environment, is at fault) ends the episode with that error's reward and is scored as usual
+    (fate ``finished``); any other exception from the environment is its own fault: ``env_failed``.
     ``before_first_turn``: awaited after the reset, before the first generation, and not counted as
     generation time (a trajectory admitted ahead of a weight update waits there for the new weights).
 
@@ -162,7 +172,10 @@ async def _play(
         history += out.token_ids
         turn.action_text = chat.decode(out.token_ids)
         t0 = time.perf_counter()
-        step = await _within(env.step(turn.action_text), env_timeout_s, f"step {k}")
+        try:
+            step = await _within(env.step(turn.action_text), env_timeout_s, f"step {k}")
+        except InvalidActionError as exc:  # the model's fault: the episode ends with a failure, scored
+            step = StepResult(str(exc), exc.reward, True, False, {"invalid_action": str(exc)})
         _timed(traj, "env", t0)
         turn.env_reward = step.reward
         traj.env_return += step.reward
