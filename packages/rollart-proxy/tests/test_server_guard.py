@@ -247,3 +247,38 @@ async def test_bodies_limits_and_full_queue(engine: Any, serve: Any, no_key_env:
             "/admin/update_weights", content=b"nope", headers={"content-type": "application/json"}
         )
         assert r.status_code == 400
+
+
+async def test_n_samples_are_one_group(engine: Any, serve: Any, no_key_env: None) -> None:
+    """``n=4`` on the real engine: 4 choices recorded as 4 sibling sessions of one group, holding
+    exactly the engine's tokens, that the trainer's GRPO advantage treats as one group."""
+    from rollart_proxy.server import group_trajectories
+    from rollart_train.losses import batch_advantages
+
+    srv = await serve(LLMProxy({"e": engine}), max_n=4)
+    async with srv.client() as h:
+        body = {**CHAT, "max_tokens": 4, "temperature": 1.0, "seed": 3}
+        r = await h.post("/v1/chat/completions", json={**body, "n": 4})
+        assert r.status_code == 200, r.text
+        reply = r.json()
+        group_id = reply["rollart"]["group_id"]
+        assert len(reply["choices"]) == 4 and [c["index"] for c in reply["choices"]] == [0, 1, 2, 3]
+        r = await h.post("/v1/chat/completions", json={**body, "n": 5})
+        assert r.status_code == 400 and "maximum of 4" in r.json()["error"]["message"]
+        r = await h.post("/v1/chat/completions", json={**body, "n": 2}, headers={"X-Session-Id": "s"})
+        assert r.status_code == 400 and "one turn of one trajectory" in r.json()["error"]["message"]
+        members = (await h.post(f"/v1/groups/{group_id}/drain")).json()["members"]
+    assert [m["session_id"] for m in members] == reply["rollart"]["sessions"]
+    calls = [m["calls"] for m in members]
+    assert all(len(c) == 1 and c[0]["group_id"] == group_id for c in calls)
+    assert [c[0]["output_ids"] for c in calls] == [c["token_ids"] for c in reply["rollart"]["choices"]]
+    assert all(len(c[0]["output_ids"]) == 4 == len(c[0]["logprobs"]) == len(c[0]["versions"]) for c in calls)
+
+    class Decode:
+        def decode(self, ids: Any) -> str:
+            return str(srv.server.template.decode(list(ids)))
+
+    trajs = group_trajectories(members, group_id, Decode(), rewards=[1.0, 0.0, 0.0, 0.0])  # type: ignore[arg-type]
+    assert {t.group_id for t in trajs} == {group_id}
+    adv = batch_advantages(trajs, "grpo", gamma=1.0, step_weight=1.0, scale_by_std=True)
+    assert adv[0] > 0 > adv[1] and sum(adv) == pytest.approx(0.0, abs=1e-6)

@@ -68,6 +68,9 @@ class ServiceConfig(BaseModel):
     """Bound of the session tables (stickiness, records, owners); the least recently used go first."""
     max_queued: int = Field(4096, ge=0)
     """Requests that may wait per worker beyond its ``max_inflight``; more get 429."""
+    max_n: int = Field(16, ge=1)
+    """Largest ``n`` of a call without a session: ``n`` samples of one prompt, recorded as ``n``
+    sibling trajectories of one group (``GET /v1/groups/{id}``); a larger ``n`` gets 400."""
 
     @model_validator(mode="after")
     def _check(self) -> ServiceConfig:
@@ -149,6 +152,7 @@ async def run_service(
         enable_admin=cfg.enable_admin if enable_admin is None else enable_admin,
         max_body_bytes=cfg.max_body_bytes,
         max_sessions=cfg.max_sessions,
+        max_n=cfg.max_n,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

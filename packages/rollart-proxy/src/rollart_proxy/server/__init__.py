@@ -13,6 +13,15 @@ Endpoints:
   ``DELETE /v1/sessions/{id}`` (end the session: records and stickiness dropped),
   ``POST /v1/sessions/{id}/bind`` (a token that may call only this session, for an agent's client) and
   ``POST /v1/sessions/{id}/release`` ``{"token"}`` (revoke it: the session's calls and refusals)
+- ``n > 1`` on a call without a session header: ``n`` samples of the prompt as ``n`` sibling
+  trajectories of one group (the group-relative advantage then works for single-turn black-box
+  clients): the reply has ``n`` choices and ``rollart.group_id``; each choice is recorded under its own
+  session ``<group_id>-<i>`` (``rollart.sessions``; the client may continue it as a session).
+  ``GET /v1/groups/{id}`` / ``POST /v1/groups/{id}/drain`` (the siblings' records, in choice order;
+  :func:`~rollart_proxy.server.sessions.group_trajectories` turns them into the trainer's trajectories).
+  Refused (400): ``n > 1`` with a session header (one call is one turn of one trajectory), above the
+  server's ``max_n``, with ``stream`` or an enforced ``tool_choice``. Recorded only when all ``n``
+  choices were generated.
 - ``POST /admin/suspend``, ``POST /admin/resume``, ``POST /admin/update_weights`` ``{"version"}``,
   ``GET /admin/weight_versions``, ``GET /metrics`` (per worker), ``GET /health``
 
@@ -52,6 +61,6 @@ for _module in ("fastapi", "jinja2", "jsonschema"):  # a missing one names the e
     require(_module, INSTALL)
 
 from rollart_proxy.server.app import ADMIN_KEY_ENV, API_KEY_ENV, OpenAIServer  # noqa: E402
-from rollart_proxy.server.sessions import SessionRecorder  # noqa: E402
+from rollart_proxy.server.sessions import SessionRecorder, group_trajectories  # noqa: E402
 
-__all__ = ["API_KEY_ENV", "ADMIN_KEY_ENV", "INSTALL", "OpenAIServer", "SessionRecorder"]
+__all__ = ["API_KEY_ENV", "ADMIN_KEY_ENV", "INSTALL", "OpenAIServer", "SessionRecorder", "group_trajectories"]

@@ -74,11 +74,13 @@ class OpenAIServer(Responses):
         max_body_bytes: int = 8 << 20,
         max_sessions: int = 100_000,
         tool_parser: str | None = "hermes",
+        max_n: int = 16,
     ) -> None:
         """``api_key`` / ``admin_key``: None reads ``ROLLART_PROXY_API_KEY`` (comma-separated) /
         ``ROLLART_PROXY_ADMIN_KEY``; an empty string or list means none. ``enable_admin``: admin
         endpoints without an admin token, on a loopback bind only (see the module doc).
-        ``tool_parser``: the vLLM tool-call parser for ``tools`` requests (None: tools refused)."""
+        ``tool_parser``: the vLLM tool-call parser for ``tools`` requests (None: tools refused).
+        ``max_n``: the largest ``n`` of a call (n sibling trajectories of one group); above: 400."""
         from pathlib import Path
 
         self._api_keys = ApiKeys(api_key, API_KEY_ENV)
@@ -91,6 +93,9 @@ class OpenAIServer(Responses):
         if max_body_bytes < 1:
             raise ConfigError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
         self.max_body_bytes = max_body_bytes
+        if max_n < 1:
+            raise ConfigError(f"max_n must be >= 1, got {max_n}")
+        self.max_n = max_n
         self.proxy = proxy
         self.template = ChatTemplate(model_path)
         # Hugging Face templates expect its tojson (no HTML escaping): Jinja looks filters up at render time
@@ -329,6 +334,22 @@ class OpenAIServer(Responses):
             self._check_owner(session_id, request)
             return {"session_id": session_id, "calls": self.recorder.drain(session_id)}
 
+        @app.get("/v1/groups/{group_id}")
+        async def group(group_id: str, request: Request) -> dict[str, Any]:
+            members = self._check_group(group_id, request)
+            return {
+                "group_id": group_id,
+                "members": [
+                    {"session_id": m, "index": i, "calls": self.recorder.get(m)}
+                    for i, m in enumerate(members)
+                ],
+            }
+
+        @app.post("/v1/groups/{group_id}/drain")
+        async def drain_group(group_id: str, request: Request) -> dict[str, Any]:
+            self._check_group(group_id, request)
+            return {"group_id": group_id, "members": self.recorder.drain_group(group_id)}
+
         @app.post("/v1/sessions/{session_id}/bind")
         async def bind(session_id: str, request: Request) -> dict[str, Any]:
             principal = self._principal(request)
@@ -428,6 +449,14 @@ class OpenAIServer(Responses):
         if not self.recorder.may_access(session_id, self._principal(request)):
             raise _ApiError(403, f"session {session_id!r} belongs to another API key", "permission_denied")
 
+    def _check_group(self, group_id: str, request: Request) -> list[str]:
+        members = self.recorder.group(group_id)
+        if members is None:
+            raise _ApiError(404, f"no group {group_id!r} (unknown, drained or dropped)", param="group_id")
+        if not all(self.recorder.may_access(m, self._principal(request)) for m in members):
+            raise _ApiError(403, f"group {group_id!r} belongs to another API key", "permission_denied")
+        return members
+
     async def _check_tools(self, body: ChatBody) -> None:
         try:
             if body.tools:
@@ -456,6 +485,8 @@ class OpenAIServer(Responses):
         self, endpoint: str, body: _Common, prompt_ids: list[int], max_tokens: int | None, request: Request
     ) -> Any:
         sampling, session = self._admit(body, prompt_ids, max_tokens, request)
+        if body.n > 1:
+            return await self._serve_group(endpoint, body, prompt_ids, sampling, request)
         rid = f"{session or 'anon'}-{uuid.uuid4().hex[:12]}"
         req = GenerateRequest(
             rid, prompt_ids, sampling, session_id=session, task=request.headers.get(self.task_header) or None
@@ -486,6 +517,8 @@ class OpenAIServer(Responses):
         self, body: ChatBody, plan: CallPlan, prompt_ids: list[int], request: Request
     ) -> Any:
         """An enforced tool call (:mod:`.forced_call`): one engine call per undecided token."""
+        if body.n > 1:
+            raise _ApiError(400, "n > 1 cannot be combined with an enforced tool_choice", param="n")
         if body.allowed_token_ids is not None:
             raise _ApiError(
                 400, "allowed_token_ids cannot be combined with an enforced tool_choice", param="tool_choice"
@@ -559,7 +592,90 @@ class OpenAIServer(Responses):
                 f"this client is bound to session {bound!r}; it may not call session {session!r}",
                 "permission_denied",
             )
+        if body.n > 1:
+            self._check_n(body, session)
         is_bound = principal is not None and principal.startswith(_BOUND)  # to this session (checked above)
         if session is not None and not is_bound and not self.recorder.claim(session, principal):
             raise _ApiError(403, f"session {session!r} belongs to another API key", "permission_denied")
         return sampling, session
+
+    def _check_n(self, body: _Common, session: str | None) -> None:
+        if session is not None:
+            raise _ApiError(
+                400,
+                f"n > 1 is not supported with a session ({self.session_header}): one call is one turn of "
+                "one trajectory; without the header, n > 1 samples n sibling trajectories of one group",
+                param="n",
+            )
+        if body.n > self.max_n:
+            raise _ApiError(400, f"n = {body.n} exceeds this server's maximum of {self.max_n}", param="n")
+        if body.stream:
+            raise _ApiError(400, "n > 1 is not supported with stream: true", param="n")
+
+    async def _serve_group(
+        self, endpoint: str, body: _Common, prompt_ids: list[int], sampling: SamplingParams, request: Request
+    ) -> dict[str, Any]:
+        """``n`` samples of one prompt as ``n`` sibling trajectories of one group: each choice is
+        generated as its own request (a client's seed becomes ``seed + i``: vLLM's CPU engine fails on a
+        seeded ``n > 1`` request), recorded under its own session ``<group_id>-<i>`` (which the
+        client may continue) and listed in the group (``GET /v1/groups/{group_id}``). Recorded only
+        when all ``n`` succeeded: a failed one aborts the others and nothing is kept."""
+        n = body.n
+        group_id = f"group-{uuid.uuid4().hex[:16]}"
+        members = [f"{group_id}-{i}" for i in range(n)]
+        task = request.headers.get(self.task_header) or None
+        samplings = [
+            sampling if sampling.seed is None else sampling.model_copy(update={"seed": sampling.seed + i})
+            for i in range(n)
+        ]
+        jobs = [
+            asyncio.ensure_future(
+                self.proxy.generate(
+                    GenerateRequest(f"{m}-{uuid.uuid4().hex[:12]}", prompt_ids, sp, session_id=m, task=task)
+                )
+            )
+            for m, sp in zip(members, samplings, strict=True)
+        ]
+        try:
+            outs = await asyncio.gather(*jobs)
+        except BaseException:
+            for job in jobs:  # a cancelled generate aborts its request on the engine
+                job.cancel()
+            await asyncio.gather(*jobs, return_exceptions=True)
+            for m in members:
+                self.proxy.end_session(m)
+            raise
+        principal = self._principal(request)
+        for i, (m, out, sp) in enumerate(zip(members, outs, samplings, strict=True)):
+            self.recorder.claim(m, principal)
+            self.recorder.record(m, endpoint, prompt_ids, out, sp, group=(group_id, i, n))
+        self.recorder.add_group(group_id, members)
+        replies = [
+            await off_loop(len(out.token_ids), INLINE_TOKENS, self._response, endpoint, body, out, prompt_ids)
+            for out in outs
+        ]
+        choices = []
+        for i, (m, out, reply) in enumerate(zip(members, outs, replies, strict=True)):
+            choice = {**reply["choices"][0], "index": i}
+            choices.append(choice)
+            if endpoint == "chat":
+                self._remember(m, choice["message"].get("content"), choice["message"].get("tool_calls"), out)
+        completion = sum(len(out.token_ids) for out in outs)
+        return {
+            **replies[0],
+            "id": group_id,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": len(prompt_ids),
+                "completion_tokens": completion,
+                "total_tokens": len(prompt_ids) + completion,
+            },
+            "rollart": {
+                "group_id": group_id,
+                "sessions": members,
+                "prompt_token_ids": prompt_ids,
+                "choices": [
+                    {k: v for k, v in r["rollart"].items() if k != "prompt_token_ids"} for r in replies
+                ],
+            },
+        }

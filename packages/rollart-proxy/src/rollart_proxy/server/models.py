@@ -22,7 +22,12 @@ class _Common(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = None
     stream: bool = False
-    n: int = Field(1, ge=1, description="Only n=1 is supported (one trajectory turn per call).")
+    n: int = Field(
+        1,
+        ge=1,
+        description="n > 1 (without a session header): n samples of the prompt, recorded as n sibling "
+        "trajectories of one group (at most the server's max_n).",
+    )
     stop_token_ids: list[int] | None = None
     allowed_token_ids: list[int] | None = None
     presence_penalty: float = Field(0.0, ge=0.0, le=0.0)
@@ -37,16 +42,6 @@ class _Common(BaseModel):
         for s in [v] if isinstance(v, str) else v or []:
             if not s:
                 raise ValueError("stop strings must be non-empty")
-        return v
-
-    @field_validator("n")
-    @classmethod
-    def _n(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError(
-                "n > 1 is not supported: one call is one turn of one trajectory; make n calls, "
-                "each with its own session (X-Session-Id header)"
-            )
         return v
 
     def stops(self) -> tuple[str, ...]:

@@ -1,15 +1,19 @@
 """Session records and ownership: every call's token ids, logprobs and versions, per session, and
-the principal (API key, admin token or session-bound token) each session belongs to."""
+the principal (API key, admin token or session-bound token) each session belongs to; the groups of
+sibling sessions that one ``n > 1`` call made, and :func:`group_trajectories` (a drained group as
+the trainer's trajectories, one group of ``n``)."""
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
-from rollart_core.types import GenerateOutput, SamplingParams
+from rollart_core.protocols import AgentCall, ChatFormat
+from rollart_core.types import Fate, GenerateOutput, SamplingParams, Trajectory
 
-__all__ = ["SessionRecorder"]
+__all__ = ["SessionRecorder", "group_trajectories"]
 
 _ADMIN = "admin"
 """The principal of the admin token: may touch every session."""
@@ -26,6 +30,8 @@ class SessionRecorder:
         self._calls: dict[str, list[dict[str, Any]]] = {}
         self._owners: OrderedDict[str, str | None] = OrderedDict()
         """Session → principal that created it (LRU, at most ``max_sessions``)."""
+        self._groups: OrderedDict[str, list[str]] = OrderedDict()
+        """Group of an ``n > 1`` call → its sibling sessions, in choice order (at most ``max_sessions``)."""
 
     def claim(self, session_id: str, principal: str | None) -> bool:
         """Record ``principal`` as the session's owner if it has none; False if another owns it."""
@@ -49,6 +55,25 @@ class SessionRecorder:
     def sizes(self) -> dict[str, int]:
         return {"recorded_sessions": len(self._calls), "owned_sessions": len(self._owners)}
 
+    def add_group(self, group_id: str, members: list[str]) -> None:
+        """Remember the sibling sessions of one ``n > 1`` call (oldest group forgotten first)."""
+        self._groups[group_id] = list(members)
+        while len(self._groups) > self.max_sessions:
+            self._groups.popitem(last=False)
+
+    def group_ids(self) -> list[str]:
+        """The groups not yet drained (oldest first)."""
+        return list(self._groups)
+
+    def group(self, group_id: str) -> list[str] | None:
+        return self._groups.get(group_id)
+
+    def drain_group(self, group_id: str) -> list[dict[str, Any]]:
+        """Take a group's records, one entry per sibling ``{"session_id", "index", "calls"}``, and
+        forget the group (its sessions stay owned: a sibling may still be continued)."""
+        members = self._groups.pop(group_id, [])
+        return [{"session_id": m, "index": i, "calls": self.drain(m)} for i, m in enumerate(members)]
+
     def record(
         self,
         session_id: str,
@@ -56,7 +81,9 @@ class SessionRecorder:
         prompt_ids: list[int],
         out: GenerateOutput,
         sampling: SamplingParams | None = None,
+        group: tuple[str, int, int] | None = None,
     ) -> None:
+        """``group``: ``(group_id, index, size)`` when the call was one choice of an ``n > 1`` call."""
         if session_id not in self._calls and len(self._calls) >= self.max_sessions:
             self._calls.pop(next(iter(self._calls)))  # oldest session first
         calls = self._calls.setdefault(session_id, [])
@@ -77,6 +104,9 @@ class SessionRecorder:
                 "allowed_token_ids": list(sampling.allowed_token_ids)
                 if sampling and sampling.allowed_token_ids
                 else None,
+                "group_id": group[0] if group else None,
+                "group_index": group[1] if group else None,
+                "group_size": group[2] if group else None,
             }
         )
 
@@ -85,3 +115,54 @@ class SessionRecorder:
 
     def drain(self, session_id: str) -> list[dict[str, Any]]:
         return self._calls.pop(session_id, [])
+
+
+def group_trajectories(
+    drained: Sequence[dict[str, Any]],
+    group_id: str,
+    chat: ChatFormat,
+    *,
+    task: str = "gateway",
+    rewards: Sequence[float] | None = None,
+) -> list[Trajectory]:
+    """A drained group (:meth:`SessionRecorder.drain_group`, or ``POST /v1/groups/{id}/drain``'s
+    ``members``) as the trainer's trajectories: one per sibling, all with ``group_id``, so that a
+    group-relative advantage (GRPO) compares the ``n`` samples of one prompt with each other. A
+    sibling continued with further calls (its session id as ``X-Session-Id``) has them as later turns.
+    ``rewards`` (one per sibling, in choice order): the client's scores; the trajectories are then
+    ``finished``. Without them reward and fate are left for the caller to set."""
+    from rollart_core.control.runner import assemble_agent_turns
+    from rollart_core.control.state import decide
+
+    if rewards is not None and len(rewards) != len(drained):
+        raise ValueError(f"{len(rewards)} rewards for a group of {len(drained)}")
+    out: list[Trajectory] = []
+    for k, member in enumerate(drained):
+        calls = [
+            AgentCall(
+                r["prompt_ids"],
+                r["output_ids"],
+                r["logprobs"],
+                r["versions"],
+                r["finish_reason"],
+                r["temperature"] if r.get("temperature") is not None else 1.0,
+                tuple(r["allowed_token_ids"]) if r.get("allowed_token_ids") else None,
+            )
+            for r in member["calls"]
+        ]
+        versions = [v for c in calls for v in c.versions]
+        traj = Trajectory(
+            member["session_id"],
+            task,
+            "gateway",
+            group_id,
+            int(member.get("index", k)),
+            min(versions, default=0),
+        )
+        assemble_agent_turns(traj, calls, chat)
+        traj.terminated = True
+        if rewards is not None:
+            traj.reward = float(rewards[k])
+            decide(traj, Fate.FINISHED)
+        out.append(traj)
+    return out
