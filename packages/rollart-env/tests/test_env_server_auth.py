@@ -176,3 +176,48 @@ def test_serve_command_refuses_bad_options() -> None:
         timeout=60,
     )
     assert proc.returncode == 2 and "error:" in proc.stderr and "nope" in proc.stderr, proc.stderr
+
+
+async def test_one_key_cannot_fill_the_table_for_all(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    async with EnvServer(SokobanEnv, api_key=",".join(KEYS), max_sessions=4, max_sessions_per_key=2) as s:
+        alice = [(await call(s, "POST", "/sessions", "key-alice"))[1]["session"] for _ in range(2)]
+        status, data, headers = await call(s, "POST", "/sessions", "key-alice")
+        assert status == 429 and "max_sessions_per_key=2" in data["error"] and headers["Retry-After"]
+        for _ in range(2):  # bob still gets his share
+            assert (await call(s, "POST", "/sessions", "key-bob"))[0] == 200
+        assert (await call(s, "DELETE", f"/sessions/{alice[0]}", "key-alice", b""))[0] == 200
+        assert (await call(s, "POST", "/sessions", "key-alice"))[0] == 200
+    with pytest.raises(ValueError, match="max_sessions_per_key"):
+        EnvServer(SokobanEnv, max_sessions_per_key=0)
+
+
+async def test_seed_is_bounded_to_int64(server: EnvServer) -> None:
+    sid = (await call(server, "POST", "/sessions", "key-alice"))[1]["session"]
+    for seed in (2**63, -(2**63) - 1, 10**30):
+        body = f'{{"seed": {seed}}}'.encode()
+        status, data, _ = await call(server, "POST", f"/sessions/{sid}/reset", "key-alice", body)
+        assert status == 422 and "64-bit" in data["error"], (seed, status, data)
+    for seed in (2**63 - 1, -(2**63)):
+        body = f'{{"seed": {seed}}}'.encode()
+        assert (await call(server, "POST", f"/sessions/{sid}/reset", "key-alice", body))[0] == 200
+
+
+async def test_a_declared_but_unsent_body_gets_408_not_a_hung_handler(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    async with EnvServer(SokobanEnv, api_key="", body_timeout_s=0.3) as s:
+        sid = (await call(s, "POST", "/sessions", None))[1]["session"]
+        reader, writer = await asyncio.open_connection("127.0.0.1", s.port)
+        writer.write(
+            f"POST /sessions/{sid}/reset HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            "Content-Length: 100\r\n\r\n{".encode()
+        )
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readline(), timeout=10)
+        assert b" 408 " in head, head
+        writer.close()
+        await writer.wait_closed()
+        assert s._sessions[sid].busy == 0  # the session may expire again
+        assert (await call(s, "POST", f"/sessions/{sid}/reset", None, b'{"seed": 1}'))[0] == 200

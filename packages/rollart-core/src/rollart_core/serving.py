@@ -12,7 +12,12 @@ import os
 import signal
 from collections.abc import Awaitable, Callable, Sequence
 
-__all__ = ["ApiKeys", "bearer_token", "is_loopback", "serve_until_signalled"]
+__all__ = ["INT64_MAX", "INT64_MIN", "ApiKeys", "bearer_token", "is_loopback", "serve_until_signalled"]
+
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+"""The range of a seed at every server's edge (vLLM's OpenAI server bounds ``seed`` the same way:
+a larger one breaks the engine)."""
 
 
 def is_loopback(host: str) -> bool:

@@ -31,9 +31,18 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=0, help="0 picks a free port")
     s.add_argument("--max-sessions", type=int, default=256, help="sessions held at once (more get 429)")
     s.add_argument(
+        "--max-sessions-per-key",
+        type=int,
+        default=None,
+        help="sessions one API key may hold at once (more get 429; default: no quota of its own)",
+    )
+    s.add_argument(
         "--idle-ttl", type=float, default=600.0, help="seconds before an unused session is closed (0: never)"
     )
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    s.add_argument(
+        "--body-timeout", type=float, default=30.0, help="seconds to receive a request body (else 408)"
+    )
     s.add_argument(
         "--api-key",
         default=None,
@@ -65,6 +74,8 @@ async def _serve(args: argparse.Namespace) -> None:
             idle_ttl_s=args.idle_ttl or None,
             max_body_bytes=args.max_body_bytes,
             api_key=api_key,
+            max_sessions_per_key=args.max_sessions_per_key,
+            body_timeout_s=args.body_timeout,
         )
     except ValueError as exc:
         raise ConfigError(f"rollart-env serve: {exc}") from None

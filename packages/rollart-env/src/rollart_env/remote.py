@@ -9,7 +9,8 @@ Wire protocol (JSON bodies; one session = one environment instance on the server
     DELETE /sessions/{id}               → {}   (closes the env)
     GET    /health                      → {sessions, created, expired, max_sessions, idle_ttl_s}
 
-Sessions are bounded: at most ``max_sessions`` at once (a create beyond it gets 429 with
+Sessions are bounded: at most ``max_sessions`` at once and at most ``max_sessions_per_key`` per API
+key, so one client cannot fill the table for all (a create beyond either gets 429 with
 ``Retry-After``), and a session not used for ``idle_ttl_s`` is closed by the server (a client that
 vanished without ``DELETE`` leaks nothing); calls to it then get 404. A session's call in progress
 keeps it alive.
@@ -22,7 +23,9 @@ Closed by default (the conventions of ``rollart-proxy``'s server and ``rollart-r
   without, or with a wrong one). :class:`RemoteEnv` sends its ``api_key`` (or the same variable).
 - **Sessions** belong to the key that created them: resetting, stepping or deleting another key's
   session gets 403. Without API keys every client is the same anonymous principal.
-- **Bounded**: bodies (413), sessions (429, idle expiry).
+- **Bounded**: bodies (413), the time to send a body (``body_timeout_s``: a client that declares a
+  body and never sends it gets 408 instead of holding a handler forever), sessions (429, per key
+  too, idle expiry), seeds (a signed 64-bit integer, as vLLM bounds them; else 422).
 - The served environment is fixed by the server's owner (clients cannot choose code to load).
 
 Errors come back as ``{"error": ..., "type": ...}`` with status 401 (no or wrong API key), 403
@@ -43,6 +46,7 @@ import logging
 import os
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -52,7 +56,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from rollart_core.errors import EnvError, EnvTimeoutError, InvalidActionError
 from rollart_core.extras import require
 from rollart_core.protocols import Environment
-from rollart_core.serving import ApiKeys, bearer_token, is_loopback
+from rollart_core.serving import INT64_MAX, INT64_MIN, ApiKeys, bearer_token, is_loopback
 from rollart_core.types import StepResult
 
 __all__ = ["API_KEY_ENV", "EnvServer", "RemoteEnv", "RemoteEnvConfig"]
@@ -79,13 +83,23 @@ class _Session:
     """Calls in progress: a busy session never expires."""
 
 
+class _BodyTimeout(Exception):
+    """A request body was not received within the server's ``body_timeout_s``."""
+
+
+def _is_int64(value: int) -> bool:
+    return INT64_MIN <= value <= INT64_MAX
+
+
 class EnvServer:
     """Serves environments made by ``factory`` over HTTP. ``async with EnvServer(f) as s: s.url``.
 
-    ``max_sessions``: sessions held at once (more creates get 429). ``idle_ttl_s``: a session unused
+    ``max_sessions``: sessions held at once (more creates get 429); ``max_sessions_per_key``: of
+    those, held by one API key (None: no quota of its own). ``idle_ttl_s``: a session unused
     for this long is closed (None: never; then only ``DELETE`` frees one). ``max_body_bytes``: larger
-    request bodies get 413. ``api_key``: bearer token(s) every request must carry; None reads
-    ``ROLLART_ENV_API_KEY`` (comma-separated), an empty string or list means none."""
+    request bodies get 413; ``body_timeout_s``: a body not received within it gets 408. ``api_key``:
+    bearer token(s) every request must carry; None reads ``ROLLART_ENV_API_KEY`` (comma-separated),
+    an empty string or list means none."""
 
     def __init__(
         self,
@@ -97,9 +111,15 @@ class EnvServer:
         idle_ttl_s: float | None = 600.0,
         max_body_bytes: int = 1 << 20,
         api_key: str | Sequence[str] | None = None,
+        max_sessions_per_key: int | None = None,
+        body_timeout_s: float = 30.0,
     ) -> None:
         if max_sessions < 1:
             raise ValueError("max_sessions must be >= 1")
+        if max_sessions_per_key is not None and max_sessions_per_key < 1:
+            raise ValueError("max_sessions_per_key must be >= 1 (or None: no quota per key)")
+        if body_timeout_s <= 0:
+            raise ValueError("body_timeout_s must be > 0")
         if idle_ttl_s is not None and idle_ttl_s <= 0:
             raise ValueError("idle_ttl_s must be > 0 (or None: sessions never expire)")
         self.factory = factory
@@ -107,13 +127,16 @@ class EnvServer:
         self.max_sessions = max_sessions
         self.idle_ttl_s = idle_ttl_s
         self.max_body_bytes = max_body_bytes
+        self.max_sessions_per_key = max_sessions_per_key
+        self.body_timeout_s = body_timeout_s
         self._api_keys = ApiKeys(api_key, API_KEY_ENV)
         self.unauthorized = 0
         """Requests refused for a missing or wrong API key (401) or another key's session (403)."""
         self._sessions: dict[str, _Session] = {}
         self.created = 0
         self.expired = 0
-        self._creating = 0
+        self._creating: Counter[str | None] = Counter()
+        """Sessions being created (their environment starting), per principal: they hold a slot."""
         self._runner: Any = None
         self._reaper: asyncio.Task[None] | None = None
 
@@ -261,9 +284,15 @@ class EnvServer:
         return self._json({"error": msg, "type": kind}, status)
 
     async def _body(self, request: Any, key: str, kind: type) -> Any:
+        """``body[key]`` if it is a ``kind``, else None; :class:`_BodyTimeout` if the body is not in
+        within ``body_timeout_s``."""
         try:
-            body = await request.json()
-            value = body[key]
+            async with asyncio.timeout(self.body_timeout_s):
+                raw = await request.read()
+        except TimeoutError:
+            raise _BodyTimeout from None
+        try:
+            value = json.loads(raw)[key]
         except (ValueError, KeyError, TypeError, IndexError, RecursionError):
             return None
         return value if isinstance(value, kind) and not isinstance(value, bool) else None
@@ -279,17 +308,28 @@ class EnvServer:
             }
         )
 
+    def _refusal(self, principal: str | None) -> str | None:
+        """Why a new session of ``principal`` must wait (the table or its quota is full), or None."""
+        if len(self._sessions) + sum(self._creating.values()) >= self.max_sessions:
+            return f"max_sessions={self.max_sessions} reached"
+        quota = self.max_sessions_per_key
+        if quota is not None:
+            held = sum(s.owner == principal for s in self._sessions.values()) + self._creating[principal]
+            if held >= quota:
+                return f"this API key holds max_sessions_per_key={quota} sessions"
+        return None
+
     async def _create(self, request: Any) -> Any:
-        if len(self._sessions) + self._creating >= self.max_sessions:
+        principal = request.get("rollart_principal")
+        if self._refusal(principal) is not None:
             await self.expire_idle()  # make room from the expired ones before refusing
-        if len(self._sessions) + self._creating >= self.max_sessions:
+        why = self._refusal(principal)
+        if why is not None:
             retry = max(1, round(self.idle_ttl_s / 4)) if self.idle_ttl_s else 5
-            resp = self._error(
-                429, f"max_sessions={self.max_sessions} reached: close a session (DELETE) or retry later"
-            )
+            resp = self._error(429, f"{why}: close a session (DELETE) or retry later")
             resp.headers["Retry-After"] = str(retry)
             return resp
-        self._creating += 1  # a slot is held while the environment starts
+        self._creating[principal] += 1  # a slot is held while the environment starts
         try:
             env = self.factory()
             start = getattr(env, "start", None)
@@ -298,24 +338,36 @@ class EnvServer:
         except Exception as exc:
             return self._error(500, exc)
         finally:
-            self._creating -= 1
+            self._creating[principal] -= 1
+            if not self._creating[principal]:
+                del self._creating[principal]
         sid = uuid.uuid4().hex
-        self._sessions[sid] = _Session(env, time.monotonic(), owner=request.get("rollart_principal"))
+        self._sessions[sid] = _Session(env, time.monotonic(), owner=principal)
         self.created += 1
         vocab = list(env.action_vocabulary) if env.action_vocabulary else None
         return self._json({"session": sid, "action_vocabulary": vocab, "system_prompt": env.system_prompt})
 
     async def _use(
-        self, request: Any, key: str, kind: type, call: Callable[[Environment, Any], Any], usage: str
+        self,
+        request: Any,
+        key: str,
+        kind: type,
+        call: Callable[[Environment, Any], Any],
+        usage: str,
+        valid: Callable[[Any], bool] = lambda _: True,
     ) -> Any:
-        """Run ``call(env, body[key])`` on the request's session, which stays alive while it runs."""
+        """Run ``call(env, body[key])`` on the request's session, which stays alive while it runs;
+        a ``body[key]`` that is not a ``kind`` or not ``valid`` gets 422 naming ``usage``."""
         session, refused = self._session_of(request)
         if session is None:
             return refused
         session.busy += 1
         try:
-            value = await self._body(request, key, kind)
-            if value is None:
+            try:
+                value = await self._body(request, key, kind)
+            except _BodyTimeout:
+                return self._error(408, f"request body not received within {self.body_timeout_s}s")
+            if value is None or not valid(value):
                 return self._error(422, f"body must be {usage}")
             try:
                 return self._json(await call(session.env, value))
@@ -334,7 +386,9 @@ class EnvServer:
             obs, info = await env.reset(seed)
             return {"observation": obs, "info": info}
 
-        return await self._use(request, "seed", int, reset, '{"seed": <int>}')
+        return await self._use(
+            request, "seed", int, reset, '{"seed": <int>}, a signed 64-bit integer', valid=_is_int64
+        )
 
     async def _step(self, request: Any) -> Any:
         async def step(env: Environment, action: str) -> dict[str, Any]:
