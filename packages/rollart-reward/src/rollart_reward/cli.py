@@ -41,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queue", type=int, default=10_000, help="waiting calls beyond this get 429")
     s.add_argument("--cache-size", type=int, default=100_000, help="idempotency cache entries")
     s.add_argument("--max-body-bytes", type=int, default=16 << 20, help="larger request bodies get 413")
+    s.add_argument(
+        "--body-timeout", type=float, default=30.0, help="seconds to receive a request body (else 408)"
+    )
     s.add_argument("--max-batch", type=int, default=1024, help="most items in one batch request")
     s.add_argument("--max-async-tasks", type=int, default=10_000, help="async calls held at once")
     s.add_argument(
@@ -49,7 +52,17 @@ def _parser() -> argparse.ArgumentParser:
         help="bearer token every request must carry (default: $ROLLART_REWARD_API_KEY; "
         "prefer the variable, a command line is visible to every user of the machine)",
     )
-    s.add_argument("--admin", action="store_true", help="enable /admin/* (fault knobs, stats reset)")
+    s.add_argument(
+        "--admin",
+        action="store_true",
+        help="enable /admin/* (fault knobs, stats reset) without an admin key: tests on loopback only",
+    )
+    s.add_argument(
+        "--admin-key",
+        default=None,
+        help="bearer token of /admin/*, apart from --api-key (default: $ROLLART_REWARD_ADMIN_KEY); "
+        "enables them",
+    )
     s.add_argument("--faults", default="{}", help="fault injection config as JSON (tests)")
     s.add_argument("--log-level", default="WARNING")
     return p
@@ -58,9 +71,16 @@ def _parser() -> argparse.ArgumentParser:
 async def _serve(args: argparse.Namespace) -> None:
     import os
 
-    from rollart_reward.runtime import API_KEY_ENV, FaultConfig, FunctionRuntime, RuntimeConfig
+    from rollart_reward.runtime import (
+        ADMIN_KEY_ENV,
+        API_KEY_ENV,
+        FaultConfig,
+        FunctionRuntime,
+        RuntimeConfig,
+    )
 
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    admin_key = args.admin_key if args.admin_key is not None else os.environ.get(ADMIN_KEY_ENV) or None
     try:
         cfg = RuntimeConfig(
             function=args.function,
@@ -75,10 +95,12 @@ async def _serve(args: argparse.Namespace) -> None:
             max_queue=args.max_queue,
             cache_size=args.cache_size,
             max_body_bytes=args.max_body_bytes,
+            body_timeout_s=args.body_timeout,
             max_batch=args.max_batch,
             max_async_tasks=args.max_async_tasks,
             api_key=api_key,
             admin=args.admin,
+            admin_key=admin_key or None,
             faults=FaultConfig.model_validate(json.loads(args.faults)),
         )
     except (ValueError, json.JSONDecodeError) as exc:

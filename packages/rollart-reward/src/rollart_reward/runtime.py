@@ -19,7 +19,14 @@ Invocation shapes served:
 - ``GET /stats`` (workers, cold starts, concurrency, busy/provisioned time — provisioned is every
   worker's lifetime, cold start and keep-alive included — and per-request billed time, faults),
   ``GET /executions/{key}``, ``GET /healthz``; ``POST /admin/faults`` and ``POST /admin/reset``
-  only with ``admin=True``.
+  only with ``admin_key`` or ``admin=True``.
+
+Access (closed by default, as the other rollart servers): every request except ``GET /healthz``
+carries ``Authorization: Bearer <api_key>`` when an API key is set (401 otherwise). The admin
+endpoints take their own credential, never the invoke key: with ``admin_key`` they need
+``Bearer <admin_key>`` (an invoke key gets 403); without one, ``admin=True`` serves them on a
+loopback bind to an open runtime only (with an ``api_key`` or beyond loopback: a start-up error
+asking for an admin key). A request body not received within ``body_timeout_s`` gets 408.
 
 The worker pool (forking, autoscaling, keep-alive) is :mod:`rollart_reward.pool`; this module is the
 HTTP front, the idempotency cache and the invocation shapes.
@@ -41,20 +48,22 @@ import random
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rollart_core.errors import RewardError
-from rollart_core.serving import is_loopback
+from rollart_core.serving import ApiKeys, bearer_token, is_loopback
 from rollart_reward.metrics import UtilisationMeter
 from rollart_reward.pool import Overloaded, WorkerPool
 from rollart_reward.wire import trajectory_from_dict
 
-__all__ = ["API_KEY_ENV", "FaultConfig", "FunctionRuntime", "RuntimeConfig", "ScalingConfig"]
+__all__ = ["ADMIN_KEY_ENV", "API_KEY_ENV", "FaultConfig", "FunctionRuntime", "RuntimeConfig", "ScalingConfig"]
 
 log = logging.getLogger(__name__)
 
 API_KEY_ENV = "ROLLART_REWARD_API_KEY"
 """Environment variable ``rollart-reward serve`` reads its bearer token from (keeps it out of ``ps``)."""
+ADMIN_KEY_ENV = "ROLLART_REWARD_ADMIN_KEY"
+"""Environment variable ``rollart-reward serve`` reads its admin token from."""
 
 
 class FaultConfig(BaseModel):
@@ -97,6 +106,9 @@ class ScalingConfig(BaseModel):
     """Idempotency cache entries (results and execution counts by key)."""
     max_body_bytes: int = Field(16 << 20, ge=1024)
     """Larger request bodies are refused with 413."""
+    body_timeout_s: float = Field(30.0, gt=0)
+    """A request body not received within this is refused with 408 (a client that declares a body
+    and never sends it holds no handler)."""
     max_batch: int = Field(1024, ge=1)
     """Most items in one ``{"items": [...]}`` request (more: 413)."""
     max_async_tasks: int = Field(10_000, ge=1)
@@ -119,7 +131,21 @@ class RuntimeConfig(ScalingConfig):
     """Bearer token every request except ``GET /healthz`` must carry (``Authorization: Bearer ...``);
     None = no token (a warning when bound beyond loopback)."""
     admin: bool = False
-    """Enable ``/admin/*`` (fault knobs, stats reset): for tests only."""
+    """Enable ``/admin/*`` (fault knobs, stats reset) without an admin key: for tests only, on a
+    loopback bind without ``api_key`` (otherwise set ``admin_key``)."""
+    admin_key: str | None = Field(None, repr=False, min_length=1)
+    """Bearer token of ``/admin/*``, apart from ``api_key`` (which never opens them); setting it
+    enables them. Must differ from ``api_key``."""
+
+    @model_validator(mode="after")
+    def _admin_apart(self) -> RuntimeConfig:
+        if self.admin_key is not None and self.admin_key == self.api_key:
+            raise ValueError("admin_key must differ from api_key (an invoke key never opens /admin/*)")
+        return self
+
+    @property
+    def admin_enabled(self) -> bool:
+        return self.admin or self.admin_key is not None
 
 
 class _FunctionError(Exception):
@@ -157,6 +183,14 @@ class FunctionRuntime:
         from aiohttp import web
 
         c = self.config
+        if c.admin and c.admin_key is None and (c.api_key is not None or not is_loopback(c.host)):
+            from rollart_core.errors import ConfigError
+
+            raise ConfigError(
+                "runtime: admin endpoints need an admin key (admin_key, --admin-key or "
+                f"{ADMIN_KEY_ENV}) when the runtime has an api_key or binds beyond loopback: the "
+                "invoke key never opens them"
+            )
         if not is_loopback(c.host) and c.api_key is None:
             log.warning(
                 "function runtime: bound to %s without an API key: anyone who reaches this address "
@@ -173,7 +207,7 @@ class FunctionRuntime:
         r.add_get("/stats", self._h_stats)
         r.add_get("/executions/{key}", self._h_executions)
         r.add_get("/healthz", lambda _: web.json_response({"ok": True}))
-        if self.config.admin:
+        if self.config.admin_enabled:
             r.add_post("/admin/faults", self._h_faults)
             r.add_post("/admin/reset", self._h_reset)
         try:
@@ -198,22 +232,31 @@ class FunctionRuntime:
         await self.pool.stop()
 
     def _guard(self) -> Any:
-        """Middleware: the bearer token check, and :class:`BadRequest` as a JSON 4xx with its message."""
+        """Middleware: the bearer token checks (admin endpoints: the admin key only; the rest: the
+        API key), and :class:`BadRequest` as a JSON 4xx with its message."""
         from aiohttp import web
 
-        expected = f"Bearer {self.config.api_key}".encode() if self.config.api_key else None
+        c = self.config
+        invoke_keys = ApiKeys([c.api_key] if c.api_key else [], API_KEY_ENV)
+        admin_key = c.admin_key.encode() if c.admin_key else None
+
+        def refuse(status: int, message: str) -> Any:
+            self.counters["unauthorized"] += 1
+            headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+            return web.json_response({"error": message}, status=status, headers=headers)
 
         @web.middleware
         async def guard(request: Any, handler: Any) -> Any:
-            if expected is not None and request.path != "/healthz":
-                got = request.headers.get("Authorization", "").encode()
-                if not hmac.compare_digest(got, expected):
-                    self.counters["unauthorized"] += 1
-                    return web.json_response(
-                        {"error": "missing or wrong bearer token (Authorization: Bearer ...)"},
-                        status=401,
-                        headers={"WWW-Authenticate": "Bearer"},
+            token = bearer_token(request.headers.get("Authorization"))
+            is_admin_path = request.path == "/admin" or request.path.startswith("/admin/")
+            if is_admin_path and admin_key is not None:
+                if token is None or not hmac.compare_digest(token, admin_key):
+                    return refuse(
+                        401 if token is None else 403,
+                        "admin endpoints need the admin key (Authorization: Bearer <admin key>)",
                     )
+            elif request.path != "/healthz" and invoke_keys.check(token)[1] is not None:
+                return refuse(401, "missing or wrong bearer token (Authorization: Bearer ...)")
             try:
                 return await handler(request)
             except BadRequest as exc:
@@ -331,9 +374,12 @@ class FunctionRuntime:
                 413, f"request body of {request.content_length} bytes exceeds the limit of {limit}"
             )
         try:
-            raw = await request.read()
+            async with asyncio.timeout(self.config.body_timeout_s):
+                raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise BadRequest(413, f"request body exceeds the limit of {limit} bytes") from None
+        except TimeoutError:
+            raise BadRequest(408, f"request body not received within {self.config.body_timeout_s}s") from None
         try:
             return json.loads(raw)
         except (ValueError, RecursionError) as exc:

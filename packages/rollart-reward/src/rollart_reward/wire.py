@@ -11,9 +11,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from typing import Any
 
 from rollart_core.errors import RewardError
+from rollart_core.serving import INT64_MAX, INT64_MIN
 from rollart_core.types import Fate, RewardResult, Trajectory, Turn
 
 __all__ = [
@@ -110,6 +112,12 @@ def _check_fields(d: dict[str, Any], types: dict[str, tuple[type, ...]], where: 
             isinstance(x, _NUM) and not isinstance(x, bool) for x in value
         ):
             raise RewardError(f"malformed trajectory: {where}{name} must be a list of numbers")
+        numbers = value if name in _INT_LISTS or name == "output_logprobs" else [value]
+        for x in numbers if isinstance(numbers, list) else ():
+            if isinstance(x, int) and not isinstance(x, bool) and not INT64_MIN <= x <= INT64_MAX:
+                raise RewardError(f"malformed trajectory: {where}{name} holds {x}, beyond 64 bits")
+            if isinstance(x, float) and not math.isfinite(x) and name != "output_logprobs":
+                raise RewardError(f"malformed trajectory: {where}{name} must be finite, got {x}")
 
 
 def _kind_name(t: type) -> str:
