@@ -1,5 +1,5 @@
 """``rollart`` command line: ``rollart train <config.yaml>``, ``report RUN_DIR``, ``export CKPT --hf DIR``,
-``plan``, ``bench``, ``check-config``; no arguments prints help.
+``export --trajectories RUN_DIR``, ``plan``, ``bench``, ``check-config``; no arguments prints help.
 
 A user's mistake (a config file that does not exist, bad YAML, an unknown field, a model directory
 without weights, a port in use) is one line on stderr naming the file / field / port, exit code 2;
@@ -49,11 +49,33 @@ def _parser() -> argparse.ArgumentParser:
     )
     r.add_argument("run_dir")
     r.add_argument("-v", "--verbose", action="store_true", help="show tracebacks")
-    e = sub.add_parser("export", help="turn a checkpoint into a Hugging Face model directory")
-    e.add_argument(
-        "checkpoint", help="a checkpoint directory written by the trainer (e.g. RUN/checkpoint-12)"
+    e = sub.add_parser(
+        "export",
+        help="turn a checkpoint into a Hugging Face model directory (CKPT --hf DIR), or a run's "
+        "trajectories into a JSONL / Parquet table (--trajectories RUN_DIR)",
     )
-    e.add_argument("--hf", required=True, metavar="OUT_DIR", help="the Hugging Face model directory to write")
+    e.add_argument(
+        "checkpoint",
+        nargs="?",
+        help="a checkpoint directory written by the trainer (e.g. RUN/checkpoint-12)",
+    )
+    e.add_argument("--hf", metavar="OUT_DIR", help="the Hugging Face model directory to write")
+    e.add_argument(
+        "--trajectories",
+        metavar="RUN_DIR",
+        help="export the trajectories a run saved (train.export_trajectories) as one table",
+    )
+    e.add_argument(
+        "--format",
+        choices=["jsonl", "parquet"],
+        default="jsonl",
+        help="with --trajectories: the table's format (parquet needs pyarrow; default jsonl)",
+    )
+    e.add_argument(
+        "--out",
+        metavar="PATH",
+        help="with --trajectories: the file to write (default RUN_DIR/trajectories.FORMAT)",
+    )
     e.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
     e.add_argument(
         "--adapter-only",
@@ -193,6 +215,16 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    if args.trajectories is not None:
+        if args.checkpoint is not None or args.hf is not None or args.adapter_only:
+            raise ConfigError("export: --trajectories RUN_DIR takes no checkpoint, --hf or --adapter-only")
+        from rollart_core.trajectories import export_trajectories
+
+        path, rows = export_trajectories(args.trajectories, args.out, format=args.format)
+        print(f"exported {rows} trajectories of {args.trajectories} -> {path}")
+        return 0
+    if args.checkpoint is None or args.hf is None:
+        raise ConfigError("export: give a checkpoint and --hf OUT_DIR, or --trajectories RUN_DIR")
     from rollart_core.registry import resolve
 
     export_hf = resolve(

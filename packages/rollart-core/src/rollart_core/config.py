@@ -224,6 +224,11 @@ class TrainConfig(_Model):
     task's own ``sampling``)."""
     save_every: int = Field(0, ge=0)
     """Write ``checkpoint-<step>`` every this many steps (0: never)."""
+    export_trajectories: bool = False
+    """Save every trajectory (token ids, text, logprobs, the version of every generated token, reward
+    and its details, fate, timings) under ``<output_dir>/trajectories/step-<step>.jsonl`` at the end
+    of the step in which it got its fate (one file a step, written atomically). ``rollart export
+    --trajectories RUN_DIR`` turns them into one JSONL or Parquet table (docs/trajectories.md)."""
     max_trainer_restarts: int | None = Field(None, ge=0)
     """A trainer worker group (``trainer.ranks``) whose rank dies is rebuilt from the newest
     checkpoint at most this many times, while rollout goes on. Default: 2 for a worker group with

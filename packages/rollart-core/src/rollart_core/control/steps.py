@@ -67,6 +67,8 @@ class StepRecord:
     inflight_at_train: int = 0
     train: dict[str, float] = field(default_factory=dict)
     batch: list[Trajectory] = field(default_factory=list)
+    ended: list[Trajectory] = field(default_factory=list)
+    """The trajectories that got their fate since the previous step's metrics (:func:`step_metrics`)."""
 
 
 class Run:
@@ -268,7 +270,7 @@ def abort_stale(run: Run, rec: StepRecord) -> int:
 
 def step_metrics(run: Run, rec: StepRecord) -> dict[str, Any]:
     """The step's row: the trainer's metrics, timings, throughput, staleness and the step's fates."""
-    done = run.rollout.drain_finished()
+    done = rec.ended = run.rollout.drain_finished()
     batch, m = rec.batch, rec.train
     step_s = time.perf_counter() - rec.t0
     lags = [m["version"] - 1 - t.min_version() for t in batch]

@@ -26,6 +26,7 @@ from rollart_core.control.state import RunState
 from rollart_core.control.steps import Run, StepRecord, step_metrics
 from rollart_core.control.sync import run_sync
 from rollart_core.metrics import MetricsSink, default_sinks, since_process_start
+from rollart_core.trajectories import TrajectoryLog
 from rollart_core.types import Fate, Trajectory
 
 __all__ = ["RECIPES", "evaluate", "rollout_step", "train"]
@@ -76,6 +77,9 @@ async def train(
         sink = sink or default_sinks(
             cfg.output_dir, CONSOLE_KEYS, run.first_step if tc.resume_from else None, total_steps=tc.steps
         )
+        saved = (
+            TrajectoryLog(cfg.output_dir, p.chat.decode, run.first_step) if tc.export_trajectories else None
+        )
         held_out = functools.partial(evaluate, p, tc.eval_episodes, temperature=tc.eval_temperature)
         if tc.eval_every and run.first_step == 1:
             t_eval = time.perf_counter()
@@ -86,6 +90,8 @@ async def train(
         try:
             async for rec in recipe:
                 metrics = step_metrics(run, rec)
+                if saved is not None:
+                    await saved.write(rec.step, rec.ended, rec.batch)
                 if tc.eval_every and rec.step % tc.eval_every == 0:
                     metrics.update(await held_out())
                 if tc.save_every and rec.step % tc.save_every == 0:
