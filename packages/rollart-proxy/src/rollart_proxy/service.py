@@ -65,7 +65,12 @@ class ServiceConfig(BaseModel):
     max_body_bytes: int = Field(8 << 20, ge=1)
     """Larger request bodies get 413."""
     max_sessions: int = Field(100_000, ge=1)
-    """Bound of the session tables (stickiness, records, owners); the least recently used go first."""
+    """Bound of the session tables: routing stickiness (least recently used first) and the server's
+    owned sessions (a new one beyond it replaces one idle for ``session_ttl_s``, else gets 429)."""
+    session_ttl_s: float | None = Field(3600.0, gt=0)
+    """A session unused this long may be evicted whole to make room (None: only ``DELETE`` ends one)."""
+    body_timeout_s: float = Field(30.0, gt=0)
+    """A request body not received within this gets 408."""
     max_queued: int = Field(4096, ge=0)
     """Requests that may wait per worker beyond its ``max_inflight``; more get 429."""
     max_n: int = Field(16, ge=1)
@@ -153,6 +158,8 @@ async def run_service(
         max_body_bytes=cfg.max_body_bytes,
         max_sessions=cfg.max_sessions,
         max_n=cfg.max_n,
+        session_ttl_s=cfg.session_ttl_s,
+        body_timeout_s=cfg.body_timeout_s,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

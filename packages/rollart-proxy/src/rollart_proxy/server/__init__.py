@@ -42,8 +42,13 @@ Closed by default:
 - **Sessions** belong to the key whose request created them: reading, draining, aborting, deleting
   or adding turns to a session needs that key or the admin token (403 otherwise). Without API keys
   every client is the same anonymous principal.
-- **Bounded**: bodies (413), session records and owners (``max_sessions``, oldest dropped first), and
-  the proxy's queues (429). Chat templating and (de)tokenisation of long inputs and outputs run in
+- **Bounded**: bodies (413) and the time to send one (``body_timeout_s``: 408), the proxy's queues
+  (429), and sessions (``max_sessions``): ownership is never lost while a session exists; a new
+  session beyond the bound replaces one idle for ``session_ttl_s`` (it goes whole: owner, records,
+  routing; its id stays its owner's) or gets 429. Every number at the edge: ``seed`` a signed 64-bit
+  integer (as vLLM's server), ``max_tokens`` at most the context (clamped to the room the prompt
+  leaves), token ids (prompt, ``stop_token_ids``, ``allowed_token_ids``) in the vocabulary; else 400
+  naming the field. Chat templating and (de)tokenisation of long inputs and outputs run in
   worker threads (a typical turn's stay on the loop: the tokenizer holds the GIL, so a thread only
   adds its hop; see ``responses.INLINE_CHARS``).
 

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from rollart_core.errors import ConfigError, EngineError
-from rollart_core.serving import ApiKeys, bearer_token, is_loopback
+from rollart_core.serving import INT64_MAX, ApiKeys, bearer_token, is_loopback
 from rollart_core.types import GenerateOutput, GenerateRequest, SamplingParams
 from rollart_proxy.errors import ProxyOverloadedError, WorkerUnavailableError
 from rollart_proxy.proxy import LLMProxy
@@ -36,7 +36,7 @@ from rollart_proxy.server.models import (
     _message_dict,
 )
 from rollart_proxy.server.responses import INLINE_CHARS, INLINE_TOKENS, Responses, off_loop
-from rollart_proxy.server.sessions import _ADMIN, _BOUND, SessionRecorder
+from rollart_proxy.server.sessions import _ADMIN, _BOUND, SessionRecorder, SessionTableFull
 from rollart_proxy.server.tools import (
     ToolCallParser,
     ToolsError,
@@ -75,12 +75,17 @@ class OpenAIServer(Responses):
         max_sessions: int = 100_000,
         tool_parser: str | None = "hermes",
         max_n: int = 16,
+        session_ttl_s: float | None = 3600.0,
+        body_timeout_s: float = 30.0,
     ) -> None:
         """``api_key`` / ``admin_key``: None reads ``ROLLART_PROXY_API_KEY`` (comma-separated) /
         ``ROLLART_PROXY_ADMIN_KEY``; an empty string or list means none. ``enable_admin``: admin
         endpoints without an admin token, on a loopback bind only (see the module doc).
         ``tool_parser``: the vLLM tool-call parser for ``tools`` requests (None: tools refused).
-        ``max_n``: the largest ``n`` of a call (n sibling trajectories of one group); above: 400."""
+        ``max_n``: the largest ``n`` of a call (n sibling trajectories of one group); above: 400.
+        ``max_sessions`` / ``session_ttl_s``: at most this many sessions; a new one beyond takes the
+        place of one idle for ``session_ttl_s`` (evicted whole), else gets 429 (:class:`SessionRecorder`).
+        ``body_timeout_s``: a request body not received within it gets 408."""
         from pathlib import Path
 
         self._api_keys = ApiKeys(api_key, API_KEY_ENV)
@@ -93,6 +98,9 @@ class OpenAIServer(Responses):
         if max_body_bytes < 1:
             raise ConfigError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
         self.max_body_bytes = max_body_bytes
+        if body_timeout_s <= 0:
+            raise ConfigError(f"body_timeout_s must be > 0, got {body_timeout_s}")
+        self.body_timeout_s = body_timeout_s
         if max_n < 1:
             raise ConfigError(f"max_n must be >= 1, got {max_n}")
         self.max_n = max_n
@@ -113,7 +121,7 @@ class OpenAIServer(Responses):
         self.default_max_tokens = default_max_tokens
         self.session_header = session_header
         self.task_header = task_header
-        self.recorder = SessionRecorder(max_sessions)
+        self.recorder = SessionRecorder(max_sessions, idle_ttl_s=session_ttl_s, on_evict=self._evicted)
         self._server: Any = None
         self._socket: socket.socket | None = None
         self._task: asyncio.Task[None] | None = None
@@ -136,7 +144,14 @@ class OpenAIServer(Responses):
         self.refused.setdefault(session_id, 0)
         # unowned: nobody else may read it; owned (by the caller of POST .../bind): stays theirs
         self.recorder.claim(session_id, _BOUND + session_id)
+        self.recorder.pin(session_id)  # never evicted while the token is out
         return token
+
+    def _evicted(self, session_id: str) -> None:
+        """An idle session went whole to make room: what the server and the proxy keep of it goes too."""
+        self.generated.forget(session_id)
+        self.proxy.end_session(session_id)
+        self.refused.pop(session_id, None)
 
     def release_session(self, token: str) -> dict[str, Any]:
         """Revoke a bound token and end its session: returns its records, refusals and nothing else
@@ -222,6 +237,12 @@ class OpenAIServer(Responses):
         async def _overloaded(_: Request, e: ProxyOverloadedError) -> JSONResponse:
             return _error(429, str(e), "rate_limit_exceeded")
 
+        @app.exception_handler(SessionTableFull)
+        async def _sessions_full(_: Request, e: SessionTableFull) -> JSONResponse:
+            response = _error(429, str(e), "rate_limit_exceeded")
+            response.headers["Retry-After"] = "5"
+            return response
+
         @app.exception_handler(Exception)
         async def _internal(_: Request, e: Exception) -> JSONResponse:
             log.exception("internal error: %r", e)
@@ -265,9 +286,7 @@ class OpenAIServer(Responses):
             elif isinstance(body.prompt, str):
                 prompt_ids = await off_loop(len(body.prompt), INLINE_CHARS, self.template.encode, body.prompt)
             else:
-                prompt_ids = list(body.prompt)  # token ids
-                if any(t < 0 for t in prompt_ids):  # type: ignore[operator]
-                    raise _ApiError(400, "token ids must be >= 0", param="prompt")
+                prompt_ids = list(body.prompt)  # token ids: checked against the vocabulary in _admit
             return await self._serve("completions", body, prompt_ids, body.max_tokens, request)
 
         @app.post("/v1/chat/completions")
@@ -564,9 +583,20 @@ class OpenAIServer(Responses):
                 "context_length_exceeded",
                 "prompt",
             )
+        self._check_token_ids(body, prompt_ids)
         if max_tokens is None:
             room = (self.max_model_len - len(prompt_ids)) if self.max_model_len else self.default_max_tokens
             max_tokens = max(1, min(self.default_max_tokens, room))
+        elif self.max_model_len is not None:
+            if max_tokens > self.max_model_len:
+                raise _ApiError(
+                    400,
+                    f"max_tokens {max_tokens} exceeds the context of {self.max_model_len} tokens",
+                    "context_length_exceeded",
+                    "max_tokens",
+                )
+            # the engine stops at the context anyway: say so in the request, not only in the result
+            max_tokens = min(max_tokens, self.max_model_len - len(prompt_ids))
         try:
             sampling = SamplingParams(
                 max_tokens=max_tokens,
@@ -599,6 +629,21 @@ class OpenAIServer(Responses):
             raise _ApiError(403, f"session {session!r} belongs to another API key", "permission_denied")
         return sampling, session
 
+    def _check_token_ids(self, body: _Common, prompt_ids: list[int]) -> None:
+        """Every token id of a request (prompt, ``stop_token_ids``, ``allowed_token_ids``) is in the
+        vocabulary: an id beyond it would reach the engine (400 naming the field otherwise)."""
+        vocab = self.template.vocab_size
+        for field, ids in (
+            ("prompt", prompt_ids),
+            ("stop_token_ids", body.stop_token_ids or ()),
+            ("allowed_token_ids", body.allowed_token_ids or ()),
+        ):
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise _ApiError(
+                    400, f"{field}: token id {bad} is outside the vocabulary (0 to {vocab - 1})", param=field
+                )
+
     def _check_n(self, body: _Common, session: str | None) -> None:
         if session is not None:
             raise _ApiError(
@@ -611,6 +656,13 @@ class OpenAIServer(Responses):
             raise _ApiError(400, f"n = {body.n} exceeds this server's maximum of {self.max_n}", param="n")
         if body.stream:
             raise _ApiError(400, "n > 1 is not supported with stream: true", param="n")
+        if body.seed is not None and body.seed + body.n - 1 > INT64_MAX:
+            raise _ApiError(400, "seed + n - 1 must fit in 64 bits (the choices use seed + i)", param="seed")
+        if not self.recorder.has_room(body.n):
+            raise SessionTableFull(
+                f"no room for {body.n} new sessions (max_sessions={self.recorder.max_sessions}): end "
+                "sessions (DELETE /v1/sessions/{id}) or retry later"
+            )
 
     async def _serve_group(
         self, endpoint: str, body: _Common, prompt_ids: list[int], sampling: SamplingParams, request: Request

@@ -1,8 +1,9 @@
 """Access and errors: the ASGI guard (authorisation before any body is read, then the body-size
-limit) and the OpenAI-style error bodies that it and the handlers send."""
+limit and the time to receive the body) and the OpenAI-style error bodies that it and the handlers send."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import TYPE_CHECKING, Any
 
@@ -56,18 +57,26 @@ class _Guard:
                 )
                 return
         body = bytearray()
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            body += message.get("body", b"")
-            if len(body) > limit:
-                await _send_error(
-                    send, 413, f"request body exceeds the limit of {limit} bytes", "request_too_large"
-                )
-                return
-            if not message.get("more_body", False):
-                break
+        try:
+            # a client that declares a body and never sends it must not hold a handler forever
+            async with asyncio.timeout(self.server.body_timeout_s):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return
+                    body += message.get("body", b"")
+                    if len(body) > limit:
+                        await _send_error(
+                            send, 413, f"request body exceeds the limit of {limit} bytes", "request_too_large"
+                        )
+                        return
+                    if not message.get("more_body", False):
+                        break
+        except TimeoutError:
+            await _send_error(
+                send, 408, f"request body not received within {self.server.body_timeout_s} s", "timeout"
+            )
+            return
         replayed = False
 
         async def replay() -> dict[str, Any]:

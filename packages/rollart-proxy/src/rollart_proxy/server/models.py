@@ -6,7 +6,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
+from rollart_core.serving import INT64_MAX, INT64_MIN
 from rollart_proxy.server.tools import tools_key
+
+INT32_MAX = 2**31 - 1
+"""Bound of the counts engines take as 32-bit integers (``max_tokens``, ``top_k``)."""
 
 __all__ = ["ChatBody", "ChatMessage", "CompletionBody", "ReleaseBody", "UpdateWeightsBody"]
 
@@ -15,12 +19,13 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
+    top_k: int = Field(-1, ge=-1, le=INT32_MAX)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    """A signed 64-bit integer, as vLLM's own server bounds it (a larger one breaks the engine)."""
     stream: bool = False
     n: int = Field(
         1,
@@ -103,7 +108,7 @@ class ChatMessage(BaseModel):
 
 class ChatBody(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=0, description="Only the sampled token (0).")
     tools: list[dict[str, Any]] | None = None
