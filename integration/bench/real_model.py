@@ -700,6 +700,8 @@ async def _child_engine_async(args: dict[str, Any]) -> dict[str, Any]:
                         for k, t in load_file(str(Path(args["model"]) / "model.safetensors")).items()
                     }
                 out["update"] = await _engine_updates(engine, store, state, args["updates"], prompts)
+                # a new adapter only changes what new requests carry: vLLM's scheduler never pauses
+                out["update"]["generation_paused"] = not lora
         finally:
             await engine.shutdown()
             store.close()
@@ -847,15 +849,15 @@ def print_tables(result: dict[str, Any]) -> None:
                 f"{r['store']:<12}{r['payload']:<12}{r['bytes'] / 1e6:>8.1f}{r['push_s']:>9.3f}{r['pull_s']:>9.3f}{r['push_s'] + r['pull_s']:>13.3f}"
             )
     if g:
-        for key, label in (
-            ("engine_update_full_fp32", "full fp32, staged"),
-            ("engine_update_lora", "LoRA adapter"),
+        for key, label, what in (
+            ("engine_update_full_fp32", "full fp32, staged", "pause"),
+            ("engine_update_lora", "LoRA adapter", "switch (generation not paused)"),
         ):
             if key in g:
                 u = g[key]
                 print(
                     f"  engine update ({label}, filesystem store, {u['bytes'] / 1e6:.1f} MB, 8 requests generating): "
-                    f"push {u['push_s']:.3f} s, pull+prepare {u['prepare_s_hidden']:.3f} s (hidden), pause {u['pause_s']:.4f} s "
+                    f"push {u['push_s']:.3f} s, pull+prepare {u['prepare_s_hidden']:.3f} s (hidden), {what} {u['pause_s']:.4f} s "
                     f"= {100 * u['pause_share_of_step']:.3f}% of a {STEP_S:.0f} s step"
                 )
 
