@@ -405,7 +405,8 @@ async def test_openai_client_against_the_proxy_endpoint(
                 ("/v1/completions", {"model": "tiny", "prompt": [5] * 600}, 400),
                 ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 0}, 400),
                 ("/v1/completions", {"model": "tiny", "prompt": [1, 2], "allowed_token_ids": [10**6]}, 400),
-                ("/v1/completions", {"model": "tiny", "prompt": "x", "n": 3}, 400),
+                ("/v1/completions", {"model": "tiny", "prompt": "x", "n": 17}, 400),
+                ("/v1/completions", {"model": "tiny", "prompt": "x", "n": 2, "stream": True}, 400),
                 ("/v1/completions", {"model": "tiny", "prompt": "x", "bogus": 1}, 400),
             ]
             for path, body, status in bad:

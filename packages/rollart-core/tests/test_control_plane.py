@@ -257,3 +257,27 @@ async def test_two_tasks_report_train_and_held_out_success_per_task(
     # a countdown episode always succeeds; held-out episodes were built as such, 2 per task per eval
     assert rows[-1]["eval_success_by_task"] == {"a": 1.0, "b": 1.0}
     assert sorted(script.envs_made).count(("a", True)) == 3 * 2
+
+
+async def test_held_out_success_leaves_out_episodes_the_infrastructure_ended(
+    fakes: ModuleType, tmp_path: Path
+) -> None:
+    # the first env reset is the step-0 evaluation's first episode: it fails, its sibling succeeds
+    sink = MemorySink()
+    cfg = fakes.fake_config(tmp_path, mode="sync", eval_every=1, eval_episodes=2, steps=1)
+    await asyncio.wait_for(
+        train(cfg, sink=sink, pipeline=fakes.FakePipeline(cfg, fakes.Script(fail_resets=1))), 30
+    )
+    first = sink.rows[0]
+    assert first["eval_failed"] == 1 and first["eval_success"] == 1.0
+    assert sink.rows[-1]["eval_failed"] == 0
+
+
+async def test_an_evaluation_with_no_finished_episode_stops_the_run(
+    fakes: ModuleType, tmp_path: Path
+) -> None:
+    # with every engine down, a held-out success of 0 would be a lie about the policy
+    with pytest.raises(RollartError, match=r"held-out evaluation \(eval\): none of its 2 episodes finished"):
+        await _train(
+            fakes, tmp_path, fakes.Script(engine_down=True), mode="sync", eval_every=1, eval_episodes=2
+        )

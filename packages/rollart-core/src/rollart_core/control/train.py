@@ -12,6 +12,7 @@ import contextlib
 import functools
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
@@ -25,6 +26,7 @@ from rollart_core.control.runner import run_trajectory
 from rollart_core.control.state import RunState
 from rollart_core.control.steps import Run, StepRecord, step_metrics
 from rollart_core.control.sync import run_sync
+from rollart_core.errors import RollartError
 from rollart_core.metrics import MetricsSink, default_sinks, since_process_start
 from rollart_core.trajectories import TrajectoryLog
 from rollart_core.types import Fate, Trajectory
@@ -180,7 +182,19 @@ async def evaluate(
                 )
             )
     done = await asyncio.gather(*jobs)
+    if done and not any(t.fate is Fate.FINISHED for t in done):
+        # an evaluation the infrastructure failed says nothing about the policy: never report it as 0
+        fates = Counter(t.fate.value if t.fate else "none" for t in done)
+        first = next((t.error for t in done if t.error), "no error recorded")
+        raise RollartError(
+            f"held-out evaluation ({tag}): none of its {len(done)} episodes finished "
+            f"(fates {dict(fates)}); first error: {first}"
+        )
     result: dict[str, Any] = _success_and_reward(done, "eval")
+    if result["eval_failed"]:
+        log.warning(
+            "held-out evaluation (%s): %d of %d episodes failed", tag, result["eval_failed"], len(done)
+        )
     if len(p.config.tasks) > 1:  # per task too: a mix can hide one task that does not learn
         by_task = {
             task.name: _success_and_reward([t for t in done if t.task == task.name], "eval")
@@ -192,9 +206,12 @@ async def evaluate(
 
 
 def _success_and_reward(done: list[Trajectory], prefix: str) -> dict[str, float]:
-    """Success counts every episode (a failed one as a failure); reward averages the finished ones."""
+    """Success and mean reward over the finished episodes (a model-caused failure is a finished
+    episode with the task's failure reward); ``<prefix>_failed`` counts the episodes the
+    infrastructure ended (engine, environment host, reward service), which say nothing of the policy."""
     ok = [t for t in done if t.fate is Fate.FINISHED]
     return {
-        f"{prefix}_success": sum(bool(t.info.get("success")) for t in ok) / max(len(done), 1),
+        f"{prefix}_success": sum(bool(t.info.get("success")) for t in ok) / max(len(ok), 1),
         f"{prefix}_reward": sum(t.reward for t in ok) / max(len(ok), 1),
+        f"{prefix}_failed": len(done) - len(ok),
     }
