@@ -61,13 +61,14 @@ def test_prefill_heavy_prefers_compute_class_decode_heavy_prefers_bandwidth_clas
     # decode: H20 16000 · 0.033035/169 = 3.13 GPU-s × $0.9/h; H800 (batch 136) 16000 · 0.03294/136 = 3.87 × $2.2/h
     assert dc["H20"].decode_s == pytest.approx(3.128, rel=1e-2)  # type: ignore[union-attr]
     assert dc["H20"].cost < dc["H800"].cost / 2  # type: ignore[union-attr]
-    plan = make_plan(WorkloadProfile(model=MODEL, tasks=[PREFILL_HEAVY, DECODE_HEAVY]), cat, gpus=16)
+    # batches big enough that the rollout computes longer than one trajectory lives
+    big = [t.model_copy(update={"trajectories_per_step": 4096}) for t in (PREFILL_HEAVY, DECODE_HEAVY)]
+    plan = make_plan(WorkloadProfile(model=MODEL, tasks=big), cat, gpus=16)
     chosen = {tp.task: (tp.prefill.hw, tp.decode.hw) for tp in plan.tasks}
     assert chosen == {"rag": ("H800", "H800"), "reason": ("H20", "H20")}
-    assert (
-        sum(plan.pools.values()) == 16 and plan.pools["H20"] > plan.pools["H800"]
-    )  # decode needs more GPU-s
-    assert plan.bottleneck == "generation"
+    assert sum(plan.pools.values()) + plan.trainer_gpus == 16
+    assert plan.pools["H20"] > plan.pools["H800"]  # decode needs more GPU-s
+    assert plan.bottleneck == "generation" and plan.split.gen_busy > 0.9
 
 
 def test_pd_split_when_one_task_is_both() -> None:
@@ -75,7 +76,8 @@ def test_pd_split_when_one_task_is_both() -> None:
     plan = make_plan(WorkloadProfile(model=MODEL, tasks=[both]), {"H800": H800, "H20": H20}, gpus=8)
     tp = plan.tasks[0]
     assert tp.disaggregated and (tp.prefill.hw, tp.decode.hw) == ("H800", "H20")
-    assert tp.gpus_prefill >= 1 and tp.gpus_decode >= 1 and tp.gpus_prefill + tp.gpus_decode == 8
+    assert tp.gpus_prefill >= 1 and tp.gpus_decode >= 1
+    assert tp.gpus_prefill + tp.gpus_decode + plan.trainer_gpus == 8
 
 
 def test_bottleneck_moves_to_environments_or_training() -> None:
@@ -206,7 +208,9 @@ def test_cli_plan_prints_plan_and_bottleneck(tmp_path: Path, capsys: pytest.Capt
         == 0
     )
     out = capsys.readouterr().out
-    assert "frozenlake      H800" in out and "predicted bottleneck: generation" in out
+    first = out.splitlines()[0]
+    assert first.startswith("plan from the profile") and "written by hand, not measured" in first, first
+    assert "frozenlake      H800" in out and "training: H800 × " in out and "predicted bottleneck (" in out
     assert "simulated sync" in out and "simulated one_off" in out and "simulated async" in out
     cat = tmp_path / "cat.yaml"
     cat.write_text("H800: {flops: 1.0e12, mem_bw: 1.0e11, mem_bytes: 1.0e11, price_per_hour: 100}\n")
@@ -241,6 +245,9 @@ def test_cli_plan_bad_input_exits_2_without_traceback(tmp_path: Path) -> None:
         ((str(tmp_path / "missing.yaml"),), "no such config file"),
         ((str(CONFIG), "--profile", str(tmp_path / "none.json")), "no such profile file"),
         ((str(CONFIG), "--classes", "H800,B300"), "unknown hardware class 'B300'"),
+        ((str(CONFIG), "--params", "1e12"), "the model fits no GPU class of the catalogue"),
+        ((str(CONFIG), "--gpus", "2", "--params", "7e9"), "--gpus 2 is too small"),
+        ((str(CONFIG), "--train-mfu", "1.5"), "--train-mfu must be in (0, 1]"),
     ]
     bad = tmp_path / "bad.yaml"
     bad.write_text("H900: {flops: -1, price_per_hour: 1}\n")
@@ -297,4 +304,9 @@ def test_planned_config_routes_tasks_to_the_plans_pools(tmp_path: Path) -> None:
     src.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
     assert main(["plan", str(src), "--gpus", "8", "--write-config", str(written)]) == 0
     planned = load_config(written)
-    assert sum(e.count for e in planned.engines) == 8 and all(t.pool is not None for t in planned.tasks)
+    assert all(t.pool is not None for t in planned.tasks)
+    # the trainer pool is written too: a worker group, one GPU per rank, on its class's pool
+    trainer = planned.trainer
+    assert trainer.pool == "H800" and trainer.num_gpus == 1 and trainer.ranks is not None
+    assert sum(e.count for e in planned.engines) + trainer.ranks == 8
+    assert trainer.impl == cfg.trainer.impl and trainer.options == cfg.trainer.options

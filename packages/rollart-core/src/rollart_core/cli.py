@@ -106,11 +106,28 @@ def _parser() -> argparse.ArgumentParser:
         metavar="STEPS",
         help="also simulate STEPS training steps, Sync+, One-off and async, on the planned pools",
     )
+    pl.add_argument(
+        "--params",
+        type=float,
+        help="model parameters (e.g. 7e9; default: counted from the config's model directory)",
+    )
+    pl.add_argument(
+        "--train-mfu",
+        type=float,
+        help="trainer MFU: share of its class's peak FLOP/s for 6·N·tokens per step (default 0.4)",
+    )
+    pl.add_argument("--train-class", help="GPU class of the trainer (default: most FLOP/s per $)")
+    pl.add_argument(
+        "--mode",
+        choices=["sync", "one_off", "async"],
+        help="the mode whose split sizes the pools (default: the config's train.mode)",
+    )
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.add_argument(
         "--write-config",
         metavar="OUT.yaml",
-        help="also write the config with the plan applied (engine groups per pool, task routes)",
+        help="also write the config with the plan applied (engine groups per pool, task routes, "
+        "the trainer pool)",
     )
     b = sub.add_parser(
         "bench", help="Sync+ vs One-off vs async (and baselines) side by side, with a timeline"

@@ -12,9 +12,16 @@ from rollart_core.config import RunConfig
 from rollart_core.errors import ConfigError
 from rollart_core.plan.catalogue import load_catalogue
 from rollart_core.plan.planner import Plan, make_plan, render_plan
-from rollart_core.plan.workload import TaskProfile, WorkloadProfile, load_profile
+from rollart_core.plan.workload import ModelProfile, TaskProfile, WorkloadProfile, load_profile
 
-__all__ = ["plan_config", "profile_from_config", "run_plan"]
+__all__ = [
+    "basis_line",
+    "model_from_config",
+    "plan_config",
+    "profile_from_config",
+    "resolve_model",
+    "run_plan",
+]
 
 
 def profile_from_config(cfg: RunConfig) -> WorkloadProfile:
@@ -42,8 +49,9 @@ def plan_config(cfg: RunConfig, plan: Plan) -> dict[str, Any]:
     """``cfg`` with the plan applied: one engine group per GPU class of the plan (one engine per
     device, on the pool of that class, with the first engine group's impl and options), and every
     task routed to its classes (``pool`` = decode, ``prefill_pool`` + ``pd: on`` when disaggregated).
-    ``rollart train`` accepts the result; the cluster must offer the pools (Ray resources named
-    after the classes)."""
+    The trainer becomes a worker group of ``plan.trainer_gpus`` ranks, one GPU each, on the pool of
+    its class (its impl and options kept). ``rollart train`` accepts the result; the cluster must
+    offer the pools (Ray resources named after the classes)."""
     template = cfg.engines[0]
     gpu_classes = {c for t in plan.tasks for c in (t.prefill.hw, t.decode.hw)}
     engines = [
@@ -70,8 +78,49 @@ def plan_config(cfg: RunConfig, plan: Plan) -> dict[str, Any]:
             task.update(prefill_pool=_group_name(tp.prefill.hw), pd="on")
         else:
             task.update(prefill_pool=None, pd="off")
+    # the trainer: a worker group of one rank per device on its pool
+    data["trainer"].update(ranks=plan.trainer_gpus, pool=plan.trainer.hw, num_gpus=1.0)
     RunConfig.model_validate(data)  # what is written must load
     return data
+
+
+def model_from_config(cfg: RunConfig) -> tuple[ModelProfile, str] | None:
+    """The run's model shapes from its Hugging Face ``config.json``, if the directory exists."""
+    path = cfg.model.path
+    if path is None or not (path / "config.json").is_file():
+        return None
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path / 'config.json'}: cannot read the model's shapes ({exc})") from None
+    return ModelProfile.from_hf_config(raw), f"{path / 'config.json'}"
+
+
+def resolve_model(
+    cfg: RunConfig, profile: WorkloadProfile, params: float | None, from_file: bool
+) -> tuple[ModelProfile, str]:
+    """The model to plan for and where it came from: ``--params`` (on the profile's or the run
+    model's shapes), the profile's ``model``, the run's model directory, or the default shapes."""
+    given = from_file and "model" in profile.model_fields_set
+    found = None if given else model_from_config(cfg)
+    base, source = (profile.model, "the profile") if given else found or (ModelProfile(), "")
+    if params is not None:
+        if params <= 0:
+            raise ConfigError(f"--params must be > 0, got {params:g}")
+        return base.model_copy(update={"params": params}), f"--params, shapes from {source or 'the defaults'}"
+    return base, source or "default"
+
+
+def basis_line(args: argparse.Namespace, profile: WorkloadProfile, model: ModelProfile, source: str) -> str:
+    """The plan's first line: what it was made from."""
+    what = f"model {model.params:.3g} params ({source}), trainer MFU {profile.train.mfu:g}"
+    if not args.profile:
+        return (
+            f"PLAN FROM DEFAULTS, not a measured profile: prompt length, env/reward latencies (0), weight "
+            f"sync (0 s) are guesses; {what}. Measure a run or write a profile (--profile)"
+        )
+    kind = "measured" if profile.measured else "written by hand, not measured"
+    return f"plan from the profile {args.profile} ({kind}); {what}"
 
 
 def run_plan(cfg: RunConfig, args: argparse.Namespace) -> str:
@@ -84,25 +133,36 @@ def run_plan(cfg: RunConfig, args: argparse.Namespace) -> str:
     classes = [c.strip() for c in args.classes.split(",") if c.strip()] if args.classes else None
     if args.gpus < 1:
         raise ConfigError("--gpus must be >= 1")
-    plan = make_plan(profile, catalogue, gpus=args.gpus, classes=classes, simulate_steps=args.simulate)
+    model, source = resolve_model(cfg, profile, getattr(args, "params", None), bool(args.profile))
+    profile.model = model
+    mfu = getattr(args, "train_mfu", None)
+    if mfu is not None:
+        if not 0 < mfu <= 1:
+            raise ConfigError(f"--train-mfu must be in (0, 1], got {mfu:g}")
+        profile.train.mfu = mfu
+    mode = getattr(args, "mode", None) or cfg.train.mode
+    plan = make_plan(
+        profile,
+        catalogue,
+        gpus=args.gpus,
+        classes=classes,
+        simulate_steps=args.simulate,
+        mode=mode,
+        alpha=cfg.train.alpha,
+        train_class=getattr(args, "train_class", None),
+    )
+    plan.basis = basis_line(args, profile, model, source)
     out = getattr(args, "write_config", None)
     written = ""
     if out:
         import yaml
 
         Path(out).write_text(
-            f"# written by rollart plan from {cfg.name!r}: engine groups and task routes of the plan\n"
+            f"# written by rollart plan from {cfg.name!r}: engine groups, task routes and the trainer pool "
+            f"of the plan ({mode}: {plan.trainer_gpus} trainer + {plan.split.rollout_gpus} rollout GPUs)\n"
             + yaml.safe_dump(plan_config(cfg, plan), sort_keys=False)
         )
-        written = f"wrote the planned config to {out}\n"
+        written = f"\nwrote the planned config to {out}"
     if args.json:
         return json.dumps(dataclasses.asdict(plan), indent=2, default=str)
-    note = (
-        ""
-        if args.profile
-        else (
-            "(no --profile: prompt length, model size and latencies are defaults; "
-            "measure a run or write a profile)\n"
-        )
-    )
-    return written + note + render_plan(plan)
+    return render_plan(plan) + written

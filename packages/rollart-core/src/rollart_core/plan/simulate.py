@@ -66,6 +66,8 @@ class SimResult:
     """Trajectories aborted in flight because they could no longer meet alpha."""
     gen_busy: float
     """Mean fraction of generation slots busy (when bounded)."""
+    train_busy: float = 0.0
+    """Fraction of the time the trainer trains."""
     step_times: list[float] = field(default_factory=list)
     launched: int = 0
     fates: dict[str, int] = field(default_factory=dict)
@@ -178,6 +180,8 @@ class _Sim:
         self.gen_time = gen_time
         self.clock = VersionClock()
         self.training = False
+        self.train_time = 0.0
+        """Seconds the trainer trained."""
         self.inflight: set[_Traj] = set()
         self.waiting: list[_Traj] = []
         """Trajectories launched ahead on the coming version, waiting for it to be served."""
@@ -435,11 +439,12 @@ def simulate(
 
     def train_and_push() -> None:
         """6. Train beside whatever rollout runs, then the trainer's version moves on."""
-        sim.training = True
+        sim.training, start = True, sim.now
         _stretch_generation(sim, 1 + train.colocated_slowdown)
         _train_beside_rollout(sim, train.train_s, train.train_colocated_slowdown)
         _stretch_generation(sim, 1 / (1 + train.colocated_slowdown))
         sim.training = False
+        sim.train_time += sim.now - start
         sim.clock.trained_to(sim.clock.trained + 1)
 
     def update_now() -> None:
@@ -535,6 +540,7 @@ def simulate(
         sum(trained),
         aborted,
         min(busy, 1.0),
+        min(sim.train_time / t1, 1.0) if t1 > 0 else 0.0,
         times,
         launched=sim.launched,
         fates={k: v for k, v in fates.items() if v},

@@ -12,7 +12,7 @@ A profile (YAML/JSON) is what ``rollart plan --profile`` reads::
         turns: 12
         env_latency_s: {mean: 4.0, dist: lognormal, sigma: 1.2}   # per env call (reset and each step)
         reward_s: {mean: 2.0}
-    train: {train_s: 60, sync_s: 5}
+    train: {train_s: 60, gpus: 16, sync_s: 5}   # or {mfu: 0.4}: train_s from 6 · params · tokens
 
 :func:`profile_from_trajectories` derives one from finished :class:`Trajectory` objects (token
 counts per turn, ``timings["env"|"generate"|"reward"]``) plus a run's per-step metrics rows
@@ -88,6 +88,31 @@ class ModelProfile(_Model):
     head_dim: int = Field(128, ge=1)
     dtype_bytes: int = Field(2, ge=1)
 
+    @classmethod
+    def from_hf_config(cls, config: Mapping[str, Any]) -> ModelProfile:
+        """Shapes and parameter count of a decoder-only transformer from its Hugging Face
+        ``config.json`` (Llama / Qwen2 / Mistral layout): embeddings (and an untied head), per layer
+        q/k/v/o projections (biases where the family has them), a gated MLP (3 matrices) and two
+        norms, plus the final norm. Served in bf16 (2 bytes) whatever the checkpoint's dtype."""
+        try:
+            h, layers = int(config["hidden_size"]), int(config["num_hidden_layers"])
+            vocab, inter = int(config["vocab_size"]), int(config["intermediate_size"])
+            heads = int(config["num_attention_heads"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"model config.json: missing or bad field {exc} to count parameters") from None
+        kv = int(config.get("num_key_value_heads") or heads)
+        hd = int(config.get("head_dim") or h // heads)
+        bias = bool(config.get("attention_bias", config.get("model_type") == "qwen2"))
+        attn = 2 * h * heads * hd + 2 * h * kv * hd + (heads * hd + 2 * kv * hd if bias else 0)
+        per_layer = attn + 3 * h * inter + 2 * h
+        embed = vocab * h * (1 if config.get("tie_word_embeddings", False) else 2)
+        return cls(
+            params=embed + layers * per_layer + h,
+            num_layers=layers,
+            num_kv_heads=kv,
+            head_dim=hd,
+        )
+
     @property
     def weight_bytes(self) -> float:
         return self.params * self.dtype_bytes
@@ -147,7 +172,14 @@ class TaskProfile(_Model):
 
 class TrainProfile(_Model):
     train_s: float = Field(0.0, ge=0)
-    """Seconds per training step (the whole batch)."""
+    """Seconds per training step (the whole batch), measured; 0: the planner computes it from the
+    step's FLOPs (6 · params · tokens) on the trainer pool it sizes."""
+    gpus: int | None = Field(None, ge=1)
+    """Trainer devices ``train_s`` was measured on: the planner scales it to the pool it sizes
+    (``train_s · gpus / T``). None with ``train_s`` > 0: the measured time is kept for any pool."""
+    mfu: float = Field(0.4, gt=0, le=1)
+    """Model FLOPs utilisation the trainer reaches when ``train_s`` is 0: the share of the trainer
+    class's peak FLOP/s that 6 · params · tokens per step runs at."""
     sync_s: float = Field(0.0, ge=0)
     """Seconds the engines are suspended per weight update (Suspend → Update → Resume)."""
     push_s: float = Field(0.0, ge=0)
