@@ -1,28 +1,30 @@
 """The test harness that runs inside the sandbox (stdlib only; copied next to the solution and run as a
 script by :mod:`rollart_reward.sandbox`). Importable too: the host uses :func:`encode` for test values.
 
-Two roles, two processes:
+Three roles, each its own process; only the worker ever runs solution code:
 
-- ``harness`` (``python _harness.py``): never runs model code. Makes itself non-dumpable (other processes
-  of the same uid cannot ptrace it or read its ``/proc/<pid>/fd`` and memory), reads the run's nonce and
-  test cases from stdin to EOF *before* any model code exists, starts a worker, sends it one call at a
-  time, compares each returned value with the expected one, and writes one JSON report carrying the
-  nonce to fd 3. The host trusts nothing else: no report, a report without the nonce, or fewer results
-  than cases is a failure.
-- ``worker`` (``python _harness.py worker FD SOLUTION``): a fresh interpreter (exec, so it holds none of
-  the harness's memory) that imports the solution as module ``solution`` and answers call requests on
-  fd FD. It never sees expected values or the nonce. Its answers are tagged values (:func:`encode`:
-  exact builtin types only), compared by the harness as data, so an object with an always-true
-  ``__eq__`` or an ``int`` subclass is just an unsupported value, and ``sys.exit(0)``/``os._exit(0)``
-  is a worker that stopped answering.
+- ``harness`` (``python _harness.py``): reads the run's nonce, cases and limits from stdin, makes
+  itself non-dumpable (other processes of the same uid can then neither ptrace it nor open its
+  ``/proc/<pid>/fd`` or memory), sets the rlimits and starts one tester per script case. Only when all of
+  that holds does it write ``started`` on its report pipe; a step that fails writes ``setup-error: ...``
+  instead and the host refuses the run. Then it runs the cases: call cases against a worker, comparing
+  each returned value with the expected one itself; script cases through their tester. One JSON report
+  carrying the nonce follows on the report pipe, which no other process holds.
+- ``worker`` (``python _harness.py worker FD SOLUTION``): a fresh interpreter that imports the solution
+  as module ``solution`` and answers requests (JSON lines on stdin, replies on fd FD). It never sees an
+  expected value, a nonce, or a verdict pipe: whatever it writes is a value to be judged.
+- ``tester`` (``_tester.py``): runs a script case's test code with the solution's names bound to proxies
+  of a worker, and writes the verdict with the nonce to a pipe only it and the harness hold. It is
+  non-dumpable and ready before any worker exists.
 
-Wire values are tagged lists: ``["n"]`` None, ``["b", bool]``, ``["i", "digits"]``, ``["f", repr]``,
-``["s", str]``, ``["y", hex]`` bytes, ``["l"|"t"|"S"|"F", [items]]`` list / tuple / set / frozenset,
-``["d", [[k, v], ...]]`` dict, ``["?", type name]`` anything else.
+Values cross between processes as tagged data (:mod:`_codec`): exact builtin types only, so an object
+with an always-true ``__eq__`` or an ``int`` subclass is never a value, and ``sys.exit(0)`` or
+``os._exit(0)`` is a worker that stopped answering.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import select
@@ -31,108 +33,48 @@ import sys
 import threading
 import time
 
-MAX_DEPTH = 64
-MAX_ITEMS = 100_000
-MAX_MESSAGE = 8 << 20
+
+def _sibling(name):
+    """A module copied next to this file, loaded by path (inside the sandbox ``-I`` keeps the script's
+    own directory off ``sys.path``)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), name + ".py")
+    spec = importlib.util.spec_from_file_location(f"_rollart_sandbox_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-class _Unsupported(Exception):
-    pass
-
-
-def encode(x, depth=0, budget=None):
-    """Tag an exact-builtin value (anything else becomes ``["?", type name]``)."""
-    budget = budget if budget is not None else [MAX_ITEMS]
-    budget[0] -= 1
-    if depth > MAX_DEPTH or budget[0] < 0:
-        raise _Unsupported("value too deep or too large")
-    t = type(x)
-    if x is None:
-        return ["n"]
-    if t is bool:
-        return ["b", x]
-    if t is int:
-        return ["i", str(x)]
-    if t is float:
-        return ["f", "0.0" if x == 0 else repr(x)]
-    if t is str:
-        return ["s", x]
-    if t is bytes:
-        return ["y", x.hex()]
-    if t in (list, tuple, set, frozenset):
-        tag = {list: "l", tuple: "t", set: "S", frozenset: "F"}[t]
-        return [tag, [encode(v, depth + 1, budget) for v in x]]
-    if t is dict:
-        return ["d", [[encode(k, depth + 1, budget), encode(v, depth + 1, budget)] for k, v in x.items()]]
-    return ["?", t.__name__ if type(t.__name__) is str else "?"]
-
-
-def decode(v, depth=0):
-    """Tagged value -> Python value (the worker's side: arguments for the solution)."""
-    if depth > MAX_DEPTH:
-        raise ValueError("value too deep")
-    tag = v[0]
-    if tag == "n":
-        return None
-    if tag in ("b", "s"):
-        return v[1]
-    if tag == "i":
-        return int(v[1])
-    if tag == "f":
-        return float(v[1])
-    if tag == "y":
-        return bytes.fromhex(v[1])
-    if tag in ("l", "t", "S", "F"):
-        items = [decode(i, depth + 1) for i in v[1]]
-        return {"l": list, "t": tuple, "S": set, "F": frozenset}[tag](items)
-    if tag == "d":
-        return {decode(k, depth + 1): decode(val, depth + 1) for k, val in v[1]}
-    raise ValueError(f"unsupported tag {tag!r}")
-
-
-def canonical(v, depth=0):
-    """A comparable form of a tagged value: order-free for dicts and sets. Raises on a malformed tree."""
-    if depth > MAX_DEPTH or type(v) is not list or not v or type(v[0]) is not str:
-        raise ValueError("malformed value")
-    tag = v[0]
-    if tag == "n":
-        return "n"
-    if tag in ("b", "i", "f", "s", "y", "?"):
-        if len(v) != 2 or type(v[1]) not in (bool, str):
-            raise ValueError("malformed scalar")
-        if tag == "?":
-            raise ValueError(f"unsupported return type {v[1]!r}")
-        return json.dumps([tag, v[1]])
-    if tag in ("l", "t", "S", "F"):
-        items = [canonical(i, depth + 1) for i in v[1]]
-        if tag in ("S", "F"):
-            items.sort()
-        return json.dumps([tag, items])
-    if tag == "d":
-        pairs = sorted(json.dumps([canonical(k, depth + 1), canonical(val, depth + 1)]) for k, val in v[1])
-        return json.dumps(["d", pairs])
-    raise ValueError(f"unknown tag {tag!r}")
-
-
-def render(v, limit=200):
-    """Short human form of a tagged value, for feedback."""
-    try:
-        text = repr(decode(v))
-    except Exception:
-        text = "<unrenderable value>"
-    return text if len(text) <= limit else text[:limit] + "..."
+_codec = _sibling("_codec")
+MAX_ITEMS, MAX_MESSAGE = _codec.MAX_ITEMS, _codec.MAX_MESSAGE
+_Unsupported, encode, decode, canonical, render = (
+    _codec._Unsupported,
+    _codec.encode,
+    _codec.decode,
+    _codec.canonical,
+    _codec.render,
+)
 
 
 # ---------------------------------------------------------------- harness
 
 
-def _no_dump():
+class SetupError(Exception):
+    """A hardening step of the harness's side could not be applied: the run must not go on."""
+
+
+def no_dump():
+    """Make this process non-dumpable (PR_SET_DUMPABLE 0): processes of the same uid can then neither
+    ptrace it nor open its ``/proc/<pid>/mem`` or ``/proc/<pid>/fd/*``. Raises :class:`SetupError` when
+    that cannot be done or checked: the sandbox then refuses to run."""
     try:
         import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE, 0
-    except Exception:
-        pass
+    except ImportError as exc:
+        raise SetupError(f"cannot make the harness non-dumpable: ctypes is not importable ({exc})") from None
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
+        raise SetupError(f"cannot make the harness non-dumpable: prctl failed (errno {ctypes.get_errno()})")
+    if libc.prctl(3, 0, 0, 0, 0) != 0:  # PR_GET_DUMPABLE
+        raise SetupError("cannot make the harness non-dumpable: it is still dumpable after prctl")
 
 
 def _read_all(fd, cap):
@@ -175,26 +117,33 @@ class _Capture:
 
 
 class _Worker:
-    def __init__(self, cfg, cap, mode):
-        r, w = os.pipe()
-        self.resp_fd = r
+    """One solution process. Requests go to its stdin (from the harness, or from a tester given
+    ``stdin_fd``); replies come back on its own pipe (to the harness, or to the tester: ``resp_w``)."""
+
+    def __init__(self, cfg, cap, stdin_fd=None, resp_w=None):
+        own = resp_w is None
+        if own:
+            self.resp_fd, resp_w = os.pipe()
+        else:
+            self.resp_fd = None
         argv = [sys.executable, "-I", "-B"]
         if cfg.get("audit_hook"):
             argv += ["-c", _GUARD, os.path.abspath(__file__)]
         else:
             argv += [os.path.abspath(__file__)]
-        argv += ["worker", str(w), cfg["solution"], mode]
+        argv += ["worker", str(resp_w), cfg["solution"]]
         self.proc = subprocess.Popen(
             argv,
-            stdin=subprocess.PIPE,
+            stdin=subprocess.PIPE if stdin_fd is None else stdin_fd,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            pass_fds=(w,),
+            pass_fds=(resp_w,),
             cwd=cfg["workdir"],
             env=cfg["env"],
             start_new_session=False,
         )
-        os.close(w)
+        if own:
+            os.close(resp_w)
         self.threads = [cap.drain(self.proc.stdout, "stdout"), cap.drain(self.proc.stderr, "stderr")]
         self.buf = b""
         self.cap = cap
@@ -249,11 +198,21 @@ class _Worker:
         self.proc.wait()
         for th in self.threads:
             th.join(timeout=1.0)
-        os.close(self.resp_fd)
+        if self.resp_fd is not None:
+            os.close(self.resp_fd)
+
+    def signal_reason(self):
+        rc = self.proc.poll()
+        if rc is None or rc >= 0:
+            return None
+        import signal
+
+        sig = signal.Signals(-rc)
+        return "cpu_time" if sig in (signal.SIGXCPU, signal.SIGKILL) else f"signal:{sig.name}"
 
 
 def _run_calls(cfg, cases, cap, deadline, results, log):
-    worker = _Worker(cfg, cap, "module")
+    worker = _Worker(cfg, cap)
     try:
         if not worker.send({"op": "import"}):
             reason = "worker did not start"
@@ -303,20 +262,99 @@ def _judge_call(i, case, reply, log):
     return {"passed": True}
 
 
-def _run_script(cfg, case, cap, deadline, results, log):
-    worker = _Worker(cfg, cap, "script")
-    try:
-        ok = worker.send({"op": "script", "tests": case["script"]})
-        reply, reason = worker.recv(deadline) if ok else (None, "worker did not start")
-    finally:
-        worker.stop()
-    if reply is not None and reply.get("ok"):
-        results.append({"passed": True})
-        return None
-    why = reason or str(reply.get("error"))[:500]
-    results.append({"passed": False, "why": why})
-    log.append(f"script tests failed: {why}")
-    return reason or ("memory" if why.startswith("MemoryError") else None)
+def _read_line(fd, deadline, stop=None, cap=MAX_MESSAGE):
+    """One line from ``fd`` before ``deadline`` (None on EOF, timeout, ``stop()`` or an over-long line)."""
+    buf = b""
+    while b"\n" not in buf:
+        left = deadline - time.monotonic()
+        if left <= 0 or len(buf) > cap or (stop is not None and stop()):
+            return None
+        ready, _, _ = select.select([fd], [], [], min(left, 0.05))
+        if ready:
+            chunk = os.read(fd, 1)  # byte by byte: what follows the line stays in the pipe
+            if not chunk:
+                return None
+            buf += chunk
+    return buf[:-1].decode("utf-8", "replace")
+
+
+class _Tester:
+    """A script case's judge: a fresh interpreter that runs the test code with the solution's names
+    bound to proxies of a worker (``_tester.py``). Started, non-dumpable and ready before any solution
+    code runs; its verdict pipe is shared with the harness only."""
+
+    def __init__(self, cfg, cap, case, deadline):
+        self.req_r, req_w = os.pipe()
+        resp_r, self.resp_w = os.pipe()
+        self.verdict_r, verdict_w = os.pipe()
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_tester.py")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-I", "-B", path, str(req_w), str(resp_r), str(verdict_w)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            pass_fds=(req_w, resp_r, verdict_w),
+            cwd=cfg["workdir"],
+            env=cfg["env"],
+        )
+        for fd in (req_w, resp_r, verdict_w):
+            os.close(fd)
+        self.threads = [cap.drain(self.proc.stdout, "stdout"), cap.drain(self.proc.stderr, "stderr")]
+        spec = {"nonce": cfg["nonce"], "script": case["script"], "deadline": deadline}
+        try:
+            self.proc.stdin.write(json.dumps(spec).encode())
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        line = _read_line(self.verdict_r, time.monotonic() + 30.0)
+        if line != "ready":
+            self.stop()
+            raise SetupError(f"the test runner did not start: {line or 'no answer'}")
+
+    def run(self, cfg, cap, deadline, results, log):
+        worker = _Worker(cfg, cap, stdin_fd=self.req_r, resp_w=self.resp_w)
+        os.close(self.req_r)
+        os.close(self.resp_w)
+        try:
+            line = _read_line(self.verdict_r, deadline + 0.5, stop=cap.over.is_set)
+            died = worker.signal_reason()  # before stop(), whose kill is not the solution's fault
+        finally:
+            worker.stop()
+            self.stop()
+        verdict = None
+        try:
+            verdict = json.loads(line) if line else None
+        except ValueError:
+            pass
+        if (
+            isinstance(verdict, dict)
+            and verdict.get("nonce") == cfg["nonce"]
+            and verdict.get("passed") is True
+            and not cap.over.is_set()
+        ):
+            results.append({"passed": True})
+            log.append(f"test {len(results)}: ok")
+            return None
+        why = str(verdict.get("why"))[:500] if isinstance(verdict, dict) else "no verdict"
+        if cap.over.is_set():
+            why = "output_limit"
+        elif line is None and time.monotonic() >= deadline:
+            why = "timeout"
+        results.append({"passed": False, "why": why})
+        log.append(f"script tests failed: {why}")
+        if why in ("timeout", "output_limit"):
+            return why
+        return "memory" if "MemoryError" in why else died
+
+    def stop(self):
+        try:
+            self.proc.kill()
+        except OSError:
+            pass
+        self.proc.wait()
+        for th in self.threads:
+            th.join(timeout=1.0)
+        os.close(self.verdict_r)
 
 
 def _norm_out(text):
@@ -353,19 +391,36 @@ def _run_io(cfg, case, deadline, results, log):
     return None
 
 
+def _setup(cfg, deadline):
+    """Everything of the harness's side that must hold before any solution code exists. Raises
+    :class:`SetupError` naming the step that could not be applied."""
+    no_dump()
+    import resource
+
+    for name, value in cfg["limits"].items():
+        try:
+            resource.setrlimit(getattr(resource, name), tuple(value))
+        except (OSError, ValueError) as exc:
+            raise SetupError(f"cannot set {name} to {value}: {exc}") from None
+    threading.stack_size(256 << 10)  # the output threads stay small under RLIMIT_AS
+    cap = _Capture(cfg["max_output"])
+    testers = [_Tester(cfg, cap, c, deadline) for c in cfg["cases"] if c["kind"] == "script"]
+    return cap, testers
+
+
 def harness():
-    _no_dump()
     cfg = json.loads(_read_all(0, 64 << 20))
     report_fd = cfg["report_fd"]
     cfg["audit_hook"] = os.environ.get("ROLLART_SANDBOX_NET") == "none"
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
-    import resource
-
-    for name, value in cfg["limits"].items():
-        resource.setrlimit(getattr(resource, name), tuple(value))
     deadline = time.monotonic() + cfg["timeout_s"]
-    cap = _Capture(cfg["max_output"])
+    try:
+        cap, testers = _setup(cfg, deadline)
+    except SetupError as exc:
+        os.write(report_fd, f"setup-error: {exc}\n".encode())
+        return
+    os.write(report_fd, b"started\n")  # from here on every failure is the solution's
     results, log, killed = [], [], None
     cases = cfg["cases"]
     calls = [c for c in cases if c["kind"] == "call"]
@@ -373,7 +428,7 @@ def harness():
         killed = _run_calls(cfg, calls, cap, deadline, results, log)
     for case in cases:
         if case["kind"] == "script":
-            killed = _run_script(cfg, case, cap, deadline, results, log) or killed
+            killed = testers.pop(0).run(cfg, cap, deadline, results, log) or killed
         elif case["kind"] == "io":
             killed = _run_io(cfg, case, deadline, results, log) or killed
     if cap.over.is_set():
@@ -418,10 +473,46 @@ exec(compile(open(path).read(), path, "exec"), {"__name__": "__main__", "__file_
 """
 
 
-def worker(resp_fd, solution, mode):
+def _names(module, wrap):
+    """The solution's top-level names as the tester binds them: data by value, a standard module by
+    name, anything else as a handle."""
+    import types
+
+    out = {}
+    for name, value in list(vars(module).items()):
+        if name.startswith("__"):
+            continue
+        if isinstance(value, types.ModuleType):
+            out[name] = ["m", str(value.__name__)]
+            continue
+        try:
+            out[name] = wrap(value)
+        except (_Unsupported, RecursionError):
+            out[name] = ["h", _handle(value)]
+    return out
+
+
+_HANDLES = []
+
+
+def _handle(obj):
+    if len(_HANDLES) >= MAX_ITEMS:
+        raise _Unsupported("too many solution objects")
+    _HANDLES.append(obj)
+    return len(_HANDLES) - 1
+
+
+def worker(resp_fd, solution):
+    """Serves one solution: ``import``, then ``call`` (by name, values only: the harness compares) or
+    ``invoke`` / ``attr`` on handles (a tester's proxies). Never sees an expected value or a nonce."""
     out = os.fdopen(resp_fd, "w", buffering=1)
     stdin = sys.stdin
     sys.stdin = open(os.devnull)
+    try:  # the first process the OOM killer takes is the solution's, never the harness
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")
+    except OSError:
+        pass
 
     def reply(**msg):
         for stream in (sys.stdout, sys.stderr):  # the harness stops the worker once it has the reply
@@ -435,24 +526,17 @@ def worker(resp_fd, solution, mode):
     def error(exc):
         return f"{type(exc).__name__}: {exc}"[:2000]
 
+    def wrap(value):
+        return encode(value, hook=lambda obj: ["h", _handle(obj)])
+
+    def resolve(ref):
+        return _HANDLES[ref]
+
     module = None
     for line in stdin:
         msg = json.loads(line)
-        if msg["op"] == "script":
-            scope = {"__name__": "__main__", "__file__": solution}
-            try:
-                with open(solution, encoding="utf-8") as f:
-                    src = f.read()
-                exec(compile(src + "\n\n" + msg["tests"] + "\n", solution, "exec"), scope)
-            except BaseException as exc:
-                import traceback
-
-                traceback.print_exc()
-                reply(ok=False, error=error(exc))
-                return
-            reply(ok=True)
-            return
-        if msg["op"] == "import":
+        i, op = msg.get("i"), msg["op"]
+        if op == "import":
             import importlib.util
 
             try:
@@ -460,22 +544,25 @@ def worker(resp_fd, solution, mode):
                 module = importlib.util.module_from_spec(spec)
                 sys.modules["solution"] = module
                 spec.loader.exec_module(module)
+                names = _names(module, wrap) if msg.get("names") else None
             except BaseException as exc:
-                reply(ok=False, error=error(exc))
+                reply(i=i, ok=False, error=error(exc), type=type(exc).__name__)
                 return
-            reply(ok=True)
+            reply(i=i, ok=True, names=names)
             continue
-        i = msg["i"]
         try:
-            fn = getattr(module, msg["call"])
-            args = decode(msg["args"])
-            kwargs = decode(msg["kwargs"])
-            value = fn(*args, **kwargs)
+            if op == "call":
+                value = getattr(module, msg["call"])(*decode(msg["args"]), **decode(msg["kwargs"]))
+            elif op == "invoke":
+                fn = resolve(msg["ref"])
+                value = fn(*decode(msg["args"], handle=resolve), **decode(msg["kwargs"], handle=resolve))
+            else:  # attr
+                value = getattr(resolve(msg["ref"]), msg["name"])
         except BaseException as exc:
-            reply(i=i, ok=False, error=error(exc))
+            reply(i=i, ok=False, error=error(exc), type=type(exc).__name__)
             continue
         try:
-            tagged = encode(value)
+            tagged = encode(value) if op == "call" else wrap(value)
         except (_Unsupported, RecursionError) as exc:
             tagged = ["?", str(exc)]
         reply(i=i, ok=True, value=tagged)
@@ -483,6 +570,6 @@ def worker(resp_fd, solution, mode):
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "worker":
-        worker(int(sys.argv[2]), sys.argv[3], sys.argv[4])
+        worker(int(sys.argv[2]), sys.argv[3])
     else:
         harness()

@@ -34,22 +34,26 @@ import concurrent.futures
 import itertools
 import json
 import logging
-import math
 import os
 import secrets
 import shutil
-import signal
 import stat
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Literal
 
-from rollart_core.errors import RewardError
-from rollart_reward import _harness
+from rollart_reward import _hardening, _harness
+from rollart_reward._hardening import HardeningError, TreeLimits
+from rollart_reward._supervise import (
+    SandboxError,
+    SandboxResult,
+    _rlimits,
+    _Run,
+    _supervise,
+)
 
 __all__ = [
     "Isolation",
@@ -65,41 +69,18 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 Isolation = Literal["require", "best_effort"]
+Limits = Literal["auto", "cgroup", "rlimits"]
 
 MAX_PROCESSES = 64
-"""``RLIMIT_NPROC`` inside the sandbox (counts every process and thread of the sandbox's uid)."""
-MAX_FILE_BYTES = 16 << 20
-"""``RLIMIT_FSIZE``: largest file the code may write."""
-MAX_OPEN_FILES = 256
+"""Processes and threads the answer may have at once (the harness's own side adds its tasks)."""
 MAX_CASES = 10_000
 _UID_BASE = 620_000
 _UID_SPAN = 30_000
 _uid_counter = itertools.count()
-_HARNESS_SRC = _harness.__file__
-
-
-class SandboxError(RewardError):
-    """The sandbox cannot run the code as asked (isolation unavailable, malformed test cases)."""
-
-
-@dataclass
-class SandboxResult:
-    """Outcome of one sandboxed run."""
-
-    passed: bool
-    """Every test case passed, judged by the harness, with a valid report."""
-    returncode: int | None
-    """Exit status of the harness (0 when it completed its report, whatever the tests did)."""
-    stdout: str
-    stderr: str
-    """The solution's stderr, then one line per failed test (``AssertionError: test 2: f(1) returned 3``)."""
-    killed_reason: str | None
-    """``timeout``, ``cpu_time``, ``memory``, ``output_limit``, ``signal:<NAME>``, ``no_report`` or None."""
-    duration_s: float
-    tests_passed: int = 0
-    tests_total: int = 0
-    isolation: str = ""
-    """The level that ran: ``bwrap``, ``netns`` or ``rlimits``."""
+_SANDBOX_SOURCES = tuple(
+    os.path.join(os.path.dirname(_harness.__file__), name)
+    for name in ("_codec.py", "_harness.py", "_tester.py")
+)
 
 
 # ---------------------------------------------------------------- test cases
@@ -245,11 +226,17 @@ def _interpreter(drop: bool) -> str:
     )
 
 
-def _bwrap_argv(bwrap: str, python: str, rundir: str, as_root: bool) -> list[str]:
-    argv = [bwrap, "--unshare-all", "--die-with-parent", "--new-session"]
-    if as_root:
-        argv += ["--cap-drop", "ALL"]
-    argv += ["--ro-bind", "/usr", "/usr"]
+def _bwrap_argv(bwrap: str, python: str, rundir: str, seccomp_fd: int, limits: TreeLimits) -> list[str]:
+    # --unshare-user is explicit: --disable-userns needs it (and a user namespace must never be optional).
+    argv = [
+        bwrap,
+        "--unshare-all",
+        "--unshare-user",
+        "--disable-userns",
+        "--die-with-parent",
+        "--new-session",
+    ]
+    argv += ["--seccomp", str(seccomp_fd), "--ro-bind", "/usr", "/usr"]
     for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):
         if os.path.islink(top):
             argv += ["--symlink", os.readlink(top), top]
@@ -265,11 +252,22 @@ def _bwrap_argv(bwrap: str, python: str, rundir: str, as_root: bool) -> list[str
         "/proc",
         "--dev",
         "/dev",
+        "--size",
+        str(limits.shm_bytes),
+        "--tmpfs",
+        "/dev/shm",
+        "--size",
+        str(limits.tmp_bytes),
         "--tmpfs",
         "/tmp",
         "--ro-bind",
         rundir,
         "/sandbox",
+        # bwrap's own / and /dev are unsized tmpfs mounts: read-only, the sized ones above hold all files
+        "--remount-ro",
+        "/dev",
+        "--remount-ro",
+        "/",
         "--chdir",
         "/tmp",
         "--",
@@ -287,6 +285,13 @@ _LAUNCHER = r"""
 import ctypes, json, os, sys
 cfg = json.loads(sys.argv[1])
 env = dict(cfg["env"])
+for procs in cfg.get("cgroup", []):
+    try:
+        with open(procs, "w") as f:
+            f.write(str(os.getpid()))
+    except OSError as exc:
+        os.write(2, ("\0setup-error:cannot join the run's cgroup (" + procs + "): " + str(exc) + "\n").encode())
+        os._exit(125)
 if cfg["mode"] == "fallback":
     libc = ctypes.CDLL(None, use_errno=True)
     NEWNET, NEWUSER = 0x40000000, 0x10000000
@@ -305,17 +310,6 @@ if uid is not None:
 os.execve(cfg["argv"][0], cfg["argv"], env)
 """
 
-_REAPER = r"""
-import os, signal, sys
-uid = int(sys.argv[1])
-os.setgroups([]); os.setgid(uid); os.setuid(uid)
-for _ in range(50):
-    try:
-        os.kill(-1, signal.SIGKILL)
-    except ProcessLookupError:
-        break
-"""
-
 _probe_lock = threading.Lock()
 _probe_cache: dict[bool, tuple[bool, str]] = {}
 _last_level: str | None = None
@@ -331,6 +325,46 @@ def probe_isolation() -> tuple[str | None, str]:
     return ("bwrap", "") if ok else (None, why)
 
 
+# Run inside a probe sandbox: every hardening step bwrap was asked for must be in force.
+_PROBE = r"""
+import ctypes, os
+status = open("/proc/self/status").read()
+if "Seccomp:\t2" not in status:
+    raise SystemExit("the seccomp filter is not in force")
+if ctypes.CDLL(None, use_errno=True).unshare(0x10000000) == 0:
+    raise SystemExit("a nested user namespace could be made")
+for path in ("/probe", "/dev/probe"):
+    try:
+        open(path, "w").close()
+        raise SystemExit(path + " is writable (unsized tmpfs)")
+    except OSError:
+        pass
+"""
+
+
+def _seccomp_fd(seccomp: str) -> int:
+    """A pipe's read end holding the seccomp program (``"builtin"`` or a compiled BPF file's path)."""
+    if seccomp == "builtin":
+        try:
+            program = _hardening.seccomp_program()
+        except HardeningError as exc:
+            raise SandboxError(f"sandbox hardening unavailable: {exc}") from None
+    else:
+        try:
+            with open(seccomp, "rb") as f:
+                program = f.read(1 << 16)
+        except OSError as exc:
+            raise SandboxError(f"sandbox hardening unavailable: seccomp program {seccomp!r}: {exc}") from None
+        if not program or len(program) % 8:
+            raise SandboxError(f"seccomp program {seccomp!r} is not a list of 8-byte BPF instructions")
+    r, w = os.pipe()
+    try:
+        os.write(w, program)  # < 64 KiB: fits the pipe's buffer
+    finally:
+        os.close(w)
+    return r
+
+
 def _probe_bwrap(is_root: bool) -> tuple[bool, str]:
     bwrap = shutil.which("bwrap")
     if bwrap is None:
@@ -343,15 +377,15 @@ def _probe_bwrap(is_root: bool) -> tuple[bool, str]:
         pass
     try:
         python = _interpreter(is_root)
+        seccomp_fd = _seccomp_fd("builtin")
     except SandboxError as exc:
         return False, str(exc)
     rundir = tempfile.mkdtemp(prefix="rollart-sandbox-probe-")
     try:
         os.chmod(rundir, 0o755)
-        shutil.copyfile(_HARNESS_SRC, os.path.join(rundir, "_harness.py"))
-        os.chmod(os.path.join(rundir, "_harness.py"), 0o644)
-        argv = _bwrap_argv(bwrap, python, rundir, as_root=False)
-        argv[-3:] = ["-I", "-c", "import os; assert os.getpid() == 2 or os.getpid() < 10"]
+        limits = _hardening.tree_limits(64, 8, 5.0, 8, cgroup=True)  # sizes only
+        argv = _bwrap_argv(bwrap, python, rundir, seccomp_fd, limits)
+        argv[-3:] = ["-I", "-c", _PROBE]
         cfg = {
             "mode": "bwrap",
             "uid": _UID_BASE + _UID_SPAN if is_root else None,
@@ -359,17 +393,21 @@ def _probe_bwrap(is_root: bool) -> tuple[bool, str]:
             "env": {"PATH": "/usr/bin:/bin"},
         }
         p = subprocess.run(
-            [sys.executable, "-I", "-S", "-c", _LAUNCHER, json.dumps(cfg)], capture_output=True, timeout=20
+            [sys.executable, "-I", "-S", "-c", _LAUNCHER, json.dumps(cfg)],
+            capture_output=True,
+            timeout=20,
+            pass_fds=(seccomp_fd,),
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return False, f"bwrap probe failed: {exc}"
     finally:
+        os.close(seccomp_fd)
         shutil.rmtree(rundir, ignore_errors=True)
     if p.returncode != 0:
         err = p.stderr.decode("utf-8", "replace").strip()[-300:]
-        if "namespace" in err or "uid map" in err or "Operation not permitted" in err:
+        if err.startswith("bwrap:") and ("namespace" in err or "uid map" in err or "not permitted" in err):
             return False, f"user namespaces disabled or not permitted for this user (bwrap: {err})"
-        return False, f"bwrap does not run here (status {p.returncode}): {err}"
+        return False, f"bwrap does not run here with every hardening step (status {p.returncode}): {err}"
     return True, ""
 
 
@@ -381,63 +419,33 @@ def isolation() -> str:
 # ---------------------------------------------------------------- running
 
 
-def _uid_processes(uid: int) -> list[int]:
-    """Live (non-zombie) processes owned by ``uid``."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if os.stat(f"/proc/{entry}").st_uid != uid:
-                    continue
-                with open(f"/proc/{entry}/stat") as f:
-                    state = f.read().rpartition(")")[2].split()[0]
-            except (OSError, IndexError):
-                continue
-            if state not in ("Z", "X"):
-                pids.append(int(entry))
-    return pids
-
-
-async def _reap_uid(uid: int) -> None:
-    """Kill every leftover process of the throw-away uid (daemonised children, fork bombs)."""
-    deadline = time.monotonic() + 5.0
-    while _uid_processes(uid) and time.monotonic() < deadline:
-        proc = await asyncio.create_subprocess_exec(sys.executable, "-I", "-S", "-c", _REAPER, str(uid))
-        await proc.wait()
-        await asyncio.sleep(0.01)  # let the kernel finish tearing down the killed processes
-    left = _uid_processes(uid)
-    if left:
-        log.error("sandbox uid %d still has processes %s after reaping", uid, left)
-
-
-async def _read_capped(stream: asyncio.StreamReader, buf: bytearray, cap: int) -> None:
-    while True:
-        chunk = await stream.read(65536)
-        if not chunk:
-            return
-        room = cap - len(buf)
-        if room > 0:
-            buf.extend(chunk[:room])
-
-
-def _kill_group(pid: int) -> None:
+def _tree_limits(
+    memory_mb: int, max_processes: int, cpu_s: float, tmpfs_mb: int | None, cgroup: bool
+) -> TreeLimits:
     try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+        return _hardening.tree_limits(
+            memory_mb, max_processes, cpu_s, tmpfs_mb if tmpfs_mb is not None else memory_mb // 4, cgroup
+        )
+    except HardeningError as exc:
+        raise SandboxError(str(exc)) from None
 
 
-def _limits(timeout_s: float, memory_mb: int) -> dict[str, list[int]]:
-    cpu = max(1, math.ceil(timeout_s))
-    mem = memory_mb << 20
-    return {
-        "RLIMIT_CPU": [cpu, cpu + 1],
-        "RLIMIT_AS": [mem, mem],
-        "RLIMIT_NPROC": [MAX_PROCESSES, MAX_PROCESSES],
-        "RLIMIT_FSIZE": [MAX_FILE_BYTES, MAX_FILE_BYTES],
-        "RLIMIT_NOFILE": [MAX_OPEN_FILES, MAX_OPEN_FILES],
-        "RLIMIT_CORE": [0, 0],
-    }
+def _make_cgroup(
+    limits: str, memory_mb: int, max_processes: int, cpu_s: float, tmpfs_mb: int | None, parent: str | None
+) -> tuple[TreeLimits, _hardening.Cgroup | None]:
+    """The run's whole-tree limits: a cgroup where one can be made (required by ``limits="cgroup"``),
+    else (``"auto"``) limits split so they sum to the same totals."""
+    if limits not in ("auto", "cgroup", "rlimits"):
+        raise SandboxError(f"limits must be 'auto', 'cgroup' or 'rlimits', got {limits!r}")
+    if limits != "rlimits":
+        tree = _tree_limits(memory_mb, max_processes, cpu_s, tmpfs_mb, cgroup=True)
+        try:
+            return tree, _hardening.Cgroup.create(tree, parent)
+        except HardeningError as exc:
+            if limits == "cgroup":
+                raise SandboxError(f"sandbox hardening unavailable: {exc}") from None
+            log.debug("no cgroup for the sandbox (%s): split rlimits", exc)
+    return _tree_limits(memory_mb, max_processes, cpu_s, tmpfs_mb, cgroup=False), None
 
 
 async def run_python_async(
@@ -448,11 +456,23 @@ async def run_python_async(
     memory_mb: int = 512,
     max_output_bytes: int = 65536,
     isolation: Isolation = "require",
+    cpu_s: float | None = None,
+    max_processes: int = MAX_PROCESSES,
+    tmpfs_mb: int | None = None,
+    limits: Limits = "auto",
+    cgroup_parent: str | None = None,
+    seccomp: str = "builtin",
 ) -> SandboxResult:
     """Run ``code`` against ``tests`` (see :func:`parse_tests`) in the sandbox without blocking the loop.
 
-    Raises :class:`SandboxError` for malformed tests, or when ``isolation="require"`` and no real
-    isolation is available here (the message names what is missing)."""
+    ``memory_mb`` bounds the answer's whole process tree and its files together, ``max_processes`` its
+    processes and threads, ``cpu_s`` (default ``timeout_s``) its CPU seconds, ``timeout_s`` its wall
+    time; ``tmpfs_mb`` (default a quarter of ``memory_mb``) is the share files may take. ``limits``:
+    ``cgroup`` requires a cgroup (below ``cgroup_parent``, a path inside the cgroup hierarchy, default
+    this process's own), ``rlimits`` splits the totals over per-process rlimits, ``auto`` takes a
+    cgroup where one can be made. ``seccomp``: the built-in filter, or the path of a compiled BPF
+    program. Raises :class:`SandboxError` for malformed tests, or when a hardening step cannot be
+    applied here (the message names it)."""
     global _last_level
     if isolation not in ("require", "best_effort"):
         raise SandboxError(f"isolation must be 'require' or 'best_effort', got {isolation!r}")
@@ -467,33 +487,43 @@ async def run_python_async(
     is_root = os.geteuid() == 0
     uid = _UID_BASE + (os.getpid() * 7919 + next(_uid_counter)) % _UID_SPAN if is_root else None
     python = _interpreter(is_root)
+    seccomp_fd = _seccomp_fd(seccomp) if level == "bwrap" else -1
+    cgroup = None
     rundir = tempfile.mkdtemp(prefix="rollart-sandbox-")
     workdir = None
     report_r = report_w = -1
     try:
+        tree, cgroup = await asyncio.to_thread(
+            _make_cgroup, limits, memory_mb, max_processes, cpu_s or timeout_s, tmpfs_mb, cgroup_parent
+        )
         os.chmod(rundir, 0o755)
-        shutil.copyfile(_HARNESS_SRC, os.path.join(rundir, "_harness.py"))
+        for src in _SANDBOX_SOURCES:
+            shutil.copyfile(src, os.path.join(rundir, os.path.basename(src)))
         with open(os.path.join(rundir, "solution.py"), "w", encoding="utf-8", errors="surrogatepass") as f:
             f.write(code)
-        for name in ("_harness.py", "solution.py"):
+        for name in ("_codec.py", "_harness.py", "_tester.py", "solution.py"):
             os.chmod(os.path.join(rundir, name), 0o644)
         if level == "bwrap":
-            inner_solution, inner_workdir, inner_harness = "/sandbox/solution.py", "/tmp", None
-            argv = _bwrap_argv(shutil.which("bwrap") or "bwrap", python, rundir, as_root=False)
+            inner_solution, inner_workdir = "/sandbox/solution.py", "/tmp"
+            argv = _bwrap_argv(shutil.which("bwrap") or "bwrap", python, rundir, seccomp_fd, tree)
         else:
             workdir = tempfile.mkdtemp(prefix="rollart-sandbox-work-")
             if uid is not None:
                 os.chown(workdir, uid, uid)
             inner_solution, inner_workdir = os.path.join(rundir, "solution.py"), workdir
-            inner_harness = os.path.join(rundir, "_harness.py")
-            argv = [python, "-I", "-B", inner_harness]
+            argv = [python, "-I", "-B", os.path.join(rundir, "_harness.py")]
         report_r, report_w = os.pipe()
-        env = {"PATH": "/usr/bin:/bin", "HOME": inner_workdir, "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8"}
-        nonce = secrets.token_hex(16)
+        env = {
+            "PATH": "/usr/bin:/bin",
+            "HOME": inner_workdir,
+            "LANG": "C.UTF-8",
+            "PYTHONIOENCODING": "utf-8",
+            "MALLOC_ARENA_MAX": "2",  # glibc reserves 64 MiB of address space per thread arena
+        }
         harness_cfg = {
-            "nonce": nonce,
+            "nonce": secrets.token_hex(16),
             "cases": cases,
-            "limits": _limits(timeout_s, memory_mb),
+            "limits": _rlimits(tree),
             "timeout_s": timeout_s,
             "max_output": max_output_bytes,
             "solution": inner_solution,
@@ -501,7 +531,13 @@ async def run_python_async(
             "env": env,
             "report_fd": report_w,
         }
-        launch = {"mode": "bwrap" if level == "bwrap" else "fallback", "uid": uid, "argv": argv, "env": env}
+        launch = {
+            "mode": "bwrap" if level == "bwrap" else "fallback",
+            "uid": uid,
+            "argv": argv,
+            "env": env,
+            "cgroup": cgroup.procs_files() if cgroup else [],
+        }
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-I",
@@ -513,152 +549,25 @@ async def run_python_async(
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             start_new_session=True,
-            pass_fds=(report_w,),
+            pass_fds=(report_w, seccomp_fd) if seccomp_fd >= 0 else (report_w,),
         )
-        os.close(report_w)
-        report_w = -1
-        result = await _supervise(proc, report_r, harness_cfg, timeout_s, max_output_bytes, uid, level, t0)
+        for fd in (report_w, seccomp_fd):
+            if fd >= 0:
+                os.close(fd)
+        report_w = seccomp_fd = -1
+        run = _Run(tree, cgroup, uid, level, timeout_s, max_output_bytes, t0)
+        result = await _supervise(proc, report_r, harness_cfg, run)
         _last_level = result.isolation
         return result
     finally:
-        for fd in (report_r, report_w):
+        for fd in (report_r, report_w, seccomp_fd):
             if fd >= 0:
                 os.close(fd)
+        if cgroup is not None:
+            await asyncio.to_thread(cgroup.remove)
         shutil.rmtree(rundir, ignore_errors=True)
         if workdir:
             shutil.rmtree(workdir, ignore_errors=True)
-
-
-async def _supervise(
-    proc: asyncio.subprocess.Process,
-    report_r: int,
-    harness_cfg: dict[str, Any],
-    timeout_s: float,
-    max_output_bytes: int,
-    uid: int | None,
-    level: str | None,
-    t0: float,
-) -> SandboxResult:
-    loop = asyncio.get_running_loop()
-    report = bytearray()
-    report_done = loop.create_future()
-    report_cap = 4 * max_output_bytes + 200 * len(harness_cfg["cases"]) + (1 << 20)
-
-    def on_report() -> None:
-        try:
-            chunk = os.read(report_r, 1 << 16)
-        except OSError:
-            chunk = b""
-        if chunk and len(report) < report_cap:
-            report.extend(chunk)
-        elif not chunk or len(report) >= report_cap:
-            loop.remove_reader(report_r)
-            if not report_done.done():
-                report_done.set_result(None)
-
-    loop.add_reader(report_r, on_report)
-    out, err = bytearray(), bytearray()
-    readers = asyncio.gather(
-        _read_capped(proc.stdout, out, max_output_bytes),  # type: ignore[arg-type]
-        _read_capped(proc.stderr, err, max_output_bytes),
-    )  # type: ignore[arg-type]
-    killed: str | None = None
-    try:
-        try:
-            proc.stdin.write(json.dumps(harness_cfg).encode())  # type: ignore[union-attr]
-            await proc.stdin.drain()  # type: ignore[union-attr]
-            proc.stdin.close()  # type: ignore[union-attr]
-        except (BrokenPipeError, ConnectionResetError):
-            pass
-        try:  # the harness stops itself at timeout_s; the slack covers start-up and the report
-            await asyncio.wait_for(asyncio.shield(proc.wait()), timeout=timeout_s + 3.0)
-        except TimeoutError:
-            killed = "timeout"
-            _kill_group(proc.pid)
-        await proc.wait()
-        try:
-            await asyncio.wait_for(asyncio.shield(report_done), timeout=1.0)
-        except TimeoutError:  # a leftover process holds the report pipe open (fallback levels)
-            pass
-    finally:
-        loop.remove_reader(report_r)
-        if proc.returncode is None:
-            _kill_group(proc.pid)
-            await proc.wait()
-        _kill_group(proc.pid)  # the fallback levels: whatever is left in the process group
-        try:
-            await asyncio.wait_for(readers, timeout=1.0)
-        except (TimeoutError, asyncio.CancelledError, Exception):
-            readers.cancel()
-        if uid is not None and level != "bwrap":
-            await _reap_uid(uid)
-    stderr_host = err.decode("utf-8", "replace")
-    ran = level or "rlimits"
-    if "\0level:" in stderr_host:
-        head, _, tail = stderr_host.partition("\0level:")
-        ran, _, rest = tail.partition("\n")
-        stderr_host = head + rest
-    return _judge(bytes(report), harness_cfg, proc.returncode, killed, stderr_host, ran, t0)
-
-
-def _judge(
-    report_bytes: bytes,
-    cfg: dict[str, Any],
-    rc: int | None,
-    killed: str | None,
-    stderr_host: str,
-    level: str,
-    t0: float,
-) -> SandboxResult:
-    total = len(cfg["cases"])
-    report: Any = None
-    try:
-        report = json.loads(report_bytes) if report_bytes else None
-    except ValueError:
-        report = None
-    results = report.get("results") if isinstance(report, dict) else None
-    valid = (
-        isinstance(report, dict)
-        and secrets.compare_digest(str(report.get("nonce", "")), cfg["nonce"])
-        and isinstance(results, list)
-        and len(results) == total
-        and all(isinstance(r, dict) and type(r.get("passed")) is bool for r in results)
-    )
-    duration = time.perf_counter() - t0
-    if not valid:
-        if killed is None and rc is not None and rc < 0:
-            sig = signal.Signals(-rc)
-            killed = "cpu_time" if sig in (signal.SIGXCPU, signal.SIGKILL) else f"signal:{sig.name}"
-        why = "no report from the harness" if report is None else "invalid report (wrong nonce or results)"
-        return SandboxResult(
-            False,
-            rc,
-            "",
-            f"{stderr_host[-2000:]}\n{why}".strip(),
-            killed or "no_report",
-            duration,
-            0,
-            total,
-            level,
-        )
-    assert isinstance(report, dict) and isinstance(results, list)  # narrowed by ``valid`` (our own data)
-    passed = sum(r["passed"] for r in results)
-    killed = killed or (report.get("killed") if isinstance(report.get("killed"), str) else None)
-    failures = "\n".join(str(line) for line in report.get("log", []) if "ok" != str(line)[-2:])
-    stderr = str(report.get("stderr", ""))
-    if failures:
-        stderr = f"{stderr}\n{failures}".lstrip("\n")
-    return SandboxResult(
-        passed == total and total > 0 and killed is None,
-        rc,
-        str(report.get("stdout", "")),
-        stderr,
-        killed,
-        duration,
-        passed,
-        total,
-        level,
-    )
 
 
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -667,21 +576,11 @@ _pool: concurrent.futures.ThreadPoolExecutor | None = None
 def run_python(
     code: str,
     tests: str | list[dict[str, Any]] | None = "",
-    *,
-    timeout_s: float = 5.0,
-    memory_mb: int = 512,
-    max_output_bytes: int = 65536,
-    isolation: Isolation = "require",
+    **options: Any,
 ) -> SandboxResult:
-    """Blocking form of :func:`run_python_async` (safe to call from inside a running event loop's thread)."""
-    coro = run_python_async(
-        code,
-        tests,
-        timeout_s=timeout_s,
-        memory_mb=memory_mb,
-        max_output_bytes=max_output_bytes,
-        isolation=isolation,
-    )
+    """Blocking form of :func:`run_python_async` (same options; safe to call from inside a running
+    event loop's thread)."""
+    coro = run_python_async(code, tests, **options)
     try:
         asyncio.get_running_loop()
     except RuntimeError:
