@@ -13,6 +13,7 @@ from typing import Any
 
 from rollart_core.config import RayConfig
 from rollart_core.extras import require
+from rollart_core.watchdog import guard_driver
 
 __all__ = ["LOOPBACK_ENV", "RayCluster", "worker_logs_to"]
 
@@ -53,7 +54,14 @@ def _link_worker_logs(ray: Any, link: Path) -> None:
 
 
 class RayCluster:
-    """``with RayCluster(cfg):`` — ``ray.init`` on 127.0.0.1 unless Ray is already initialised."""
+    """``with RayCluster(cfg):`` — ``ray.init`` on 127.0.0.1 unless Ray is already initialised.
+
+    Before it starts (or joins) Ray, the driver's watchdog is started (:func:`~rollart_core.watchdog.guard_driver`):
+    whatever the run starts from here on (Ray's processes, the engines' subprocesses, the reward
+    runtime, Mooncake) is stopped by it when the driver dies, SIGKILL included. Ray 2.60 lets
+    ``ray.init`` turn off only the dashboard's web UI (``include_dashboard=False``: a minimal API server
+    still runs); the autoscaler monitor, the log monitor and the raylet's dashboard and runtime-env
+    agents always start, and the watchdog covers them."""
 
     def __init__(self, config: RayConfig | None = None) -> None:
         self.config = config or RayConfig()
@@ -67,6 +75,10 @@ class RayCluster:
         ray = require("ray", "pip install 'rollart-core[ray]'")
         if ray.is_initialized():
             return self
+        try:
+            guard_driver()
+        except OSError as exc:  # the run goes on; only a SIGKILLed driver would leave processes behind
+            log.warning("no watchdog for this driver (%s): a killed driver may leave processes behind", exc)
         kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": _worker_log_link is None}
         if self.config.address:
             kwargs["address"] = self.config.address
