@@ -27,6 +27,7 @@ from rollart_proxy.server.chat_template import ChatTemplate
 from rollart_proxy.server.chat_tokens import GeneratedMessages, message_key, splice_encode
 from rollart_proxy.server.forced_call import CallPlan, generate_call, plan_call
 from rollart_proxy.server.guard import _ApiError, _error, _Guard
+from rollart_proxy.server.messages_api import add_messages_routes
 from rollart_proxy.server.models import (
     ChatBody,
     CompletionBody,
@@ -36,6 +37,7 @@ from rollart_proxy.server.models import (
     _message_dict,
 )
 from rollart_proxy.server.responses import INLINE_CHARS, INLINE_TOKENS, Responses, off_loop
+from rollart_proxy.server.responses_api import add_responses_routes
 from rollart_proxy.server.sessions import _ADMIN, _BOUND, SessionRecorder, SessionTableFull
 from rollart_proxy.server.tools import (
     ToolCallParser,
@@ -223,38 +225,38 @@ class OpenAIServer(Responses):
         app.add_middleware(_Guard, server=self)
 
         @app.exception_handler(_ApiError)
-        async def _api_error(_: Request, e: _ApiError) -> JSONResponse:
-            return _error(e.status, e.message, e.code, e.param)
+        async def _api_error(r: Request, e: _ApiError) -> JSONResponse:
+            return _error(e.status, e.message, e.code, e.param, path=r.url.path)
 
         @app.exception_handler(RequestValidationError)
-        async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+        async def _invalid(r: Request, e: RequestValidationError) -> JSONResponse:
             msgs = "; ".join(
                 f"{'.'.join(str(x) for x in err.get('loc', ()))}: {err.get('msg')}" for err in e.errors()
             )
-            return _error(400, f"invalid request: {msgs}")
+            return _error(400, f"invalid request: {msgs}", path=r.url.path)
 
         @app.exception_handler(ProxyOverloadedError)
-        async def _overloaded(_: Request, e: ProxyOverloadedError) -> JSONResponse:
-            return _error(429, str(e), "rate_limit_exceeded")
+        async def _overloaded(r: Request, e: ProxyOverloadedError) -> JSONResponse:
+            return _error(429, str(e), "rate_limit_exceeded", path=r.url.path)
 
         @app.exception_handler(SessionTableFull)
-        async def _sessions_full(_: Request, e: SessionTableFull) -> JSONResponse:
-            response = _error(429, str(e), "rate_limit_exceeded")
+        async def _sessions_full(r: Request, e: SessionTableFull) -> JSONResponse:
+            response = _error(429, str(e), "rate_limit_exceeded", path=r.url.path)
             response.headers["Retry-After"] = "5"
             return response
 
         @app.exception_handler(Exception)
-        async def _internal(_: Request, e: Exception) -> JSONResponse:
+        async def _internal(r: Request, e: Exception) -> JSONResponse:
             log.exception("internal error: %r", e)
-            return _error(500, f"internal error: {type(e).__name__}", "internal_error")
+            return _error(500, f"internal error: {type(e).__name__}", "internal_error", path=r.url.path)
 
         @app.exception_handler(WorkerUnavailableError)
-        async def _unavailable(_: Request, e: WorkerUnavailableError) -> JSONResponse:
-            return _error(503, str(e), "service_unavailable")
+        async def _unavailable(r: Request, e: WorkerUnavailableError) -> JSONResponse:
+            return _error(503, str(e), "service_unavailable", path=r.url.path)
 
         @app.exception_handler(EngineError)
-        async def _engine(_: Request, e: EngineError) -> JSONResponse:
-            return _error(400, str(e))
+        async def _engine(r: Request, e: EngineError) -> JSONResponse:
+            return _error(400, str(e), path=r.url.path)
 
         @app.get("/health")
         async def health() -> dict[str, str]:
@@ -291,57 +293,10 @@ class OpenAIServer(Responses):
 
         @app.post("/v1/chat/completions")
         async def chat(body: ChatBody, request: Request) -> Any:
-            self._check_model(body.model)
-            try:
-                msgs = [_message_dict(m) for m in body.messages]
-            except ValueError as e:
-                raise _ApiError(400, str(e), param="messages") from None
-            await self._check_tools(body)
-            session = request.headers.get(self.session_header) or None
-            splices: dict[int, list[int]] = {}
-            if session is not None:
-                for i, m in enumerate(msgs):
-                    if m["role"] == "assistant":
-                        ids = self.generated.lookup(session, message_key(m["content"], m.get("tool_calls")))
-                        if ids is not None:
-                            splices[i] = ids
-            kwargs: dict[str, Any] = (
-                {"tools": body.tools} if body.tools and body.tool_choice != "none" else {}
-            )
-            size = sum(len(m["content"]) for m in msgs) + (len(body.tools_key()) if kwargs else 0)
-            try:
-                prompt_ids, _ = await off_loop(
-                    size,
-                    INLINE_CHARS,
-                    splice_encode,
-                    lambda ms: self.template.render(template_messages(ms), **kwargs),
-                    self.template.encode,
-                    msgs,
-                    splices,
-                    self._eot,
-                )
-            except Exception as e:  # the model's template refused these messages (raise_exception, bad roles)
-                raise _ApiError(400, f"chat template: {e}", param="messages") from None
-            if body.tools_active():
-                try:
-                    plan = await off_loop(
-                        size,
-                        INLINE_CHARS,
-                        plan_call,
-                        self.template.render,
-                        self.template.encode,
-                        self._eot[1] if self._eot else None,
-                        msgs,
-                        body.tools,
-                        body.tool_choice,
-                    )
-                except ToolsError as e:
-                    raise _ApiError(400, str(e), param=e.param) from None
-                if plan is not None:
-                    return await self._serve_call(body, plan, prompt_ids, request)
-            return await self._serve(
-                "chat", body, prompt_ids, body.max_completion_tokens or body.max_tokens, request
-            )
+            return await self._chat(body, request)
+
+        add_responses_routes(app, self)
+        add_messages_routes(app, self)
 
         @app.get("/v1/sessions/{session_id}")
         async def session(session_id: str, request: Request) -> dict[str, Any]:
@@ -570,6 +525,59 @@ class OpenAIServer(Responses):
             return StreamingResponse(self._call_sse(body, reply), media_type="text/event-stream")
         return reply
 
+    async def _chat(self, body: ChatBody, request: Request) -> Any:
+        """One chat call (the Responses and Messages dialects come here too, translated): the reply
+        as a dict, or a ``StreamingResponse`` of chat chunks."""
+        self._check_model(body.model)
+        try:
+            msgs = [_message_dict(m) for m in body.messages]
+        except ValueError as e:
+            raise _ApiError(400, str(e), param="messages") from None
+        await self._check_tools(body)
+        session = request.headers.get(self.session_header) or None
+        splices: dict[int, list[int]] = {}
+        if session is not None:
+            for i, m in enumerate(msgs):
+                if m["role"] == "assistant":
+                    ids = self.generated.lookup(session, message_key(m["content"], m.get("tool_calls")))
+                    if ids is not None:
+                        splices[i] = ids
+        kwargs: dict[str, Any] = {"tools": body.tools} if body.tools and body.tool_choice != "none" else {}
+        size = sum(len(m["content"]) for m in msgs) + (len(body.tools_key()) if kwargs else 0)
+        try:
+            prompt_ids, _ = await off_loop(
+                size,
+                INLINE_CHARS,
+                splice_encode,
+                lambda ms: self.template.render(template_messages(ms), **kwargs),
+                self.template.encode,
+                msgs,
+                splices,
+                self._eot,
+            )
+        except Exception as e:  # the model's template refused these messages (raise_exception, bad roles)
+            raise _ApiError(400, f"chat template: {e}", param="messages") from None
+        if body.tools_active():
+            try:
+                plan = await off_loop(
+                    size,
+                    INLINE_CHARS,
+                    plan_call,
+                    self.template.render,
+                    self.template.encode,
+                    self._eot[1] if self._eot else None,
+                    msgs,
+                    body.tools,
+                    body.tool_choice,
+                )
+            except ToolsError as e:
+                raise _ApiError(400, str(e), param=e.param) from None
+            if plan is not None:
+                return await self._serve_call(body, plan, prompt_ids, request)
+        return await self._serve(
+            "chat", body, prompt_ids, body.max_completion_tokens or body.max_tokens, request
+        )
+
     def _admit(
         self, body: _Common, prompt_ids: list[int], max_tokens: int | None, request: Request
     ) -> tuple[SamplingParams, str | None]:
@@ -584,6 +592,7 @@ class OpenAIServer(Responses):
                 "prompt",
             )
         self._check_token_ids(body, prompt_ids)
+        request.state.rollart_prompt_tokens = len(prompt_ids)  # for a dialect's stream head
         if max_tokens is None:
             room = (self.max_model_len - len(prompt_ids)) if self.max_model_len else self.default_max_tokens
             max_tokens = max(1, min(self.default_max_tokens, room))

@@ -1,5 +1,6 @@
 """Access and errors: the ASGI guard (authorisation before any body is read, then the body-size
-limit and the time to receive the body) and the OpenAI-style error bodies that it and the handlers send."""
+limit and the time to receive the body) and the error bodies that it and the handlers send, in the
+shape of the request's dialect (OpenAI's; Anthropic's under ``/v1/messages``)."""
 
 from __future__ import annotations
 
@@ -34,19 +35,24 @@ class _Guard:
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        principal, denied = self.server._authorize(scope.get("path", ""), headers.get("authorization"))
+        path = scope.get("path", "")
+        # Anthropic's SDKs send the key as ``x-api-key``: the same key, another header
+        authorization = headers.get("authorization")
+        if authorization is None and headers.get("x-api-key"):
+            authorization = "Bearer " + headers["x-api-key"]
+        principal, denied = self.server._authorize(path, authorization)
         if denied is not None:
             status, message = denied
             code = "authentication_error" if status == 401 else "permission_denied"
             extra = {"www-authenticate": "Bearer"} if status == 401 else {}
-            await _send_error(send, status, message, code, extra)
+            await _send_error(send, status, message, code, extra, path)
             return
         scope.setdefault("state", {})["rollart_principal"] = principal
         limit = self.server.max_body_bytes
         declared = headers.get("content-length")
         if declared is not None:
             if not declared.isdigit():
-                await _send_error(send, 400, "invalid Content-Length header")
+                await _send_error(send, 400, "invalid Content-Length header", path=path)
                 return
             if int(declared) > limit:
                 await _send_error(
@@ -54,6 +60,7 @@ class _Guard:
                     413,
                     f"request body of {declared} bytes exceeds the limit of {limit}",
                     "request_too_large",
+                    path=path,
                 )
                 return
         body = bytearray()
@@ -67,14 +74,22 @@ class _Guard:
                     body += message.get("body", b"")
                     if len(body) > limit:
                         await _send_error(
-                            send, 413, f"request body exceeds the limit of {limit} bytes", "request_too_large"
+                            send,
+                            413,
+                            f"request body exceeds the limit of {limit} bytes",
+                            "request_too_large",
+                            path=path,
                         )
                         return
                     if not message.get("more_body", False):
                         break
         except TimeoutError:
             await _send_error(
-                send, 408, f"request body not received within {self.server.body_timeout_s} s", "timeout"
+                send,
+                408,
+                f"request body not received within {self.server.body_timeout_s} s",
+                "timeout",
+                path=path,
             )
             return
         replayed = False
@@ -89,16 +104,45 @@ class _Guard:
         await self.app(scope, replay, send)
 
 
+MESSAGES_PATH = "/v1/messages"
+"""Requests under this path are the Anthropic Messages dialect: their errors take its shape."""
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+
+
+def error_body(
+    status: int,
+    message: str,
+    code: str = "invalid_request_error",
+    param: str | None = None,
+    path: str = "",
+) -> dict[str, Any]:
+    """The error body in the dialect of ``path``: Anthropic's ``{"type": "error", "error": {"type",
+    "message"}}`` under ``/v1/messages``, else OpenAI's (Chat Completions, Completions, Responses)."""
+    if path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/"):
+        kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+        return {"type": "error", "error": {"type": kind, "message": message}}
+    return {"error": {"message": message, "type": code, "param": param, "code": status}}
+
+
 async def _send_error(
     send: Any,
     status: int,
     message: str,
     code: str = "invalid_request_error",
     extra_headers: dict[str, str] | None = None,
+    path: str = "",
 ) -> None:
-    payload = json.dumps(
-        {"error": {"message": message, "type": code, "param": None, "code": status}}
-    ).encode()
+    payload = json.dumps(error_body(status, message, code, path=path)).encode()
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(payload)).encode()),
@@ -109,8 +153,10 @@ async def _send_error(
 
 
 def _error(
-    status: int, message: str, code: str = "invalid_request_error", param: str | None = None
+    status: int,
+    message: str,
+    code: str = "invalid_request_error",
+    param: str | None = None,
+    path: str = "",
 ) -> JSONResponse:
-    return JSONResponse(
-        {"error": {"message": message, "type": code, "param": param, "code": status}}, status_code=status
-    )
+    return JSONResponse(error_body(status, message, code, param, path), status_code=status)
