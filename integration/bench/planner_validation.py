@@ -16,8 +16,12 @@ two workloads; then what it predicts at the paper's scale.
      probe: a prediction of the overlapping modes from the one that overlaps nothing.
 3. **Compare.** Prints predicted vs measured trained trajectories/s per mode with the ratio (goal:
    within 20%), and writes everything as JSON (``--out``).
-4. **Extrapolate.** A paper-like multi-task workload (:func:`paper_profile`: the assumptions are
-   spelled out there) planned and simulated on 64 and 128 GPUs and on a 3,000-GPU cluster.
+4. **Cores instead of GPUs.** The planner's trainer model on this machine (:func:`cores_check`):
+   the trainer step's 1/T scaling (all cores vs half), and each mode's throughput from the planner's
+   closed form on the measured components with the cores split as the planner splits a budget.
+5. **Extrapolate.** A paper-like multi-task workload (:func:`paper_profile`: the assumptions are
+   spelled out there) planned — the trainer pool sized from 6·N·tokens, the GPUs split per mode —
+   and simulated on 64 and 128 GPUs and on a 3,000-GPU cluster.
 
     uv run --no-sync python integration/bench/planner_validation.py --out runs/planval.json
     uv run --no-sync python integration/bench/planner_validation.py --small --out /tmp/planval.json
@@ -45,6 +49,7 @@ from rollart_core.bench.workload import MODES
 from rollart_core.plan.catalogue import DEFAULT_CATALOGUE
 from rollart_core.plan.planner import make_plan, plan_pools
 from rollart_core.plan.simulate import simulate
+from rollart_core.plan.trainer import TrainerSizing, best_split, step_seconds
 from rollart_core.plan.workload import LatencyDist, ModelProfile, TaskProfile, TrainProfile, WorkloadProfile
 
 VALIDATED = ["sync", "one_off", "async_a1", "async_a2"]
@@ -236,13 +241,13 @@ PAPER_MODEL = ModelProfile(params=32e9, num_layers=64, num_kv_heads=8, head_dim=
 """A 32B dense model (Qwen3-32B-like shapes) stands in for the paper's models."""
 
 
-def paper_profile(batch: int, train_gpus: int) -> WorkloadProfile:
+def paper_profile(batch: int) -> WorkloadProfile:
     """A paper-like multi-task agentic step of ``batch`` trajectories (ASSUMED figures, not measured):
     half SWE-style tool use (long prompts, 10 turns, sandbox calls of 2 s mean with a heavy tail and a
     60 s timeout, tests as a 5 s reward, 2 spare rollouts per group of 8), a quarter prefill-heavy
     game (16 short turns over a growing context) and a quarter decode-heavy single-turn reasoning.
-    Training runs on its own ``train_gpus`` H800s at 40% MFU (6 · params · tokens FLOPs); an update
-    pauses the engines 10 s, the push takes 5 s."""
+    Training runs at 40% MFU (6 · params · tokens FLOPs) on a trainer pool the planner sizes; an
+    update pauses the engines 10 s, the push takes 5 s."""
     swe = TaskProfile(
         name="swe",
         trajectories_per_step=batch // 2,
@@ -277,16 +282,14 @@ def paper_profile(batch: int, train_gpus: int) -> WorkloadProfile:
         env_latency_s=LatencyDist(mean=0.05),
         reward_s=LatencyDist(mean=0.5),
     )
-    tasks = [swe, game, math_task]
-    tokens = sum(t.trajectories_per_step * (t.prefill_tokens() + t.decode_tokens()) for t in tasks)
-    h800 = DEFAULT_CATALOGUE["H800"]
-    train_s = 6 * PAPER_MODEL.params * tokens / (train_gpus * h800.flops * 0.4)
     return WorkloadProfile(
-        model=PAPER_MODEL, tasks=tasks, train=TrainProfile(train_s=train_s, sync_s=10.0, push_s=5.0)
+        model=PAPER_MODEL,
+        tasks=[swe, game, math_task],
+        train=TrainProfile(mfu=0.4, sync_s=10.0, push_s=5.0),
     )
 
 
-SETTINGS = [  # (name, GPUs, trajectories per step): half the GPUs roll out, half train
+SETTINGS = [  # (name, GPUs, trajectories per step): the planner splits them per mode
     ("64 GPUs", 64, 512),
     ("128 GPUs", 128, 512),
     ("3,000-GPU cluster", 3000, 8192),
@@ -300,34 +303,44 @@ EXTRAPOLATED = [
 
 
 def extrapolate(steps: int) -> list[dict[str, Any]]:
+    """Per setting and mode: the planner's split of the GPUs (trainer vs rollout), its closed-form
+    throughput, and the simulation of that split."""
     rows = []
     for name, gpus, batch in SETTINGS:
-        prof = paper_profile(batch, train_gpus=gpus // 2)
-        plan = make_plan(prof, DEFAULT_CATALOGUE, gpus=gpus // 2)
-        pools = plan_pools(prof, plan, DEFAULT_CATALOGUE)
+        prof = paper_profile(batch)
         t0 = time.perf_counter()
-        sims = {
-            label: simulate(prof, mode=mode, alpha=alpha, steps=steps, **pools)  # type: ignore[arg-type]
-            for label, mode, alpha in EXTRAPOLATED
-        }
-        sync = sims["Sync+"].traj_per_s
+        modes: dict[str, Any] = {}
+        for label, mode, alpha in EXTRAPOLATED:
+            plan = make_plan(prof, DEFAULT_CATALOGUE, gpus=gpus, mode=mode, alpha=max(alpha, 1))
+            split = plan.split
+            sim_prof = prof.model_copy(deep=True)
+            sim_prof.train.train_s = split.train_s
+            pools = plan_pools(prof, plan, DEFAULT_CATALOGUE)
+            r = simulate(sim_prof, mode=mode, alpha=alpha, steps=steps, **pools)  # type: ignore[arg-type]
+            modes[label] = {
+                "trainer_gpus": split.trainer_gpus,
+                "rollout_gpus": split.rollout_gpus,
+                "trainer_share": split.trainer_gpus / gpus,
+                "rollout_pools": plan.pools,
+                "train_s": split.train_s,
+                "predicted_traj_per_s": split.traj_per_s,
+                "bottleneck": plan.bottleneck,
+                "traj_per_s": r.traj_per_s,
+                "step_s": r.step_s,
+                "gen_busy": r.gen_busy,
+                "train_busy": r.train_busy,
+                "aborted": r.aborted,
+            }
+        sync = modes["Sync+"]["traj_per_s"]
+        for m in modes.values():
+            m["vs_sync"] = m["traj_per_s"] / sync if sync else None
         rows.append(
             {
                 "setting": name,
                 "gpus": gpus,
                 "trajectories_per_step": batch,
-                "pools": plan.pools,
-                "train_s": prof.train.train_s,
-                "modes": {
-                    label: {
-                        "traj_per_s": r.traj_per_s,
-                        "step_s": r.step_s,
-                        "vs_sync": r.traj_per_s / sync if sync else None,
-                        "gen_busy": r.gen_busy,
-                        "aborted": r.aborted,
-                    }
-                    for label, r in sims.items()
-                },
+                "trainer": f"{plan.trainer.hw} (at least {plan.trainer.min_gpus}), MFU {plan.trainer.mfu:g}",
+                "modes": modes,
                 "simulated_in_s": time.perf_counter() - t0,
             }
         )
@@ -337,16 +350,119 @@ def extrapolate(steps: int) -> list[dict[str, Any]]:
 
 def print_extrapolation(rows: list[dict[str, Any]]) -> None:
     for row in rows:
-        pools = ", ".join(f"{k} × {v}" for k, v in row["pools"].items())
         print(
-            f"\n{row['setting']}: {row['trajectories_per_step']} trajectories per step, rollout pools {pools}, "
-            f"train step {row['train_s']:.0f} s (simulated in {row['simulated_in_s']:.0f} s)"
+            f"\n{row['setting']}: {row['trajectories_per_step']} trajectories per step, trainer {row['trainer']} "
+            f"(planned and simulated in {row['simulated_in_s']:.0f} s)"
         )
-        print(f"{'mode':<12}{'traj/s':>9}{'step s':>9}{'vs Sync+':>10}{'gen busy':>10}")
+        print(
+            f"{'mode':<12}{'trainer':>8}{'rollout':>8}{'train s':>9}{'planned':>9}{'traj/s':>9}{'step s':>9}"
+            f"{'vs Sync+':>10}{'gen busy':>10}{'train busy':>11}"
+        )
         for label, m in row["modes"].items():
             print(
-                f"{label:<12}{m['traj_per_s']:>9.2f}{m['step_s']:>9.1f}{m['vs_sync']:>9.2f}x{m['gen_busy']:>10.0%}"
+                f"{label:<12}{m['trainer_gpus']:>8}{m['rollout_gpus']:>8}{m['train_s']:>9.1f}"
+                f"{m['predicted_traj_per_s']:>9.2f}{m['traj_per_s']:>9.2f}{m['step_s']:>9.1f}"
+                f"{m['vs_sync']:>9.2f}x{m['gen_busy']:>10.0%}{m['train_busy']:>11.0%}"
             )
+
+
+# 5. cores instead of GPUs ----------------------------------------------------------------------------
+
+
+def cores_check(res: dict[str, Any], cores: int = 2) -> dict[str, Any]:
+    """The planner's trainer model against a bench run on this machine's cores: (a) train_s ∝ 1/T:
+    the all-cores step scaled to the half share vs the measured half-core step; (b) each mode's
+    throughput from the planner's closed form (:func:`~rollart_core.plan.trainer.step_seconds`) on
+    the measured components — generation capacity and trainer step (all cores, scaled linearly to a
+    share), one trajectory's latency, the weight push and pause — with the cores split as the planner
+    splits a budget (the overlapping modes: the best split of ``cores``; Sync+ on a shared machine
+    gives every stage all cores in turn), vs the mode's measured throughput; (c) the trainer's MFU
+    implied by 6 · N · tokens if the model's parameter count is known."""
+    cap, size = res["capacity"], res["size"]
+    n_step = sum(t["groups_per_step"] * t["group_size"] for t in res["config"]["tasks"])
+    train_all = cap["train"]["seconds"] * n_step / cap["train"]["batch"]  # one step's batch, all cores
+    gen_all = n_step / cap["generate"]["traj_per_s"]  # one step's batch, all cores, saturated
+    env = env_latency(size).mean
+    latency = 0.0
+    for t in res["config"]["tasks"]:
+        turns = _mean([float(x) for x in _samples(res, "sync", t["name"], "turns")], float(t["max_turns"]))
+        gen_turn = _mean(_samples(res, "sync", t["name"], "generate"))
+        reward = _mean(_samples(res, "sync", t["name"], "reward"))
+        latency = max(latency, turns * gen_turn + (turns + 1) * env + reward)
+    sizing = TrainerSizing("core", 1, 0.0, 0.0, 1.0, 1.0, measured_s=train_all, measured_gpus=cores)
+    scaling = {
+        "all_cores_s": cap["train"]["seconds"],
+        "half_cores_s": cap["train"]["half_cores_s"],
+        "predicted_half_s": sizing.seconds(max(1, cores // 2)) * cap["train"]["batch"] / n_step,
+    }
+    scaling["ratio"] = scaling["predicted_half_s"] / scaling["half_cores_s"]
+    modes: dict[str, Any] = {}
+    for mode in VALIDATED:
+        cfg = res["mode_configs"][mode]
+        push_s, pause_s = _weights(res, mode)
+        depth = (cfg.get("max_pending_steps") or cfg["alpha"] + 1) if cfg["mode"] == "async" else 1
+        if cfg["mode"] == "sync":
+            t_cores, r_cores = cores, cores
+            step = step_seconds("sync", gen_all, latency, train_all, push_s, pause_s)
+            rate = n_step / step
+        else:
+            sp = best_split(
+                cfg["mode"],
+                cores,
+                min_trainer=1,
+                min_rollout=1,
+                gen_compute=lambda r: gen_all * cores / r,
+                latency_s=latency,
+                depth=depth,
+                trainer=sizing,
+                push_s=push_s,
+                sync_s=pause_s,
+                trajectories_per_step=n_step,
+            )
+            t_cores, r_cores, rate = sp.trainer_gpus, sp.rollout_gpus, sp.traj_per_s
+        measured = res["results"][mode]["traj_per_s"]
+        modes[mode] = {
+            "trainer_cores": t_cores,
+            "rollout_cores": r_cores,
+            "predicted": rate,
+            "measured": measured,
+            "ratio": rate / measured if measured else None,
+        }
+    out: dict[str, Any] = {"scaling": scaling, "latency_s": latency, "modes": modes}
+    params = _model_params(res)
+    if params:
+        tokens = cap["train"]["tok_per_s"] * cap["train"]["seconds"]
+        out["train_flop_per_s"] = 6 * params * tokens / cap["train"]["seconds"]
+        out["params"] = params
+    return out
+
+
+def _model_params(res: dict[str, Any]) -> float | None:
+    path = Path(str(res["config"].get("model", {}).get("path") or "")) / "config.json"
+    if not path.is_file():
+        return None
+    return ModelProfile.from_hf_config(json.loads(path.read_text())).params
+
+
+def print_cores_check(name: str, chk: dict[str, Any]) -> None:
+    sc = chk["scaling"]
+    print(
+        f"\nworkload {name}, cores instead of GPUs: trainer step on all cores {sc['all_cores_s']:.2f} s, "
+        f"half {sc['half_cores_s']:.2f} s; 1/T predicts {sc['predicted_half_s']:.2f} s ({sc['ratio']:.2f}×)"
+        + (
+            f"; 6·N·tokens runs at {chk['train_flop_per_s'] / 1e9:.1f} GFLOP/s (N = {chk['params']:.3g})"
+            if "train_flop_per_s" in chk
+            else ""
+        )
+    )
+    print(f"{'mode':<12}{'trainer':>8}{'rollout':>8}{'planned':>9}{'measured':>10}{'ratio':>7}")
+    for mode, m in chk["modes"].items():
+        r = m["ratio"]
+        flag = "" if r is not None and abs(r - 1) <= GOAL else "!"
+        print(
+            f"{MODES[mode].label:<12}{m['trainer_cores']:>8}{m['rollout_cores']:>8}{m['predicted']:>9.2f}"
+            f"{m['measured']:>10.2f}{'-' if r is None else f'{r:.2f}':>7}{flag}"
+        )
 
 
 # main ------------------------------------------------------------------------------------------------
@@ -409,7 +525,9 @@ def main() -> None:
     for name, (overrides, res) in runs.items():
         cmp = compare(res, args.sim_steps, args.seeds)
         print_comparison(name, overrides, cmp)
-        result["workloads"][name] = {"overrides": overrides, **cmp, "bench": res}
+        chk = cores_check(res)
+        print_cores_check(name, chk)
+        result["workloads"][name] = {"overrides": overrides, **cmp, "cores": chk, "bench": res}
     if args.extrapolate_steps:
         print("\nextrapolation (simulated, paper-like workload: ASSUMED figures, see paper_profile)")
         result["extrapolation"] = extrapolate(args.extrapolate_steps)

@@ -237,3 +237,27 @@ def test_cli_write_config_round_trip_with_the_trainer_pool(tmp_path: Path) -> No
         assert ranks >= 2 and ranks + sum(e.count for e in planned.engines) == 24
         assert all(e.pool is not None for e in planned.engines)
         assert f"{ranks} trainer + {24 - ranks} rollout GPUs" in out.read_text().splitlines()[0]
+
+
+def test_rollout_latency_waits_for_the_slowest_group() -> None:
+    from rollart_core.plan.planner import _choose, rollout_latency
+    from rollart_core.plan.workload import LatencyDist
+
+    const = TaskProfile(
+        name="c",
+        trajectories_per_step=64,
+        turns=4,
+        env_latency_s=LatencyDist(mean=1.0),
+        generate_s=LatencyDist(mean=0.5),
+    )
+    prof = WorkloadProfile(model=MODEL, tasks=[const])
+    plans = [_choose(const, MODEL, DEFAULT_CATALOGUE, None)]
+    # 5 env calls of 1 s + 4 turns of 0.5 s = 7 s, for every group and so for the step
+    assert rollout_latency(prof, plans, DEFAULT_CATALOGUE) == (pytest.approx(7.0), pytest.approx(7.0))
+    tail = const.model_copy(update={"env_latency_s": LatencyDist(mean=1.0, dist="lognormal", sigma=1.5)})
+    group_s, step_s = rollout_latency(WorkloadProfile(model=MODEL, tasks=[tail]), plans, DEFAULT_CATALOGUE)
+    # a group waits for its slowest member (8 of 8), the step for its slowest of 8 groups
+    assert step_s > 1.5 * group_s and group_s > 7.0
+    capped = tail.model_copy(update={"env_timeout_s": 2.0})
+    _, capped_s = rollout_latency(WorkloadProfile(model=MODEL, tasks=[capped]), plans, DEFAULT_CATALOGUE)
+    assert capped_s < step_s and capped_s <= 5 * 2.0 + 4 * 0.5

@@ -14,9 +14,12 @@ Roofline model per hardware class ``h`` (peak FLOP/s ``F``, bandwidth ``BW``, me
 The GPU budget is split between the trainer pool and the rollout pools (:mod:`.trainer`: the
 trainer's step from 6·N·tokens FLOPs, each mode's step from its stages, Sync+ serial, One-off and
 async overlapped); a rollout share is spread over the tasks' pools in proportion to their
-GPU-seconds (so every pool keeps pace). A step's rollout is never shorter than one trajectory
-(its turns, env calls and reward; divided by the steps in flight): a batch too small for its pools
-is ``trajectory latency``-bound, not generation-bound. Environments get CPU nodes for their measured
+GPU-seconds (so every pool keeps pace). A step's rollout is never shorter than its slowest group
+(:func:`rollout_latency` draws it from the profile's distributions; async: plus the update a group
+starts after, over the steps in flight): a batch too small for its pools is ``trajectory
+latency``-bound, not generation-bound. The closed form is exact for constant latencies; with heavy
+tails it is optimistic for async (queues and staleness it leaves out): ``--simulate`` replays the
+split. Environments get CPU nodes for their measured
 latency, rewards go serverless, and the bottleneck is the longest term of the mode's step (or an
 env/reward stage slower than it).
 """
@@ -228,18 +231,56 @@ def allocate(demand: list[float], gpus: int) -> list[int]:
     return shares
 
 
-def trajectory_latency(
-    task: TaskProfile, tp: TaskPlan, model: ModelProfile, catalogue: dict[str, HardwareClass]
-) -> float:
-    """Mean seconds of one trajectory from launch to reward on idle pools: its turns (measured, or
-    the roofline's at full batch), its env calls (the reset and one per turn) and its reward."""
-    if task.generate_s is not None:
-        gen_s = task.turns * task.generate_s.mean
-    else:
-        gen = roofline_gen_time(model, catalogue[tp.prefill.hw], catalogue[tp.decode.hw])
-        rng = random.Random(0)  # (the roofline draws nothing)
-        gen_s = gen(task, 0, rng) + (task.turns - 1) * gen(task, 1, rng)
-    return gen_s + (task.turns + 1) * task.env_latency_s.mean + task.reward_s.mean
+LATENCY_SAMPLES = 200_000
+"""Env/reward draws the latency estimate may take (over all its repetitions)."""
+
+
+def rollout_latency(
+    profile: WorkloadProfile, tplans: list[TaskPlan], catalogue: dict[str, HardwareClass], *, seed: int = 0
+) -> tuple[float, float]:
+    """(group, step): expected seconds until a group has ``group_size`` finished members, and until
+    every group of a step has, on idle pools — no step's rollout is shorter, whatever its devices.
+    Drawn from the profile: each trajectory's turns (measured, or the roofline's at full batch), its
+    env calls (the reset and one per turn, capped at ``env_timeout_s``) and its reward; a group of
+    ``group_size + redundancy`` is done at its ``group_size``-th finisher. Heavy tails make the
+    step's figure (the slowest group, what a batch barrier waits for) far above the mean."""
+    rng = random.Random(seed)
+    turn_s: dict[str, tuple[float, float]] = {}
+    for t, tp in zip(profile.tasks, tplans, strict=True):
+        if t.generate_s is None:
+            gen = roofline_gen_time(profile.model, catalogue[tp.prefill.hw], catalogue[tp.decode.hw])
+            turn_s[t.name] = (gen(t, 0, rng), gen(t, 1, rng))  # (the roofline draws nothing)
+    calls = sum(t.trajectories_per_step * (t.turns + 2) for t in profile.tasks)
+    draws = max(1, min(8, int(LATENCY_SAMPLES // max(calls, 1))))
+    group_total = step_total = 0.0
+    for _ in range(draws):
+        step_end = group_sum = 0.0
+        groups = 0
+        for t in profile.tasks:
+            size = t.group_size + t.redundancy
+            for _ in range(max(1, t.trajectories_per_step // t.group_size)):
+                ends = sorted(_one_trajectory(t, turn_s.get(t.name), rng) for _ in range(size))
+                done = ends[t.group_size - 1]
+                step_end, group_sum, groups = max(step_end, done), group_sum + done, groups + 1
+        group_total += group_sum / groups
+        step_total += step_end
+    return group_total / draws, step_total / draws
+
+
+def _one_trajectory(task: TaskProfile, roofline: tuple[float, float] | None, rng: random.Random) -> float:
+    total = 0.0
+    turns = task.sample_turns(rng)
+    for call in range(turns + 1):
+        env = task.env_latency_s.sample(rng)
+        if task.env_timeout_s is not None and env >= task.env_timeout_s:
+            return total + task.env_timeout_s  # the trajectory ends at the timeout
+        total += env
+        if call < turns:
+            if roofline is not None:
+                total += roofline[0] if call == 0 else roofline[1]
+            elif task.generate_s is not None:
+                total += task.generate_s.sample(rng)
+    return total + task.reward_s.sample(rng)
 
 
 def _demand(profile: WorkloadProfile, tplans: list[TaskPlan]) -> list[tuple[TaskPlan, str, float]]:
@@ -296,9 +337,7 @@ def make_plan(
             f"give --gpus {smallest} or more"
         )
     n_total = sum(t.trajectories_per_step for t in profile.tasks)
-    latency = max(
-        trajectory_latency(t, tp, model, catalogue) for t, tp in zip(profile.tasks, tplans, strict=True)
-    )
+    _, step_s = rollout_latency(profile, tplans, catalogue)
 
     def gen_compute(r: int) -> float:
         return max(d / s for d, s in zip(need, allocate(need, r), strict=True))
@@ -311,7 +350,7 @@ def make_plan(
                 min_trainer=trainer.min_gpus,
                 min_rollout=len(demand),
                 gen_compute=gen_compute,
-                latency_s=latency,
+                latency_s=step_s,
                 depth=steps_in_flight(m, alpha),
                 trainer=trainer,
                 push_s=profile.train.push_s,
@@ -507,7 +546,7 @@ def render_plan(plan: Plan) -> str:
     why = {
         "generation": f"rollout devices compute {_pct(sp.gen_busy)} of the step",
         "trajectory latency": (
-            f"rollout devices compute {_pct(sp.gen_busy)} of the step: one trajectory takes longer than "
+            f"rollout devices compute {_pct(sp.gen_busy)} of the step: the slowest group takes longer than "
             f"the batch's compute on {sp.rollout_gpus} GPUs; more trajectories per step fill them"
         ),
         "training": f"the trainer computes {_pct(sp.train_busy)} of the step",
