@@ -180,6 +180,8 @@ class Plan:
     trainer_gpus: int
     mode: str
     """The mode whose split the pools follow (the run config's)."""
+    alpha: int = 1
+    """The staleness bound the async split and simulation assume (the run config's)."""
     splits: dict[str, Split] = field(default_factory=dict)
     """Each mode's own split of the budget and its predicted step."""
     enough_gpus: int | None = None
@@ -410,6 +412,7 @@ def make_plan(
         trainer=trainer,
         trainer_gpus=split.trainer_gpus,
         mode=mode,
+        alpha=alpha,
         splits=splits,
     )
     # the best split's throughput only grows with the budget: the smallest one within 2% of it
@@ -525,12 +528,13 @@ def render_plan(plan: Plan) -> str:
         "busy = share of the step a stage computes):"
     )
     lines.append(
-        f"  {'mode':<9}{'trainer':>8}{'rollout':>8}{'rollout s':>10}{'train s':>9}{'step s':>9}{'traj/s':>9}"
+        f"  {'mode':<11}{'trainer':>8}{'rollout':>8}{'rollout s':>10}{'train s':>9}{'step s':>9}{'traj/s':>9}"
         f"{'gen busy':>10}{'train busy':>11}  bottleneck"
     )
     for m, sp in plan.splits.items():
+        label = f"async α={plan.alpha}" if m == "async" else m
         lines.append(
-            f"  {m:<9}{sp.trainer_gpus:>8}{sp.rollout_gpus:>8}{sp.gen_s:>10.3g}{sp.train_s:>9.3g}{sp.step_s:>9.3g}"
+            f"  {label:<11}{sp.trainer_gpus:>8}{sp.rollout_gpus:>8}{sp.gen_s:>10.3g}{sp.train_s:>9.3g}{sp.step_s:>9.3g}"
             f"{sp.traj_per_s:>9.2f}{_pct(sp.gen_busy):>10}{_pct(sp.train_busy):>11}  {sp.bottleneck}"
         )
     rollout = ", ".join(f"{h} × {n}" for h, n in plan.pools.items())
