@@ -7,6 +7,7 @@ applied; the caller refuses to run rather than run weaker.
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import platform
 import re
@@ -227,7 +228,7 @@ class Cgroup:
     """One run's cgroup (v2, else v1 memory + pids + cpuacct [+ cpu]), made below this process's own
     cgroup (or below ``parent``, a path inside each hierarchy), removed by :meth:`remove`."""
 
-    _counter = 0
+    _counter = itertools.count(1)  # next() is atomic: concurrent runs create cgroups from threads
 
     def __init__(self, dirs: dict[str, str], version: int) -> None:
         self.dirs, self.version = dirs, version
@@ -236,8 +237,7 @@ class Cgroup:
     def create(cls, limits: TreeLimits, parent: str | None = None, cpus: float = 1.0) -> Cgroup:
         if os.geteuid() != 0 and parent is None:
             raise HardeningError("cgroup: not root and no delegated cgroup given (cgroup_parent)")
-        cls._counter += 1
-        name = f"rollart-sbx-{os.getpid()}-{cls._counter}"
+        name = f"rollart-sbx-{os.getpid()}-{next(cls._counter)}"
         mounts, own = _mounts(), _own_paths()
         v2 = [m for m in mounts if m[1] == "cgroup2"]
         v1 = {c: m[0] for m in mounts if m[1] == "cgroup" for c in (*_CONTROLLERS_V1, "cpu") if c in m[2]}

@@ -1,29 +1,31 @@
 """Run untrusted Python (model-written code) against test cases in a locked-down subprocess.
 
-**The harness decides.** The tests are not run by the model's code: a harness process
-(:mod:`rollart_reward._harness`) receives the test cases and a per-run random nonce on its stdin, starts a
-fresh worker interpreter that imports the solution as a module, calls it once per test case, compares
-each returned value type-strictly as data (never through the solution's ``__eq__``), and writes a report
-with the nonce to a pipe only it holds. An early exit (``sys.exit(0)``, ``os._exit(0)``), a killed
-harness, or a missing / nonce-less / short report is a failure. Test-case formats: :func:`parse_tests`.
+**The harness decides.** The model's code runs only in worker processes. A harness process
+(:mod:`rollart_reward._harness`) gets the cases and a per-run nonce, compares call cases' returned values
+type-strictly as data itself, and runs script-form tests (``check(candidate)``, ``math.isclose``) in a
+tester process (:mod:`rollart_reward._tester`) where the solution's names are proxies to a worker; the
+harness and testers are non-dumpable before any worker exists, and the verdicts travel on pipes no
+worker holds. An early exit, a forged reply, a killed harness, or a missing / nonce-less / short report
+is a failure. Test-case formats: :func:`parse_tests`.
 
 **Isolation levels** (:func:`probe_isolation`; the level that ran is ``SandboxResult.isolation``):
 
-- ``bwrap``: bubblewrap with user, mount, PID, network, IPC, UTS and cgroup namespaces. The sandbox
-  sees only ``/usr`` (and the interpreter's prefix) read-only, its own files read-only at ``/sandbox``,
-  a private ``/tmp``, its own ``/proc`` (PID 1 is the sandbox's init), no network but its own loopback.
-  ``kill(-1)`` reaches only sandbox processes; every process dies with the harness (PID namespace,
-  ``--die-with-parent``). As root, bubblewrap runs as a throw-away uid (one per run), so even a mount
-  escape meets a uid that owns nothing. Works for a non-root trainer where user namespaces are allowed.
-- ``netns`` (fallback): rlimits, a network namespace (as root, or through an unprivileged user
-  namespace), and as root a throw-away uid whose leftover processes are killed after the run.
-  The file system is the host's (read-only only where permissions say so).
+- ``bwrap``: bubblewrap with user, mount, PID, network, IPC, UTS and cgroup namespaces, no nested user
+  namespaces, and a seccomp filter (:mod:`rollart_reward._hardening`). The sandbox sees only ``/usr``
+  (and the interpreter's prefix) read-only, its own files read-only at ``/sandbox``, sized ``/tmp`` and
+  ``/dev/shm``, a read-only ``/`` and ``/dev``, its own ``/proc``, no network but its own loopback.
+  ``kill(-1)`` reaches only sandbox processes; every process dies with the harness. As root, bubblewrap
+  runs as a throw-away uid (one per run).
+- ``netns`` (fallback): rlimits, a network namespace, and as root a throw-away uid whose leftover
+  processes are killed after the run. The file system is the host's.
 - ``rlimits`` (fallback): rlimits, and a Python audit hook refusing sockets (native code gets past it).
 
-``isolation="require"`` (the default) refuses to run without ``bwrap`` (a :class:`SandboxError` naming
-what is missing); ``"best_effort"`` falls back. Every level keeps the rlimits (CPU seconds, address
-space, processes, file size, open files, no core dumps), a wall-clock timeout that kills the whole
-process group, and an output cap.
+**Whole-tree limits**: memory (processes and files together), processes, CPU seconds and wall time bound
+the answer's whole process tree: a cgroup per run where one can be made, else rlimits split so they sum
+to the same totals. **Fail closed**: ``isolation="require"`` (the default) refuses to run without
+``bwrap``, and every hardening step (seccomp, ``--disable-userns``, non-dumpable harness and testers,
+rlimits, a required cgroup) either holds or the run raises :class:`SandboxError` naming it, before any
+answer code runs.
 """
 
 from __future__ import annotations
@@ -120,10 +122,9 @@ def parse_tests(tests: str | list[dict[str, Any]] | None) -> list[dict[str, Any]
       ``{"stdin": "...", "stdout": "..."}`` (the solution runs as a program; its output, trailing
       whitespace ignored, must equal ``stdout``);
     - a string of test code. When every statement is ``assert f(<literals>) == <literal>`` the asserts
-      become call cases (as safe as the dict form). Otherwise the whole string is one *script* case run
-      after the solution in its namespace, passing when it completes: an early exit still fails, but a
-      script can be fooled from inside (an object whose ``__eq__`` is always true): prefer call cases;
-    - empty / None: one script case that passes when the solution runs to its end.
+      become call cases. Otherwise the whole string is one *script* case: it runs in a tester process
+      with the solution's names bound to proxies (values cross as plain data), passing when it completes;
+    - empty / None: one script case that passes when the solution imports without error.
     """
     if tests is None or (isinstance(tests, str) and not tests.strip()):
         return [{"kind": "script", "script": ""}]
