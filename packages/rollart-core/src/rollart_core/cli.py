@@ -306,6 +306,7 @@ def _train(cfg: Any, *, verbose: bool) -> int:
     from rollart_core.report import save_timeline, write_report
     from rollart_core.resources import worker_logs_to
     from rollart_core.timeline import Timeline
+    from rollart_core.trackers import tracking
 
     out: Path = cfg.output_dir
     moved = set_aside_earlier_run(out, cfg.train.resume_from)  # before this run's log opens there
@@ -317,7 +318,8 @@ def _train(cfg: Any, *, verbose: bool) -> int:
     error: BaseException | None = None
     import_s: float | None = None
     worker_logs_to(None if verbose else out / "logs" / "ray")
-    with route_logs(log_file, verbose=verbose):
+    # trackers (W&B, MLflow) start before the pipeline, so one that cannot start stops the run first
+    with route_logs(log_file, verbose=verbose), tracking(cfg) as trackers:
         logging.getLogger(__name__).info("rollart train %s -> %s", cfg.name, out)
         if not live:
             print(
@@ -342,7 +344,11 @@ def _train(cfg: Any, *, verbose: bool) -> int:
         if import_s is not None:
             summary["import_s"] = import_s
         summary = {"name": cfg.name, "output_dir": str(out), **summary}
+        if trackers is not None:
+            summary["trackers"] = trackers.status()
         report = _write_outputs(out, summary, tl, error, save_timeline, write_report)
+        if trackers is not None:  # the summary and the report's page and figures, then they end
+            trackers.finish(summary, [report, *sorted(out.glob("*.png"))] if report else [])
     if error is not None:
         if not isinstance(error, (KeyboardInterrupt, RollartError)):
             error._rollart_log = log_file  # type: ignore[attr-defined]

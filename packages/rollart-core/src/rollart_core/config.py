@@ -20,13 +20,16 @@ __all__ = [
     "ComponentConfig",
     "EngineGroupConfig",
     "EnvManagerSection",
+    "LoggingConfig",
     "MODEL_PRESETS",
+    "MlflowConfig",
     "ModelConfig",
     "RayConfig",
     "RunConfig",
     "TaskConfig",
     "TrainConfig",
     "TrainerSection",
+    "WandbConfig",
     "file_sha256",
     "load_config",
 ]
@@ -264,6 +267,44 @@ class TrainConfig(_Model):
     Batch (the engines serve the previous version for the whole wait)."""
 
 
+class WandbConfig(_Model):
+    project: str = "rollart"
+    entity: str | None = None
+    """W&B team or user; None: the logged-in user's default (online) or none (offline)."""
+    mode: Literal["offline", "online"] = "offline"
+    """``offline``: written under ``dir`` only, no network, no login; ``wandb sync DIR/wandb/offline-run-*``
+    uploads it later. ``online``: streams to the server (needs ``wandb login`` or ``WANDB_API_KEY``)."""
+    dir: Path | None = None
+    """W&B writes its ``wandb/`` folder here; None: the run's ``output_dir``."""
+    tags: list[str] = Field(default_factory=list)
+
+
+class MlflowConfig(_Model):
+    tracking_uri: str | None = None
+    """Any MLflow tracking URI: a directory or ``file:`` URI (a file store), ``sqlite:///PATH`` (needs
+    the full ``mlflow`` package), ``http://HOST:5000``. None: a file store at ``<output_dir>/mlruns``
+    (``MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri <output_dir>/mlruns`` shows it)."""
+    experiment: str = "rollart"
+
+
+class LoggingConfig(_Model):
+    backends: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(default_factory=lambda: ["tensorboard"])
+    """Where step metrics go besides ``metrics.jsonl`` and the console (always written: the report
+    reads them). W&B and MLflow also get the config, the summary and the report's files. A chosen
+    backend whose package is missing stops the run at start, naming the extra to install; by default
+    (``backends`` not set) TensorBoard is used when ``tensorboardX`` is installed."""
+    run_name: str | None = None
+    """The run's name in W&B and MLflow; None: the config's ``name``."""
+    wandb: WandbConfig = WandbConfig()
+    mlflow: MlflowConfig = MlflowConfig()
+
+    @model_validator(mode="after")
+    def _unique(self) -> LoggingConfig:
+        if len(set(self.backends)) != len(self.backends):
+            raise ValueError(f"logging.backends: each backend once, got {self.backends}")
+        return self
+
+
 class RayConfig(_Model):
     address: str | None = None
     """Existing cluster to join; None starts a local one on 127.0.0.1."""
@@ -302,6 +343,8 @@ class RunConfig(_Model):
     ray: RayConfig = RayConfig()
     env_manager: EnvManagerSection | None = None
     """None: environments live in the driver's event loop."""
+    logging: LoggingConfig = LoggingConfig()
+    """Metrics back-ends: TensorBoard, Weights & Biases, MLflow (docs/logging.md)."""
 
     @model_validator(mode="after")
     def _cross_check(self) -> RunConfig:
@@ -347,6 +390,11 @@ class RunConfig(_Model):
         data.model = data.model.resolved(base)
         if not data.output_dir.is_absolute():
             data.output_dir = (base / data.output_dir).resolve()
+        if data.logging.wandb.dir is not None and not data.logging.wandb.dir.is_absolute():
+            data.logging.wandb.dir = (base / data.logging.wandb.dir).resolve()
+        uri = data.logging.mlflow.tracking_uri
+        if uri is not None and "://" not in uri and not Path(uri).is_absolute():
+            data.logging.mlflow.tracking_uri = str((base / uri).resolve())
         return data
 
 

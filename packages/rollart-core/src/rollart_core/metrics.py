@@ -1,5 +1,6 @@
-"""One metrics interface. Sinks: a JSON-lines file, TensorBoard, and the console: a live display on an
-interactive terminal (:class:`rollart_core.console.LiveSink`), else a plain line per step."""
+"""One metrics interface. Sinks: a JSON-lines file, TensorBoard, Weights & Biases and MLflow
+(:mod:`rollart_core.trackers`), and the console: a live display on an interactive terminal
+(:class:`rollart_core.console.LiveSink`), else a plain line per step."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Protocol, TextIO
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
+
+if TYPE_CHECKING:
+    from rollart_core.config import RunConfig
 
 __all__ = [
     "ConsoleSink",
@@ -96,17 +100,33 @@ class TensorBoardSink:
 
 
 def default_sinks(
-    out_dir: Path, console_keys: list[str], first_step: int | None = None, total_steps: int | None = None
+    out_dir: Path,
+    console_keys: list[str],
+    first_step: int | None = None,
+    total_steps: int | None = None,
+    config: RunConfig | None = None,
 ) -> MultiSink:
-    """JSON lines + TensorBoard (when ``tensorboardX`` is installed) + the console: a live display
-    (step k/``total_steps``, ETA, …) when stdout is an interactive terminal and ``rich`` is
-    installed, else a plain line per step. ``first_step``: a resumed run's first step (earlier rows
-    of ``metrics.jsonl`` are kept, the rest dropped)."""
+    """JSON lines + the backends of ``config.logging`` + the console: a live display (step
+    k/``total_steps``, ETA, …) when stdout is an interactive terminal and ``rich`` is installed, else a
+    plain line per step. ``first_step``: a resumed run's first step (earlier rows of ``metrics.jsonl``
+    are kept, the rest dropped). Backends: TensorBoard (by default when ``tensorboardX`` is
+    installed), W&B and MLflow (:mod:`rollart_core.trackers`: those of an enclosing
+    :func:`~rollart_core.trackers.tracking` block, else started here)."""
     sinks: list[MetricsSink] = [JsonlSink(out_dir / "metrics.jsonl", first_step)]
-    try:
-        sinks.append(TensorBoardSink(out_dir / "tensorboard"))
-    except ImportError:
-        pass  # optional extra; the JSON lines carry the same numbers
+    backends = config.logging.backends if config is not None else ["tensorboard"]
+    if "tensorboard" in backends:
+        try:
+            sinks.append(TensorBoardSink(out_dir / "tensorboard"))
+        except ImportError:
+            if config is not None and "backends" in config.logging.model_fields_set:
+                raise  # chosen by name: say what to install
+            # else an optional extra; the JSON lines carry the same numbers
+    if config is not None and set(backends) - {"tensorboard"}:
+        from rollart_core.trackers import Trackers, active_trackers
+
+        trackers = active_trackers() or Trackers.start(config)
+        if trackers is not None:
+            sinks.append(trackers)
     from rollart_core.console import LiveSink, wants_live
 
     sinks.append(LiveSink(total_steps, first_step or 1) if wants_live() else ConsoleSink(console_keys))

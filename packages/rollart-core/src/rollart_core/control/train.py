@@ -77,7 +77,11 @@ async def train(
         if tc.resume_from:
             run.first_step = await resume(p, run, tc.resume_from)
         sink = sink or default_sinks(
-            cfg.output_dir, CONSOLE_KEYS, run.first_step if tc.resume_from else None, total_steps=tc.steps
+            cfg.output_dir,
+            CONSOLE_KEYS,
+            run.first_step if tc.resume_from else None,
+            total_steps=tc.steps,
+            config=cfg,
         )
         saved = (
             TrajectoryLog(cfg.output_dir, p.chat.decode, run.first_step) if tc.export_trajectories else None
