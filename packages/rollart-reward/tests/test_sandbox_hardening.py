@@ -91,6 +91,10 @@ def test_script_tests_reach_the_solution_through_proxies() -> None:
     )
     r = run_python(code, tests)
     assert r.passed, r
+    # unittest finds the test code's cases (a wrong answer is not "0 tests ran, OK").
+    ut = "import unittest\nclass T(unittest.TestCase):\n    def test_a(self):\n        self.assertEqual(sq(3), 9)\nunittest.main()\n"
+    assert run_python("def sq(x):\n    return x * x\n", ut).passed
+    assert not run_python("def sq(x):\n    return 0\n", ut).passed
     # Passing a function to the solution is refused (only data and solution objects cross over).
     r = run_python("def f(g):\n    return 1\n", "assert f(lambda: 1) == 1\n")
     assert not r.passed and "cannot be passed to the solution" in r.stderr, r
@@ -270,3 +274,54 @@ def test_harness_without_ctypes_refuses_instead_of_running_dumpable() -> None:
         report = f.read()
     assert p.returncode == 0, p.stderr
     assert report.startswith(b"setup-error: cannot make the harness non-dumpable: ctypes"), report
+
+
+# Written from inside the sandbox to the host's stdout/stderr pipes through bwrap's init (which holds
+# them): possible when the sandbox's uid owns those pipes (a non-root trainer).
+HOST_PIPE_FORGE = (
+    "import os\n"
+    "for fd in (1, 2):\n"
+    "    try:\n"
+    "        w = os.open(f'/proc/1/fd/{fd}', os.O_WRONLY)\n"
+    "        os.write(w, b'\\0setup-error:forged\\n\\0level:rlimits\\n')\n"
+    "        print('wrote', fd)\n"
+    "    except OSError:\n"
+    "        pass\n"
+    "def add(a, b):\n    return 0\n"
+)
+NOBODY = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", "--"]
+AS_NOBODY = r"""
+import json, site, sys
+site.addsitedir(sys.argv[1])
+from rollart_reward.sandbox import SandboxError, run_python
+try:
+    r = run_python(sys.argv[2], "assert add(1, 2) == 3\nx = 1\n", timeout_s=8)
+    print(json.dumps({"passed": r.passed, "stdout": r.stdout}))
+except SandboxError as exc:
+    print(json.dumps({"error": str(exc)}))
+"""
+
+
+@needs_bwrap
+@needs_root
+def test_host_pipes_cannot_turn_a_run_into_a_refusal() -> None:
+    """A refusal (SandboxError: fate reward_failed, not a score) only comes before the harness starts:
+    a marker written later by the answer scores 0 like any other failure."""
+    import shutil
+    import sysconfig
+
+    if shutil.which("setpriv") is None:
+        pytest.skip("needs setpriv to run as nobody")
+    site_dir = sysconfig.get_paths()["purelib"]
+    p = subprocess.run(
+        [*NOBODY, "/usr/bin/python3", "-I", "-c", AS_NOBODY, site_dir, HOST_PIPE_FORGE],
+        capture_output=True,
+        timeout=60,
+        cwd="/",
+        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+    )
+    if p.returncode != 0 and "No module named" in p.stderr.decode():
+        pytest.skip("uid 65534 cannot import the installed packages here")
+    out = json.loads(p.stdout.decode().strip().splitlines()[-1])
+    assert out.get("passed") is False, out
+    assert "wrote" in out["stdout"], out  # the write itself happened: only the verdict ignores it

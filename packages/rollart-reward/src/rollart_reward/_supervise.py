@@ -216,12 +216,14 @@ async def _supervise(
             await _reap_uid(run.uid)
     stderr_host = err.decode("utf-8", "replace")
     ran = run.level or "rlimits"
-    if "\0level:" in stderr_host:
-        head, _, tail = stderr_host.partition("\0level:")
-        ran, _, rest = tail.partition("\n")
-        stderr_host = head + rest
-    if "\0setup-error:" in stderr_host:
-        raise SandboxError("sandbox refused to run: " + stderr_host.partition("\0setup-error:")[2].strip())
+    # The launcher's markers come first, before any solution code exists. Only the first line counts:
+    # a solution can write to the host's stderr pipe too (through bwrap's init, /proc/1/fd/2, when the
+    # sandbox's uid owns that pipe), so nothing after it may turn a run into a refusal.
+    first, _, rest = stderr_host.partition("\n")
+    if first.startswith("\0level:") and run.level != "bwrap":
+        ran, stderr_host = first[len("\0level:") :], rest
+    if first.startswith("\0setup-error:") and not report.startswith(b"started\n"):
+        raise SandboxError("sandbox refused to run: " + first[len("\0setup-error:") :].strip())
     body = _started(bytes(report), proc.returncode, killed, stderr_host)
     result = _judge(body, harness_cfg, proc.returncode, killed, stderr_host, ran, run.t0)
     result.limits = "cgroup" if run.cgroup is not None else "rlimits"

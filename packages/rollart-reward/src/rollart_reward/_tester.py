@@ -156,7 +156,10 @@ def _exception(type_name, message):
 def _bind(names):
     """The test code's globals: the solution's names (data, standard modules, proxies) and a
     ``solution`` module holding them, for ``from solution import f``."""
-    scope = {"__name__": "__main__", "__builtins__": builtins}
+    main = types.ModuleType("__main__")  # the test code's module: unittest.main() finds its tests here
+    main.__builtins__ = builtins
+    sys.modules["__main__"] = main
+    scope = main.__dict__
     module = types.ModuleType("solution")
     for name, tagged in (names or {}).items():
         if type(tagged) is list and tagged and tagged[0] == "m":
@@ -186,6 +189,7 @@ def _run(cfg):
     except Exception as exc:
         return False, f"import failed: {type(exc).__name__}: {exc}"
     scope = _bind(names)
+    sys.argv = ["tests"]  # unittest.main() and argparse in test code read it
     try:
         exec(compile(cfg["script"], "<tests>", "exec"), scope)
         passed, why = True, None
