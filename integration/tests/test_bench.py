@@ -37,7 +37,7 @@ def test_rollart_bench_micro(tmp_path: Path, tiny_model: Path) -> None:
         check=False,
     )
     assert r.returncode == 0, r.stderr[-4000:]
-    assert "traj/s" in r.stdout and "achieved/bound" in r.stdout and "Sync+" in r.stdout
+    assert "traj/s" in r.stdout and "of compute" in r.stdout and "Sync+" in r.stdout
     for name in ("bench.json", "summary.md", "report.html"):
         assert (out / name).stat().st_size > 0
     assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -94,11 +94,21 @@ def test_rollart_bench_micro(tmp_path: Path, tiny_model: Path) -> None:
             "lake",
         }
         assert all(m["group_rollout_s"][t] <= m["group_lifetime_s"][t] + 1e-6 for t in ("calc", "lake"))
-        assert m["window_bound_traj_per_s"] > 0
-        assert m["achieved_over_min_bound"] == pytest.approx(
-            m["traj_per_s"] / min(m["bound_traj_per_s"], m["window_bound_traj_per_s"])
-        )
+        assert m["window_bound_traj_per_s"] > 0 and m["window_bound_load_traj_per_s"] > 0
+        assert all(v > 0 for v in m["group_idle_s"].values()) and set(m["group_idle_s"]) == {"calc", "lake"}
+        limits = (m["bound_traj_per_s"], m["cpu_bound_traj_per_s"], m["window_bound_traj_per_s"])
+        assert m["achieved_over_min_bound"] == pytest.approx(m["traj_per_s"] / min(limits))
     assert res["results"]["sync"]["window_bound_traj_per_s"] is None
+    # the CPU-charged bound: every stage's processes found, the machine's core-seconds all placed
+    for mode, m in res["results"].items():
+        cpu = m["cpu"]
+        assert (
+            cpu["cpu_s_per_traj_by_stage"]["generate"] > 0 and cpu["cpu_s_per_traj_by_stage"]["train"] > 0
+        ), mode
+        assert sum(cpu["share"].values()) == pytest.approx(1.0, abs=0.02), cpu
+        assert m["cpu_bound_traj_per_s"] == pytest.approx(cpu["cores"] / cpu["cpu_s_per_traj"])
+    assert "held against the tightest" in r.stdout and "Core-seconds:" in r.stdout
+    assert res["rounds_done"] == 1 and not res["missing"]
     assert res["results"]["async_a1"]["rounds"]["vs_sync"]["rounds"] and "Little's law" in r.stdout
     # elastic reward through the real function runtime, which the bench started and stopped
     rw = res["results"]["async_a1"]["reward"]

@@ -98,26 +98,33 @@ def _results() -> dict:
         "abl_inline_standin": [_seg(0, 3.2, 16, life), _seg(1, 3.2, 16, life)],  # 5.0 and 5.0
     }
     compute = {"bound": 10.0, "bottleneck": "generate+train"}
+    idle = {"lifetime_s": life, "trained_per_group": {"calc": 4.0, "lake": 4.0}}
     bounds = {
         "sync": compute,
         "one_off": compute,
-        "async_a1": {**compute, "window": WINDOW},
-        "abl_inline_standin": {**compute, "window": WINDOW},
+        "async_a1": {**compute, "window": WINDOW, "idle": idle},
+        "abl_inline_standin": {**compute, "window": WINDOW, "idle": idle},
     }
     return {"segments": segments, "bounds": bounds, "results": aggregate(segments, bounds)}
 
 
-def test_window_bound_counts_what_the_groups_taken_trained() -> None:
+def test_window_bounds_count_what_the_groups_trained() -> None:
     # 4 groups of 4 taken in the window, 12 trajectories trained: a member of each crashed, its place
-    # in the window held all the same. The bound is 3/4 of the nominal one, and achieved/bound is the
-    # window's fill, not the yield times the fill.
+    # in the window held all the same. Under load the groups lived 2 s (calc) and 4 s (lake) from
+    # launch to their last fate (and twice that until taken); alone, 4 s and 8 s, training 3.5 and 3.
     seg = _seg(0, 4.0, 12, {"calc": 4.0, "lake": 8.0})
-    bounds = {"async_a1": {"bound": 10.0, "bottleneck": "generate+train", "window": WINDOW}}
+    idle = {"lifetime_s": {"calc": 4.0, "lake": 8.0}, "trained_per_group": {"calc": 3.5, "lake": 3.0}}
+    bounds = {"async_a1": {"bound": 10.0, "bottleneck": "generate+train", "window": WINDOW, "idle": idle}}
     r = aggregate({"async_a1": [seg]}, bounds)["async_a1"]
     assert r["trained_per_group"] == 3.0
-    assert r["window_bound_traj_per_s"] == pytest.approx(16 / 3 * 3 / 4)
-    assert r["achieved_over_min_bound"] == pytest.approx((12 / 4.0) / 4.0)
-    assert r["rounds"]["of_min_bound"]["rounds"] == pytest.approx([0.75])
+    # alone: 2 steps x 4 groups / (2·4 + 2·8 group-seconds) = 1/3 batch/s, of 2·3.5 + 2·3 trajectories
+    assert r["window_bound_traj_per_s"] == pytest.approx(13 / 3)
+    # under load: 8 / (2·2 + 2·4) = 2/3 batch/s of 4 groups x 3 trained; until taken: half that
+    assert r["window_bound_load_traj_per_s"] == pytest.approx(8.0)
+    assert r["window_bound_taken_traj_per_s"] == pytest.approx(4.0)
+    assert r["min_bound_by"] == "window" and r["achieved_over_min_bound"] == pytest.approx(3.0 / (13 / 3))
+    assert r["achieved_over_window_load"] == pytest.approx(3.0 / 8.0)
+    assert r["rounds"]["of_min_bound"]["rounds"] == pytest.approx([3.0 / (13 / 3)])
 
 
 def test_achieved_over_min_of_compute_and_window_bound_with_spread_over_rounds() -> None:
@@ -201,8 +208,11 @@ def test_printed_table_and_summary_carry_the_new_columns(tmp_path) -> None:
     )
     table = print_table(res)
     for text in (
-        "window bound traj/s",
-        "of min bound",
+        "window bound (idle) traj/s",
+        "window bound (load) traj/s",
+        "CPU-charged bound traj/s",
+        "of tightest",
+        "held against the tightest, window",
         "vs One-off",
         "2.50x",
         "25% busy, 4 cold",

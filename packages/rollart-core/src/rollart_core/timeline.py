@@ -115,24 +115,30 @@ def mean_concurrency(intervals: Iterable[tuple[float, float]], window: tuple[flo
     return sum(e - s for s, e in _clip(intervals, window)) / span
 
 
-def bottleneck_bound(capacity: Mapping[str, float], shared: Iterable[str] = ()) -> dict[str, Any]:
+def bottleneck_bound(capacity: Mapping[str, float | None], shared: Iterable[str] = ()) -> dict[str, Any]:
     """Throughput bound from standalone stage capacities (work units/s each, e.g. trajectories/s).
 
     Stages on separate resources bound throughput by the slowest (``min``). Stages in ``shared``
     run on the same cores, so one unit costs the sum of their times: they count as one stage of
-    capacity ``1 / sum(1 / c)``. Returns the bound and the bottleneck's name.
+    capacity ``1 / sum(1 / c)``. A capacity of None is a stage that could not be measured: it bounds
+    nothing and is listed in ``unmeasured`` (a shared group with one unmeasured member is left out
+    whole). Returns the bound and the bottleneck's name (both None when nothing was measured).
     """
-    shared = [s for s in shared if s in capacity]
     for name, c in capacity.items():
-        if c <= 0:
+        if c is not None and c <= 0:
             raise ValueError(f"capacity of {name!r} must be > 0, got {c}")
-    stages: dict[str, float] = {k: v for k, v in capacity.items() if k not in shared}
-    if shared:
-        stages["+".join(shared)] = 1.0 / sum(1.0 / capacity[s] for s in shared)
-    if not stages:
+    missing = [k for k, v in capacity.items() if v is None]
+    measured = {k: v for k, v in capacity.items() if v is not None}
+    shared = [s for s in shared if s in capacity]
+    stages: dict[str, float] = {k: v for k, v in measured.items() if k not in shared}
+    if shared and all(s in measured for s in shared):
+        stages["+".join(shared)] = 1.0 / sum(1.0 / measured[s] for s in shared)
+    if not capacity:
         raise ValueError("no capacities given")
+    if not stages:
+        return {"bound": None, "bottleneck": None, "stages": {}, "unmeasured": missing}
     name = min(stages, key=lambda k: stages[k])
-    return {"bound": stages[name], "bottleneck": name, "stages": stages}
+    return {"bound": stages[name], "bottleneck": name, "stages": stages, "unmeasured": missing}
 
 
 def cpu_jiffies() -> tuple[int, int] | None:

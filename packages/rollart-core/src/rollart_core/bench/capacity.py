@@ -1,11 +1,23 @@
 """Standalone capacity of each stage of the bench's pipeline, measured before the rounds: generation
 alone on a saturating load, the trainer alone (all cores, and the half share the overlapping modes
 give it), env calls alone, reward calls alone per executor kind. Each becomes trajectories/s of this
-workload, and their minimum the compute bound."""
+workload, and their minimum the compute bound. A stage of which nothing finished inside its probe
+gets one probe four times as long, then is reported unmeasured with the reason
+(``{"traj_per_s": None, "unmeasured": ...}``): a probe never stops the bench.
+
+The env and reward probes also give the CPU seconds per call that the driver's thread spends on
+them (``driver_cpu_s_per_call``): the bench's environments and in-process rewards run in the driver,
+and the CPU-charged bound charges them off the driver's time with it.
+
+:func:`idle_lifetimes` measures each task's *natural* group lifetime on an otherwise idle pipeline:
+one group per task launched alone (a few times), from launch until its last member's fate, with the
+mode's faults, redundancy and reward: the staleness window's bound from it does not depend on how
+fast the trainer takes groups."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -13,9 +25,17 @@ from typing import Any
 
 from rollart_core.bench.workload import BenchSize, train_threads
 from rollart_core.config import RunConfig
-from rollart_core.errors import ConfigError, EnvError
+from rollart_core.errors import EnvError
 
-__all__ = ["measure_capacity"]
+__all__ = ["idle_lifetimes", "measure_capacity", "unmeasured"]
+
+RETRY_FACTOR = 4
+"""A probe of which nothing finished runs once more this many times as long."""
+
+
+def unmeasured(reason: str) -> dict[str, Any]:
+    """A stage whose capacity could not be measured, and why."""
+    return {"traj_per_s": None, "unmeasured": reason}
 
 
 async def measure_capacity(
@@ -52,7 +72,10 @@ async def measure_capacity(
     gen_s = time.perf_counter() - t0
     done = [t for t in ro.drain_finished() if t.fate is not None and t.fate.value == "finished"]
     if not done:
-        raise ConfigError("capacity probe: no trajectory finished (check the engine logs)")
+        reason = f"none of {ro.launched} trajectories finished in {gen_s:.1f} s (check the engine logs)"
+        partial = await _without_generation(p, faulty, inflight, size, reason)
+        await _probe_rewards(partial, rewards, inflight, size.capacity_s)
+        return partial
     gen_tokens = sum(t.num_generated() for t in done)
     ctx_tokens = sum(len(tu.context_ids) for t in done for tu in t.turns)
     turns = {task.name: [len(t.turns) for t in done if t.task == task.name] for task in free.tasks}
@@ -90,18 +113,62 @@ async def measure_capacity(
     await p.proxy.update_weights(p.trainer.version)
     # env calls alone (with the bench's latency and crashes), ``inflight`` episodes at once
     mean_turns = {k: max(1, round(sum(v) / len(v))) if v else 1 for k, v in turns.items()}
-    cap["env"] = await _env_capacity(p, faulty, mean_turns, inflight, size.capacity_s)
-    # reward calls alone, per executor kind, ``inflight`` callers at once; first one call that starts
-    # a function runtime the executor runs (a call cancelled half-way would stop it again), then a
-    # window of the same load to scale its workers out: start-up is not the steady capacity
-    for kind, ex in rewards.items():
-        await ex.score(_probe_trajectory(f"start-{kind}"))
-        await _reward_capacity(ex, inflight, size.capacity_s)
-        cap[f"reward_{kind}"] = await _reward_capacity(ex, inflight, size.capacity_s)
+    cap["env"] = await _longer(lambda s: _env_capacity(p, faulty, mean_turns, inflight, s), size.capacity_s)
+    await _probe_rewards(cap, rewards, inflight, size.capacity_s)
     cap["mean_turns"] = mean_turns
     cap["turns"] = turns
     cap["inflight"] = inflight
     return cap
+
+
+async def _without_generation(
+    p: Any, faulty: RunConfig, inflight: int, size: BenchSize, reason: str
+) -> dict[str, Any]:
+    """The probes that need no trajectory, when generation finished none: generation and the
+    trainer (which trains on the probe's trajectories) unmeasured, the env probe at one turn."""
+    turns = {t.name: 1 for t in faulty.tasks}
+    return {
+        "generate": unmeasured(reason),
+        "train": unmeasured(f"no trajectory to train on ({reason})"),
+        "env": await _longer(lambda s: _env_capacity(p, faulty, turns, inflight, s), size.capacity_s),
+        "mean_turns": turns,
+        "turns": {},
+        "inflight": inflight,
+    }
+
+
+async def _probe_rewards(
+    cap: dict[str, Any], rewards: Mapping[str, Any], inflight: int, seconds: float
+) -> None:
+    """Reward calls alone, per executor kind, ``inflight`` callers at once; first one call that starts
+    a function runtime the executor runs (a call cancelled half-way would stop it again), then a
+    window of the same load to scale its workers out: start-up is not the steady capacity."""
+    for kind, ex in rewards.items():
+        try:
+            await ex.score(_probe_trajectory(f"start-{kind}"))
+        except Exception as exc:  # the reason is reported; the rounds still run
+            cap[f"reward_{kind}"] = unmeasured(f"the first call failed: {exc!r}")
+            continue
+        await _reward_capacity(ex, inflight, seconds)
+        cap[f"reward_{kind}"] = await _longer(functools.partial(_reward_capacity, ex, inflight), seconds)
+
+
+async def _longer(probe: Callable[[float], Awaitable[dict[str, Any]]], seconds: float) -> dict[str, Any]:
+    """``probe(seconds)``; where nothing finished inside it, once more ``RETRY_FACTOR`` times as
+    long; then the stage is unmeasured, with the reason."""
+    out = await probe(seconds)
+    if out["traj_per_s"]:
+        return out
+    longer = await probe(seconds * RETRY_FACTOR)
+    if longer["traj_per_s"]:
+        return {**longer, "retried_after_s": seconds}
+    return {
+        **longer,
+        **unmeasured(
+            f"nothing finished within {seconds:g} s, nor within {seconds * RETRY_FACTOR:g} s "
+            f"({longer.get('concurrency', '?')} callers at once)"
+        ),
+    }
 
 
 async def _contention(
@@ -211,10 +278,13 @@ async def _env_capacity(
             finally:
                 await env.close()
 
+    cpu0 = time.thread_time()  # the driver's loop thread, where every env coroutine runs
     s = await _for(duration, workers, worker)
+    cpu = time.thread_time() - cpu0
     mean_calls = sum(per_episode.values()) / len(per_episode)
     return {
         "traj_per_s": calls[0] / s / mean_calls,
+        "driver_cpu_s_per_call": cpu / calls[0] if calls[0] else None,
         "calls_per_s": calls[0] / s,
         "calls_per_traj": mean_calls,
         "crashes": crashes[0],
@@ -245,17 +315,62 @@ async def _reward_capacity(ex: Any, workers: int, duration: float) -> dict[str, 
             await ex.score(_probe_trajectory(f"cap-{w}-{k}-{t0}"))
             n[0] += time.perf_counter() <= deadline
 
+    cpu0 = time.thread_time()  # the driver's loop thread: an in-process reward, or the HTTP client
     tasks = [asyncio.create_task(worker(w)) for w in range(workers)]
     await asyncio.wait(tasks, timeout=2 * duration)
     for t in tasks:
         t.cancel()
-    errors = [r for r in await asyncio.gather(*tasks, return_exceptions=True) if isinstance(r, Exception)]
-    if errors:
-        raise errors[0]
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    cpu = time.thread_time() - cpu0
+    errors = [r for r in results if isinstance(r, Exception)]
+    if errors and not n[0]:
+        return unmeasured(f"no call finished within {duration:.1f} s: {errors[0]!r}") | {
+            "concurrency": workers
+        }
     return {
         "traj_per_s": n[0] / duration,
+        "driver_cpu_s_per_call": cpu / n[0] if n[0] else None,
+        "errors": len(errors),
         "calls_per_s": n[0] / duration,
         "calls": n[0],
         "concurrency": workers,
         "seconds": duration,
+    }
+
+
+async def idle_lifetimes(
+    p: Any, cfg: RunConfig, repeats: int, use: Callable[[RunConfig, int], None]
+) -> dict[str, Any]:
+    """Each task's natural group lifetime on an otherwise idle pipeline, under ``cfg`` (a mode's
+    config: its faults, redundancy, env replicas and reward executor): ``repeats`` times, one group
+    of every task launched alone (the tasks side by side), from launch until its last member's fate
+    (a redundant member's is its cancellation, once the group has its ``group_size``). Per task: the
+    mean lifetime (``lifetime_s``), every sample, and the trajectories each group could train
+    (``trained_per_group``: finished members, at most ``group_size``). Nothing waits for a trainer."""
+    from rollart_core.control.rollout import Rollout
+
+    use(cfg, train_threads("half"))
+    samples: dict[str, list[float]] = {t.name: [] for t in cfg.tasks}
+    yields: dict[str, list[int]] = {t.name: [] for t in cfg.tasks}
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        ro = Rollout(p)
+        groups = {ro.launch_group(ti, tag="idle"): t for ti, t in enumerate(cfg.tasks)}
+        await ro.wait_all()
+        members: dict[str, list[Any]] = {}
+        for traj in ro.drain_finished():
+            members.setdefault(traj.group_id, []).append(traj)
+        for gid, task in groups.items():
+            trajs = members.get(gid, [])
+            if not trajs:
+                continue
+            samples[task.name].append(max(t.timings.get("episode", 0.0) for t in trajs))
+            done = sum(1 for t in trajs if t.fate is not None and t.fate.value == "finished")
+            yields[task.name].append(min(task.group_size, done))
+    return {
+        "lifetime_s": {k: sum(v) / len(v) for k, v in samples.items() if v},
+        "trained_per_group": {k: sum(v) / len(v) for k, v in yields.items() if v},
+        "samples": samples,
+        "groups": repeats,
+        "seconds": time.perf_counter() - t0,
     }

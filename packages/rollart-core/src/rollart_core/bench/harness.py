@@ -30,12 +30,15 @@ import os
 import platform
 import time
 from collections import Counter
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
-from rollart_core.bench.capacity import measure_capacity
+from rollart_core.bench.capacity import idle_lifetimes, measure_capacity, unmeasured
+from rollart_core.bench.cpu import ProcessCpu
 from rollart_core.bench.figures import (
     aggregate,
     episode_sums,
@@ -44,7 +47,7 @@ from rollart_core.bench.figures import (
     reward_delta,
     steady_window,
 )
-from rollart_core.bench.samples import latency_samples
+from rollart_core.bench.samples import latency_samples, version_waits
 from rollart_core.bench.workload import (
     DEFAULT_MODES,
     MODES,
@@ -164,7 +167,8 @@ async def run_segment(
     _use(p, cfg, threads, rewards)
     reward_before = await stats_of(p.rewards)
     rows = MemorySink()
-    async with CpuMeter() as cpu:
+    roots = await stage_pids(p, rewards)
+    async with CpuMeter() as cpu, ProcessCpu(roots) as stages_cpu:
         with Timeline() as tl:
             t0 = time.perf_counter()
             summary = await train(cfg, sink=rows, pipeline=p)
@@ -193,8 +197,12 @@ async def run_segment(
         "dropped_groups": len(summary["dropped_groups"]),
         "stages": tl.summary((t0, t1)),
         "cpu_busy": cpu.busy((t0, t1)),
+        "cpu": stages_cpu.seconds((t0, t1)),
+        "calls": calls_in(tl.intervals, (t0, t1)),
+        "cpu_roots": {k: sorted(v) for k, v in roots.items()},
         "groups": group_sums(tl.intervals, "group", (t0, t1)),
         "groups_rollout": group_sums(tl.intervals, "group_rollout", (t0, t1)),
+        "groups_wait": version_waits(tl.intervals, (t0, t1)),
         "reward": reward_delta(reward_before, reward_after),
         "samples": latency_samples(tl.intervals),
     }
@@ -212,12 +220,39 @@ async def run_segment(
             "stages": tl.summary((w0, w1)),
             "window": (w0 - t0, w1 - t0),
             "cpu_busy": cpu.busy((w0, w1)),
+            "cpu": stages_cpu.seconds((w0, w1)),
+            "calls": calls_in(tl.intervals, (w0, w1)),
             "groups": group_sums(tl.intervals, "group", (w0, w1)),
             "groups_rollout": group_sums(tl.intervals, "group_rollout", (w0, w1)),
+            "groups_wait": version_waits(tl.intervals, (w0, w1)),
         }
     if keep_intervals:
         seg["intervals"] = [(st, round(s - t0, 4), round(e - t0, 4)) for st, s, e, _ in tl.intervals]
     return seg
+
+
+def calls_in(intervals: list[tuple[str, float, float, str]], window: tuple[float, float]) -> dict[str, int]:
+    """Env and reward calls that ended inside ``window``."""
+    out = {"env": 0, "reward": 0}
+    for st, _, e, _ in intervals:
+        if st in out and window[0] < e <= window[1]:
+            out[st] += 1
+    return out
+
+
+async def stage_pids(p: Any, rewards: RewardExecutors) -> dict[str, set[int]]:
+    """The processes whose trees are each stage's: the engines' actors, the trainer's ranks, the
+    reward runtimes (read afresh each segment: a restarted one has a new pid). A process that cannot
+    say is left out (its time counts as Ray's)."""
+    roots: dict[str, set[int]] = {"generate": set(), "train": set(), "reward": set()}
+    for actor in getattr(p, "actors", []):
+        try:
+            roots["generate"].add(int(await asyncio.wait_for(actor.pid.remote(), 10)))
+        except Exception as exc:  # a dead engine: its time is not this segment's
+            log.warning("engine pid unknown: %r", exc)
+    roots["train"].update(int(x) for x in getattr(p.trainer, "pids", []) or [])
+    roots["reward"].update(int(e["pid"]) for e in rewards.described() if e.get("pid"))
+    return roots
 
 
 def machine() -> dict[str, Any]:
@@ -255,8 +290,19 @@ def machine() -> dict[str, Any]:
 
 
 async def run_bench(
-    size_name: str, size: BenchSize, modes: list[str], out_dir: Path, model_path: Path | None = None
+    size_name: str,
+    size: BenchSize,
+    modes: list[str],
+    out_dir: Path,
+    model_path: Path | None = None,
+    *,
+    write_each_round: bool = True,
+    pipeline: Callable[[RunConfig], AbstractAsyncContextManager[Any]] | None = None,
 ) -> dict[str, Any]:
+    """Every mode once per round on one pipeline, after the capacity probes; the reports are
+    written after every round (``write_each_round``), so that a run stopped half-way keeps the rounds
+    it ran. A segment that fails is recorded with its reason and the next mode runs. ``pipeline``:
+    what builds the pipeline from the workload's config (default: the real one)."""
     from rollart_core.control.pipeline import Pipeline
 
     unknown = [m for m in modes if m not in MODES]
@@ -264,7 +310,7 @@ async def run_bench(
         raise ConfigError(f"unknown bench modes {unknown or modes} (known: {', '.join(MODES)})")
     out_dir.mkdir(parents=True, exist_ok=True)
     model_path = model_path or out_dir / "model"
-    info = {
+    info: dict[str, Any] = {
         "size_name": size_name,
         "size": size.model_dump(),
         "modes": {m: MODES[m].model_dump() for m in modes},
@@ -281,59 +327,196 @@ async def run_bench(
     )
     segments: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     rewards = RewardExecutors()
-    async with Pipeline(base) as p:
+    cap: dict[str, Any] = {}
+    idle: dict[str, dict[str, Any]] = {}
+    res: dict[str, Any] = {}
+
+    def results(rounds_done: int) -> dict[str, Any]:
+        info["machine"]["loadavg_end"] = os.getloadavg()
+        out = {
+            **info,
+            "rounds_done": rounds_done,
+            "capacity": cap,
+            "idle_lifetimes": idle,
+            "config": json.loads(base.model_dump_json()),
+            "mode_configs": {m: json.loads(c.train.model_dump_json()) for m, c in cfgs.items()},
+            "segments": segments,
+            "missing": missing_lines(segments, modes, rounds_done),
+            "wall_s": time.perf_counter() - t_run,
+        }
+        out["bounds"] = bounds = mode_bounds(cap, idle, cfgs, modes)
+        try:
+            out["results"] = aggregate(segments, bounds)
+            out["goals"] = goals(out["results"])
+        except Exception as exc:  # the segments are kept; the figures' fault is named
+            log.exception("bench figures failed")
+            out["results"], out["goals"], out["figures_error"] = {}, {}, repr(exc)
+        return out
+
+    async with (pipeline or Pipeline)(base) as p:
         try:
             info["build_s"] = dict(p.timings)
             t0 = time.perf_counter()
             by_kind = {MODES[m].reward: next(iter(rewards.of(cfgs[m]).values())) for m in modes}
-            cap = await measure_capacity(
-                p, free, base, size, inflight, by_kind, lambda c, n: _use(p, c, n, rewards)
-            )
+            try:
+                cap.update(
+                    await measure_capacity(
+                        p, free, base, size, inflight, by_kind, lambda c, n: _use(p, c, n, rewards)
+                    )
+                )
+            except Exception as exc:  # no compute bound; the rounds still run
+                log.exception("capacity probe failed")
+                why = f"the capacity probe failed: {exc!r}"
+                cap.update({k: unmeasured(why) for k in ("generate", "train", "env")})
+                cap.update({f"reward_{k}": unmeasured(why) for k in by_kind})
             info["capacity_probe_s"] = time.perf_counter() - t0
             log.info("capacity: %s", cap)
+            t0 = time.perf_counter()
+            idle.update(await measure_idle(p, cfgs, size, rewards))
+            info["idle_probe_s"] = time.perf_counter() - t0
             for r in range(size.rounds):
                 for m in modes:
-                    seg = await run_segment(
-                        p,
-                        segment_config(cfgs[m], r, m),
-                        keep_intervals=r == size.rounds - 1,
-                        threads=train_threads(MODES[m].train_cores),
-                        warmup=MODES[m].warmup_steps() if size.warmup else None,
-                        rewards=rewards,
-                    )
-                    seg["round"] = r
+                    seg = await guarded_segment(p, cfgs[m], m, r, size, rewards, keep=r == size.rounds - 1)
                     segments[m].append(seg)
-                    print(
-                        f"round {r + 1}/{size.rounds} {m:<22} {seg['trained'] / seg['wall_s']:7.2f} traj/s "
-                        f"({seg['trained']} trained in {seg['wall_s']:.1f}s)",
-                        flush=True,
-                    )
+                    print(round_line(r, size.rounds, m, seg), flush=True)
+                if write_each_round:
+                    write_partial(results(r + 1), out_dir)
+        except BaseException:  # stopped half-way (interrupted, the pipeline failed): keep what ran
+            if write_each_round:
+                write_partial(results(size.rounds), out_dir)
+            raise
         finally:  # a runtime an executor started stops with the run, however it ends
             info["reward_executors"] = rewards.described()
             await rewards.aclose()
-    capacity = {k: v["traj_per_s"] for k, v in cap.items() if k in ("generate", "train", "env")}
-    bounds = {
-        m: {
-            **bottleneck_bound(
-                {**capacity, "reward": cap[f"reward_{MODES[m].reward}"]["traj_per_s"]}, SHARED
-            ),
-            "window": window_spec(cfgs[m]),
+    res = results(size.rounds)
+    res["wall_s"] = time.perf_counter() - t_run
+    return res
+
+
+async def guarded_segment(
+    p: Any, cfg: RunConfig, mode: str, r: int, size: BenchSize, rewards: RewardExecutors, keep: bool
+) -> dict[str, Any]:
+    """One mode's segment of round ``r``; a failure is recorded with its reason (``failed``), and
+    the engines are brought back to the trainer's version for the next mode."""
+    try:
+        seg = await run_segment(
+            p,
+            segment_config(cfg, r, mode),
+            keep_intervals=keep,
+            threads=train_threads(MODES[mode].train_cores),
+            warmup=MODES[mode].warmup_steps() if size.warmup else None,
+            rewards=rewards,
+        )
+    except Exception as exc:  # the next mode runs; this one says why it has no line
+        log.exception("bench: %s, round %d failed", mode, r + 1)
+        seg = {"failed": f"{type(exc).__name__}: {exc}"}
+        try:
+            await _sync_engines(p)
+        except Exception as sync_exc:
+            log.warning("engines not brought back to the trainer's version: %r", sync_exc)
+    seg["round"] = r
+    return seg
+
+
+def round_line(r: int, rounds: int, mode: str, seg: dict[str, Any]) -> str:
+    """The line every mode prints in every round: its throughput, or why it has none."""
+    name = f"{mode} ({MODES[mode].label})" if MODES[mode].label else mode
+    head = f"round {r + 1}/{rounds} {name:<34}"
+    if "failed" in seg:
+        return f"{head} no figure: the segment failed: {seg['failed']}"
+    m = seg.get("steady", seg)
+    if not seg["wall_s"] or not m["wall_s"]:
+        return f"{head} no figure: the segment took no time"
+    return (
+        f"{head} {m['trained'] / m['wall_s']:7.2f} traj/s measured ({seg['trained']} trained in "
+        f"{seg['wall_s']:.1f}s, {seg['steps']} steps)"
+    )
+
+
+def missing_lines(segments: dict[str, list[dict[str, Any]]], modes: list[str], rounds: int) -> dict[str, Any]:
+    """Per mode: the rounds (1-based) without a figure, and why."""
+    out: dict[str, Any] = {}
+    for m in modes:
+        done = {s["round"]: s for s in segments.get(m, [])}
+        why = {
+            str(r + 1): done[r]["failed"] if r in done else "not run (the bench stopped before it)"
+            for r in range(rounds)
+            if r not in done or "failed" in done[r]
         }
-        for m in modes
-    }
-    results = aggregate(segments, bounds)
-    info["machine"]["loadavg_end"] = os.getloadavg()
-    return {
-        **info,
-        "capacity": cap,
-        "bounds": bounds,
-        "results": results,
-        "goals": goals(results),
-        "segments": segments,
-        "config": json.loads(base.model_dump_json()),
-        "mode_configs": {m: json.loads(c.train.model_dump_json()) for m, c in cfgs.items()},
-        "wall_s": time.perf_counter() - t_run,
-    }
+        if why:
+            out[m] = why
+    return out
+
+
+async def measure_idle(
+    p: Any, cfgs: dict[str, RunConfig], size: BenchSize, rewards: RewardExecutors
+) -> dict[str, dict[str, Any]]:
+    """Natural group lifetimes alone (:func:`idle_lifetimes`) for every async mode, measured once per
+    distinct set of what shapes them (redundancy, envs, reward executor) and shared by the modes
+    alike; a probe that fails leaves the mode without a window bound, with the reason."""
+    out: dict[str, dict[str, Any]] = {}
+    by_key: dict[str, dict[str, Any]] = {}
+    for m, cfg in cfgs.items():
+        if cfg.train.mode != "async":
+            continue
+        key = json.dumps(
+            [t.model_dump(mode="json", exclude={"groups_per_step"}) for t in cfg.tasks], sort_keys=True
+        )
+        if key not in by_key:
+            probe = cfg.model_copy(deep=True)
+            probe.seed = cfg.seed + 999_983  # other draws than the rounds'
+            try:
+                by_key[key] = await idle_lifetimes(
+                    p, probe, size.idle_groups, lambda c, n: _use(p, c, n, rewards)
+                )
+            except Exception as exc:  # the rounds still run, without this bound
+                log.exception("idle lifetime probe failed (%s)", m)
+                by_key[key] = {"unmeasured": f"the idle probe failed: {exc!r}"}
+            by_key[key]["first_mode"] = m
+        out[m] = by_key[key]
+    return out
+
+
+def mode_bounds(
+    cap: dict[str, Any], idle: dict[str, dict[str, Any]], cfgs: dict[str, RunConfig], modes: list[str]
+) -> dict[str, dict[str, Any]]:
+    """Each mode's bounds: the compute bound from the stages' standalone capacities (unmeasured
+    stages left out, named), the window's spec and idle lifetimes, the driver's CPU per env and
+    reward call, the cores."""
+
+    def of(key: str) -> dict[str, Any]:
+        return cap.get(key) or unmeasured("not probed")
+
+    out = {}
+    for m in modes:
+        reward = of(f"reward_{MODES[m].reward}")
+        stages = {k: of(k)["traj_per_s"] for k in ("generate", "train", "env")}
+        out[m] = {
+            **bottleneck_bound({**stages, "reward": reward["traj_per_s"]}, SHARED),
+            "unmeasured_why": {
+                k: v.get("unmeasured")
+                for k, v in {**{k: of(k) for k in stages}, "reward": reward}.items()
+                if v.get("unmeasured")
+            },
+            "window": window_spec(cfgs[m]),
+            "idle": idle.get(m) if idle.get(m, {}).get("lifetime_s") else None,
+            "in_driver": {
+                "env": of("env").get("driver_cpu_s_per_call"),
+                "reward": reward.get("driver_cpu_s_per_call"),
+            },
+            "cores": len(os.sched_getaffinity(0)),
+        }
+    return out
+
+
+def write_partial(res: dict[str, Any], out_dir: Path) -> None:
+    """The reports of the rounds so far; a fault writing them is logged, never raised."""
+    from rollart_core.bench.report import write_reports
+
+    try:
+        write_reports(res, out_dir, plot=False)
+    except Exception:  # the run goes on; the JSON at the end has everything
+        log.exception("bench: writing the reports after round %s failed", res.get("rounds_done"))
 
 
 def window_spec(cfg: RunConfig) -> dict[str, Any] | None:

@@ -41,6 +41,29 @@ def fmt_spread(sp: dict[str, Any] | None, pct: bool = False) -> str:
     return f"{one(sp['median'])} [{lo}–{hi}]"
 
 
+def _num(x: float | None, fmt: str = ".2f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+_BREAK_SHORT = {
+    "generate": "gen",
+    "train": "train",
+    "env": "env",
+    "reward": "rew",
+    "driver": "drv",
+    "ray": "ray",
+    "other": "other",
+    "idle": "idle",
+}
+
+
+def breakdown_cell(cpu: dict[str, Any] | None) -> str:
+    """The machine's core-seconds by where they went (``-``: not measured)."""
+    if not cpu:
+        return "-"
+    return " ".join(f"{_BREAK_SHORT[k]} {v:.0%}" for k, v in cpu["share"].items())
+
+
 def table_rows(res: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     results = res["results"]
     bases = [b for b in ("one_off", "admission") if b in results]
@@ -52,15 +75,21 @@ def table_rows(res: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
         "whole-segment traj/s",
         "gen tok/s",
         "tok vs Sync+",
-        "bound traj/s",
-        "achieved/bound",
-        "window bound traj/s",
-        "of min bound",
+        "compute bound traj/s",
+        "of compute",
+        "CPU-charged bound traj/s",
+        "of CPU",
+        "window bound (idle) traj/s",
+        "of window",
+        "window bound (load) traj/s",
+        "of window (load)",
+        "of tightest",
+        "cores went to",
         "cpu busy",
         *[f"util {_SHORT[s]}" for s in STAGES],
         "step s",
         "episode s",
-        "group life s",
+        "group life s idle/rollout/taken",
         "gen waste",
         "reward runtime",
         "launched",
@@ -70,7 +99,13 @@ def table_rows(res: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     for m, r in results.items():
         rounds = r["rounds"]
         fates = " ".join(f"{k}={v}" for k, v in sorted(r["fates"].items()))
-        window = r.get("window_bound_traj_per_s")
+        idle = r.get("group_idle_s") or {}
+        rollout, taken = r.get("group_rollout_s", {}), r.get("group_lifetime_s", {})
+        lives = " ".join(
+            f"{k} {_num(idle.get(k), '.1f')}/{_num(rollout.get(k), '.1f')}/{_num(taken.get(k), '.1f')}"
+            for k in sorted(set(idle) | set(rollout) | set(taken))
+        )
+        compute = r.get("bound_traj_per_s")
         rows.append(
             [
                 MODES[m].label or m,
@@ -80,15 +115,21 @@ def table_rows(res: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
                 f"{r['traj_per_s_segment']:.2f} ({fmt_spread(rounds.get('segment_vs_sync'))})",
                 f"{r['tok_per_s']:.0f}",
                 fmt_spread(rounds.get("tok_vs_sync")),
-                f"{r['bound_traj_per_s']:.2f} ({r['bottleneck']})",
-                fmt_spread(rounds["of_bound"], pct=True),
-                "-" if window is None else f"{window:.2f}",
-                fmt_spread(rounds["of_min_bound"], pct=True),
+                "unmeasured" if compute is None else f"{compute:.2f} ({r['bottleneck']})",
+                fmt_spread(rounds.get("of_bound"), pct=True),
+                _num(r.get("cpu_bound_traj_per_s")),
+                fmt_spread(rounds.get("of_cpu_bound"), pct=True),
+                _num(r.get("window_bound_traj_per_s")),
+                fmt_spread(rounds.get("of_window"), pct=True),
+                _num(r.get("window_bound_load_traj_per_s")),
+                fmt_spread(rounds.get("of_window_load"), pct=True),
+                f"{fmt_spread(rounds.get('of_min_bound'), pct=True)} ({r.get('min_bound_by') or '-'})",
+                breakdown_cell(r.get("cpu")),
                 "-" if r.get("cpu_busy") is None else f"{r['cpu_busy']:.0%}",
                 *[f"{r['utilisation'][s]:.0%}" for s in STAGES],
                 f"{r['measured_step_s_mean']:.2f}",
                 " ".join(f"{k} {v:.1f}" for k, v in sorted(r["episode_s"].items())),
-                " ".join(f"{k} {v:.1f}" for k, v in sorted(r.get("group_lifetime_s", {}).items())) or "-",
+                lives or "-",
                 "-" if r["gen_waste"] is None else f"{r['gen_waste']:.0%}",
                 _runtime_cell(r.get("reward")),
                 str(r["launched"]),
@@ -105,23 +146,106 @@ def _runtime_cell(rw: dict[str, Any] | None) -> str:
     return f"{rw.get('runtime_utilisation', 0.0):.0%} busy, {rw.get('runtime_cold_starts', 0):.0f} cold"
 
 
+def _cap_figure(c: dict[str, Any] | None, text: str) -> str:
+    if not c:
+        return "not probed"
+    if c.get("traj_per_s") is None:
+        return f"unmeasured: {c.get('unmeasured', '?')}"
+    return text.format(**c) + (
+        f" (after a longer probe: nothing finished in {c['retried_after_s']:.1f} s)"
+        if "retried_after_s" in c
+        else ""
+    )
+
+
 def _capacity_lines(res: dict[str, Any]) -> list[str]:
     c = res["capacity"]
     lines = [
-        f"generation alone: {c['generate']['traj_per_s']:.2f} traj/s ({c['generate']['gen_tok_per_s']:.0f} "
-        f"generated + {c['generate']['prompt_tok_per_s']:.0f} prompt tok/s)",
-        f"trainer alone: {c['train']['traj_per_s']:.2f} traj/s ({c['train']['tok_per_s']:.0f} tok/s)",
-        f"env alone ({c['env']['concurrency']} at once): {c['env']['traj_per_s']:.2f} episodes/s "
-        f"({c['env']['calls_per_s']:.1f} calls/s)",
+        "generation alone: "
+        + _cap_figure(
+            c.get("generate"),
+            "{traj_per_s:.2f} traj/s ({gen_tok_per_s:.0f} generated + {prompt_tok_per_s:.0f} prompt tok/s)",
+        ),
+        "trainer alone: " + _cap_figure(c.get("train"), "{traj_per_s:.2f} traj/s ({tok_per_s:.0f} tok/s)"),
+        f"env alone ({(c.get('env') or {}).get('concurrency', '?')} at once): "
+        + _cap_figure(c.get("env"), "{traj_per_s:.2f} episodes/s ({calls_per_s:.1f} calls/s)"),
     ]
     for k, v in c.items():
         if k.startswith("reward_"):
-            lines.append(f"reward {k[7:]} alone ({v['concurrency']} at once): {v['calls_per_s']:.1f} calls/s")
+            lines.append(
+                f"reward {k[7:]} alone ({v.get('concurrency', '?')} at once): "
+                + _cap_figure(v, "{calls_per_s:.1f} calls/s")
+            )
     lines.append(
-        "bound = min over stages; generation and training share this machine's cores, so they count "
-        "as one stage of capacity 1/(1/gen + 1/train)"
+        "compute bound = min over stages; generation and training share this machine's cores, so they count "
+        "as one stage of capacity 1/(1/gen + 1/train); an unmeasured stage bounds nothing (named per mode)"
     )
+    for mode, idle in (res.get("idle_lifetimes") or {}).items():
+        if idle.get("first_mode") != mode:
+            continue
+        if "lifetime_s" not in idle:
+            lines.append(
+                f"natural group lifetimes alone ({MODES[mode].label} and alike): {idle.get('unmeasured')}"
+            )
+            continue
+        lives = ", ".join(
+            f"{k} {v:.1f} s (trains {idle['trained_per_group'].get(k, 0):.1f})"
+            for k, v in sorted(idle["lifetime_s"].items())
+        )
+        lines.append(
+            f"natural group lifetimes alone, launch to last member's fate ({MODES[mode].label} and modes "
+            f"set alike; {idle['groups']} groups per task, each alone): {lives}"
+        )
     return lines
+
+
+def bound_lines(res: dict[str, Any]) -> list[str]:
+    """Per mode: achieved over each bound, which one it is held against, and where the machine's
+    core-seconds went; then every mode that has no figure in a round, and why."""
+    out = []
+    for m, r in res["results"].items():
+        parts = [f"{MODES[m].label or m}: {r['traj_per_s']:.2f} traj/s"]
+        if r.get("bound_traj_per_s") is not None:
+            parts.append(
+                f"{r['achieved_over_bound']:.0%} of the compute bound {r['bound_traj_per_s']:.2f} ({r['bottleneck']})"
+            )
+        why = (res.get("bounds", {}).get(m) or {}).get("unmeasured_why") or {}
+        if why:
+            parts.append("the compute bound leaves out " + "; ".join(f"{k} ({v})" for k, v in why.items()))
+        cpu = r.get("cpu")
+        if cpu and cpu.get("bound"):
+            per = ", ".join(f"{_BREAK_SHORT[k]} {v:.3f}" for k, v in cpu["cpu_s_per_traj_by_stage"].items())
+            parts.append(
+                f"{r['achieved_over_cpu_bound']:.0%} of the CPU-charged bound {cpu['bound']:.2f} "
+                f"({cpu['cores']} cores / {cpu['cpu_s_per_traj']:.3f} CPU-s per trained trajectory: {per})"
+            )
+        if r.get("window_bound_traj_per_s") is not None:
+            parts.append(
+                f"{r['achieved_over_window']:.0%} of the window bound {r['window_bound_traj_per_s']:.2f} "
+                "(idle lifetimes)"
+            )
+        if r.get("window_bound_load_traj_per_s") is not None:
+            parts.append(
+                f"{r['achieved_over_window_load']:.0%} of the window bound under load "
+                f"{r['window_bound_load_traj_per_s']:.2f} (the segment's own launch-to-last-fate lifetimes, "
+                f"{r.get('trained_per_group') or 0:.2f} trained per group taken)"
+            )
+        if r.get("min_bound_by"):
+            parts.append(
+                f"held against the tightest, {r['min_bound_by']}: {r['achieved_over_min_bound']:.0%}"
+            )
+        line = "; ".join(parts)
+        if cpu:
+            line += ". Core-seconds: " + ", ".join(
+                f"{_BREAK_SHORT[k]} {v:.0%}" for k, v in cpu["share"].items()
+            )
+        out.append(line)
+    for m, rounds in (res.get("missing") or {}).items():
+        for r, why in rounds.items():
+            out.append(f"{MODES[m].label or m}, round {r}: no figure: {why}")
+    if res.get("figures_error"):
+        out.append(f"the figures could not be computed: {res['figures_error']} (segments kept in bench.json)")
+    return out
 
 
 def _goal_lines(res: dict[str, Any]) -> list[str]:
@@ -226,19 +350,19 @@ def window_lines(res: dict[str, Any]) -> list[str]:
             f"{stale:.0%} of launches aborted stale; {waste} of generated tokens went to trajectories cancelled, stale or failed"
         )
         spec = res["bounds"][m].get("window")
-        if spec and r.get("window_bound_traj_per_s") is not None:
-            life = r["group_lifetime_s"]
-            rollout = r.get("group_rollout_s", {})
+        if spec:
+            idle = r.get("group_idle_s") or {}
+            rollout, taken = r.get("group_rollout_s", {}), r.get("group_lifetime_s", {})
             lives = ", ".join(
-                f"{k} {v:.1f} s ({rollout.get(k, 0.0):.1f} rollout + {v - rollout.get(k, 0.0):.1f} in the buffer)"
-                for k, v in sorted(life.items())
+                f"{k} {_num(idle.get(k), '.1f')} s alone, {_num(rollout.get(k), '.1f')} s under load "
+                f"(+{_num(taken[k] - rollout[k] if k in taken and k in rollout else None, '.1f')} s waiting to be taken)"
+                for k in sorted(set(idle) | set(rollout))
             )
             line += (
-                f". Window bound: at most {spec['depth']} steps x {sum(spec['mix'].values())} groups in flight, "
-                f"groups living {lives} from launch until taken, "
-                f"{r.get('trained_per_group') or 0:.2f} trajectories trained per group taken: "
-                f"{r['window_bound_traj_per_s']:.2f} traj/s (Little's law); achieved {r['achieved_over_min_bound']:.0%} of min(compute "
-                f"{r['bound_traj_per_s']:.2f}, window {r['window_bound_traj_per_s']:.2f})"
+                f". Window bound (Little's law): at most {spec['depth']} steps x {sum(spec['mix'].values())} "
+                f"groups in flight, groups living {lives} from launch until their last member's fate: "
+                f"{_num(r.get('window_bound_traj_per_s'))} traj/s at the lifetimes alone (the limit), "
+                f"{_num(r.get('window_bound_load_traj_per_s'))} under load"
             )
         out.append(line)
     return out
@@ -262,12 +386,19 @@ def print_table(res: dict[str, Any]) -> str:
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     lines += [
         "",
+        *bound_lines(res),
+        "",
         *window_lines(res),
         "",
         *reward_lines(res),
         "",
         *_goal_lines(res),
-        f"total {res['wall_s']:.0f}s",
+        f"total {res['wall_s']:.0f}s"
+        + (
+            ""
+            if res.get("rounds_done", res["size"]["rounds"]) >= res["size"]["rounds"]
+            else f" (after round {res['rounds_done']} of {res['size']['rounds']})"
+        ),
     ]
     return "\n".join(lines)
 
@@ -290,6 +421,10 @@ def markdown(res: dict[str, Any]) -> str:
         "Standalone capacity:",
         "",
         *[f"- {x}" for x in _capacity_lines(res)],
+        "",
+        "Bounds, and where the cores went:",
+        "",
+        *[f"- {x}" for x in bound_lines(res)],
         "",
         "Staleness window (async):",
         "",
@@ -317,11 +452,17 @@ def markdown(res: dict[str, Any]) -> str:
         "against those trained (what was still in the pipeline when a segment ended is neither). "
         "Ratios (vs Sync+, vs One-off, vs admission-only, achieved/bound, of min bound) are taken per round "
         "(every mode ran once per round) and given as median [min–max] over rounds; traj/s is over all rounds. "
-        "bound: the compute bound (the slowest stage alone); window bound (async): admission keeps at most "
-        "max_pending_steps steps of groups in flight, so by Little's law trained traj/s <= depth x groups "
-        "per step x batch / (group-seconds per batch), with each group's life measured from launch until the "
-        "trainer took it (group life s) and the batch counted as trained (trajectories trained per group "
-        "taken, measured: crashed members and dropped groups held their place); of min bound: achieved / min(bound, window bound). reward runtime: the "
+        "compute bound: the slowest stage alone (generation + training as one, on shared cores); CPU-charged "
+        "bound: cores / CPU-seconds per trained trajectory, every process of the run charged (engines, trainer, "
+        "reward runtime, the driver, Ray's processes; env and in-process reward calls charged off the driver's "
+        "time at the CPU per call their probes measured); achieved over it is the run's share of the machine's "
+        "core-seconds, and 'cores went to' says where every core-second went (other: processes not of this run; "
+        "idle: no process); window bound (async): admission keeps at most max_pending_steps steps of groups in "
+        "flight, so by Little's law trained traj/s <= depth x groups per step x trajectories trained per group / "
+        "(group-seconds per batch), with each group's life from launch to its last member's fate: alone on the "
+        "idle pipeline (the limit), or the segment's own groups under load; group life s: alone / launch to last "
+        "fate under load / launch until the trainer took it (which moves with the trainer's speed, so it makes "
+        "no limit); of tightest: achieved / min(compute, CPU-charged, window alone), and which one. reward runtime: the "
         "function runtime's own busy share of its workers' provisioned time, and its cold starts, in the mode's "
         "segments.",
         "",
@@ -343,6 +484,8 @@ def plot_timeline(res: dict[str, Any], path: Path) -> bool:
 
     segs = {m: next((s for s in reversed(v) if "intervals" in s), None) for m, v in res["segments"].items()}
     segs = {m: s for m, s in segs.items() if s is not None}
+    if not segs:
+        return False
     span = max(s["wall_s"] for s in segs.values())
     fig, axes = plt.subplots(len(segs), 1, figsize=(12, 1.1 + 1.5 * len(segs)), squeeze=False)
     for ax, (m, s) in zip(axes[:, 0], segs.items(), strict=True):
@@ -367,13 +510,17 @@ def plot_timeline(res: dict[str, Any], path: Path) -> bool:
     return True
 
 
-def write_reports(res: dict[str, Any], out_dir: Path) -> list[Path]:
+def write_reports(res: dict[str, Any], out_dir: Path, plot: bool = True) -> list[Path]:
+    """``bench.json`` first (everything, whatever else fails), then the rest; ``plot``: draw the
+    timeline (the reports written after each round leave it for the end)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / "bench.json", out_dir / "summary.md"]
-    paths[0].write_text(json.dumps(res, indent=1, default=str))
+    tmp = out_dir / "bench.json.tmp"
+    tmp.write_text(json.dumps(res, indent=1, default=str))
+    tmp.replace(paths[0])  # a reader never sees half a file
     paths[1].write_text(markdown(res))
     png = out_dir / "timeline.png"
-    has_png = plot_timeline(res, png)
+    has_png = plot and plot_timeline(res, png)
     if has_png:
         paths.append(png)
     head, rows = table_rows(res)
@@ -392,6 +539,8 @@ def write_reports(res: dict[str, Any], out_dir: Path) -> list[Path]:
         table,
         "<h2>Standalone capacity</h2><ul>",
         *[f"<li>{html.escape(x)}</li>" for x in _capacity_lines(res)],
+        "</ul><h2>Bounds, and where the cores went</h2><ul>",
+        *[f"<li>{html.escape(x)}</li>" for x in bound_lines(res)],
         "</ul><h2>Staleness window (async)</h2><ul>",
         *[f"<li>{html.escape(x)}</li>" for x in window_lines(res)],
         "</ul><h2>Reward executors</h2><ul>",

@@ -11,7 +11,7 @@ import bisect
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["MAX_SAMPLES", "latency_samples", "task_of"]
+__all__ = ["MAX_SAMPLES", "latency_samples", "task_of", "version_waits"]
 
 MAX_SAMPLES = 2000
 """Samples kept per task and stage (evenly thinned beyond): bench.json stays small."""
@@ -66,3 +66,40 @@ def latency_samples(intervals: Iterable[tuple[str, float, float, str]]) -> dict[
             :MAX_SAMPLES
         ]
     return result
+
+
+def version_waits(
+    intervals: Iterable[tuple[str, float, float, str]], window: tuple[float, float]
+) -> dict[str, list[float]]:
+    """Per task: [total seconds, count] of the time the groups launched ahead of the served policy
+    version waited for it (reset done, first turn held back: the trainer's time, not the group's),
+    for the groups whose last recorded call ended inside ``window``. A group's wait is the least any
+    member waited between the end of its reset and its first generation (every member of a group
+    waits for the same version)."""
+    reset_end: dict[str, float] = {}
+    first_gen: dict[str, float] = {}
+    last: dict[str, float] = {}
+    for st, s, e, lane in intervals:
+        if st not in ("generate", "env", "reward") or task_of(lane) is None:
+            continue
+        group = lane.rpartition("-")[0]
+        last[group] = max(last.get(group, e), e)
+        if st == "env" and lane not in reset_end:
+            reset_end[lane] = e
+        elif st == "generate" and lane not in first_gen:
+            first_gen[lane] = s
+    waits: dict[str, float] = {}
+    for lane, start in first_gen.items():
+        if lane in reset_end:
+            group = lane.rpartition("-")[0]
+            gap = max(0.0, start - reset_end[lane])
+            waits[group] = min(waits.get(group, gap), gap)
+    out: dict[str, list[float]] = {}
+    for group, end in last.items():
+        task = task_of(f"{group}-0")
+        if task is None or not window[0] < end <= window[1]:
+            continue
+        acc = out.setdefault(task, [0.0, 0])
+        acc[0] += waits.get(group, 0.0)
+        acc[1] += 1
+    return out

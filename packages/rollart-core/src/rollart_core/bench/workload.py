@@ -84,7 +84,11 @@ class BenchSize(_Model):
     elastic_max_workers: int = Field(16, ge=1)
     """Most workers (one call at a time each) the elastic reward's function runtime scales out to."""
     capacity_s: float = Field(1.5, gt=0)
-    """Duration of each standalone env / reward capacity probe."""
+    """Duration of each standalone env / reward capacity probe (one where nothing finished runs
+    again four times as long)."""
+    idle_groups: int = Field(3, ge=1)
+    """Times one group of every task is launched alone on the idle pipeline, per async mode's
+    setting (redundancy, envs, reward): the natural group lifetimes of the window bound."""
     lr: float = 1e-4
     seed: int = 7
     """The run's seed: round r launches episode seeds from ``seed + 1000 r`` in every mode (and every
@@ -108,6 +112,7 @@ SIZES: dict[str, BenchSize] = {
         reward_s=0.01,
         capacity_s=0.5,
         elastic_max_workers=4,
+        idle_groups=1,
     ),
     "quick": BenchSize(),
     "full": BenchSize(rounds=3, steps=5, groups_per_step=4),
