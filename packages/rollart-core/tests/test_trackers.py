@@ -29,8 +29,10 @@ from rollart_core.trackers import Trackers, _redacted, tracking
 
 
 @pytest.fixture(autouse=True)
-def _stop_wandb_service() -> Iterator[None]:
-    """wandb runs a service process per Python process; stop it after each test that started it."""
+def _stop_wandb_service(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """wandb runs a service process per Python process; stop it after each test that started it.
+    MLflow's file-store opt-in: unset before (rollart sets it), removed after."""
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
     yield
     if "wandb" in sys.modules and sys.modules["wandb"] is not None:
         sys.modules["wandb"].teardown()
@@ -227,3 +229,13 @@ def test_secrets_are_not_sent_to_trackers() -> None:
         "reward": {"options": {"api_key": "<redacted>", "admin_token": "<redacted>", "max_tokens": 5}},
         "token": None,
     }
+
+
+async def test_train_from_python_starts_and_ends_its_trackers(fakes: ModuleType, tmp_path: Path) -> None:
+    """No `tracking` block: train()'s own metrics sink starts the chosen trackers and ends them."""
+    cfg = _with_logging(fakes.fake_config(tmp_path, steps=2), backends=["tensorboard", "mlflow"])
+    await asyncio.wait_for(train(cfg, pipeline=fakes.FakePipeline(cfg, fakes.Script())), 60)
+    client, mrun = _mlflow_run(cfg.output_dir / "mlruns")
+    assert mrun.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(mrun.info.run_id, "version")] == [1, 2]
+    assert any((cfg.output_dir / "tensorboard").iterdir())
