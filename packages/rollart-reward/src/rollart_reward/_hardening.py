@@ -279,6 +279,7 @@ class Cgroup:
                 _write(f"{d}/memory.swap.max", "0")
             _write(f"{d}/pids.max", str(limits.processes))
             _write(f"{d}/cpu.max", f"{int(cpus * 100_000)} 100000")
+            _write(f"{d}/cpu.weight", str(_weight(100, 1, 10_000)))
         except OSError:
             cg.remove()
             raise
@@ -305,6 +306,7 @@ class Cgroup:
             if "cpu" in dirs:
                 period = int(_read(f"{dirs['cpu']}/cpu.cfs_period_us"))
                 _write(f"{dirs['cpu']}/cpu.cfs_quota_us", str(int(cpus * period)))
+                _write(f"{dirs['cpu']}/cpu.shares", str(_weight(1024, 2, 262_144)))
         except (OSError, HardeningError):
             cg.remove()
             raise
@@ -379,6 +381,14 @@ class Cgroup:
                         break
                     self.kill()
                     time.sleep(0.005)  # the killed tasks are being torn down: poll the condition
+
+
+def _weight(default: int, low: int, high: int) -> int:
+    """The cgroup's CPU weight at this process's nice level (the kernel's 1.25x per nice step): a
+    cgroup is scheduled as one entity, and at the default weight a sandbox started by a ``nice 19``
+    caller would outweigh every nice-0 process on the host."""
+    nice = os.getpriority(os.PRIO_PROCESS, 0)
+    return max(low, min(high, round(default / 1.25**nice)))
 
 
 def _sweep(base: str) -> None:
