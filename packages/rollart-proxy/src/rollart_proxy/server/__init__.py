@@ -8,6 +8,10 @@ token ids, logprobs and the policy version of every token, for the trainer to fe
 Endpoints:
 
 - ``POST /v1/chat/completions``, ``POST /v1/completions`` (``stream: true`` too), ``GET /v1/models``
+- ``POST /v1/responses`` (OpenAI Responses) and ``POST /v1/messages`` (Anthropic Messages), streaming
+  too: translated to the chat request and served by the chat path (same sessions, access, limits,
+  recording and token-exact splicing), errors in each dialect's shape (:mod:`.responses_api`,
+  :mod:`.messages_api`, :mod:`.dialect`)
 - ``GET /v1/sessions/{id}`` (records of a session), ``POST /v1/sessions/{id}/drain`` (take them),
   ``POST /v1/sessions/{id}/abort`` (abort the trajectory's in-flight request),
   ``DELETE /v1/sessions/{id}`` (end the session: records and stickiness dropped),
@@ -56,7 +60,8 @@ Modules: :mod:`.app` (:class:`OpenAIServer`: the routes, access checks, serving)
 (request bodies), :mod:`.responses` (JSON and server-sent-event answers), :mod:`.sessions`
 (:class:`SessionRecorder`), :mod:`.guard` (the ASGI guard, error bodies), and the helpers only the
 server uses: :mod:`.chat_template`, :mod:`.chat_tokens` (token-exact multi-turn prompts),
-:mod:`.tools` (tool calls), :mod:`.forced_call` (enforced calls over ``enum`` arguments).
+:mod:`.tools` (tool calls), :mod:`.forced_call` (enforced calls over ``enum`` arguments); the
+dialects :mod:`.responses_api` and :mod:`.messages_api` over :mod:`.dialect`.
 """
 
 from rollart_core.extras import require
