@@ -191,11 +191,23 @@ def predict(
     }
 
 
+def unmeasured(res: dict[str, Any]) -> dict[str, str]:
+    """Validated modes the bench has no figure for, with its reason (a failed segment's error)."""
+    out = {}
+    for mode in VALIDATED:
+        if (res.get("results", {}).get(mode) or {}).get("traj_per_s") is None:
+            why = res.get("missing", {}).get(mode) or {}
+            out[mode] = "; ".join(f"round {k}: {v}" for k, v in why.items())[:300] or "no figure"
+    return out
+
+
 def compare(res: dict[str, Any], steady_steps: int, seeds: int) -> dict[str, Any]:
     """Per mode: measured, and simulated from each profile as the bench measures (segments of the
     bench's length from an empty pipeline, ``seeds`` of them) and in the long run (``steady``)."""
-    out: dict[str, Any] = {"modes": {}, "profiles": {}}
+    out: dict[str, Any] = {"modes": {}, "profiles": {}, "unmeasured": unmeasured(res)}
     for mode in VALIDATED:
+        if mode in out["unmeasured"] or (mode != "sync" and "sync" in out["unmeasured"]):
+            continue  # (the *from Sync+* profile needs Sync+'s samples)
         measured = res["results"][mode]
         row: dict[str, Any] = {
             "measured": measured["traj_per_s"],
@@ -232,6 +244,8 @@ def print_comparison(name: str, overrides: dict[str, Any], cmp: dict[str, Any]) 
             r = row[source]["ratio"]
             cells.append(f"{row[source]['traj_per_s']:>8.2f}{r:>6.2f}{'' if abs(r - 1) <= GOAL else '!'}")
         print(f"{MODES[mode].label:<12}{row['measured']:>10.2f}  {rng:<13}{cells[0]}{cells[1]:>20}")
+    for mode, why in cmp["unmeasured"].items():
+        print(f"{MODES[mode].label:<12}no figure: {why}")
     print(f"('!': off by more than {GOAL:.0%})")
 
 
@@ -378,7 +392,9 @@ def cores_check(res: dict[str, Any], cores: int = 2) -> dict[str, Any]:
     splits a budget (the overlapping modes: the best split of ``cores``; Sync+ on a shared machine
     gives every stage all cores in turn), vs the mode's measured throughput; (c) the trainer's MFU
     implied by 6 · N · tokens if the model's parameter count is known."""
-    cap, size = res["capacity"], res["size"]
+    cap, size = res.get("capacity") or {}, res["size"]
+    if not {"train", "generate"} <= set(cap) or "half_cores_s" not in cap["train"]:
+        return {"skipped": "the bench's capacity probe measured no trainer or generation figure"}
     n_step = sum(t["groups_per_step"] * t["group_size"] for t in res["config"]["tasks"])
     train_all = cap["train"]["seconds"] * n_step / cap["train"]["batch"]  # one step's batch, all cores
     gen_all = n_step / cap["generate"]["traj_per_s"]  # one step's batch, all cores, saturated
@@ -398,6 +414,8 @@ def cores_check(res: dict[str, Any], cores: int = 2) -> dict[str, Any]:
     scaling["ratio"] = scaling["predicted_half_s"] / scaling["half_cores_s"]
     modes: dict[str, Any] = {}
     for mode in VALIDATED:
+        if mode in unmeasured(res):
+            continue
         cfg = res["mode_configs"][mode]
         push_s, pause_s = _weights(res, mode)
         depth = (cfg.get("max_pending_steps") or cfg["alpha"] + 1) if cfg["mode"] == "async" else 1
@@ -445,6 +463,9 @@ def _model_params(res: dict[str, Any]) -> float | None:
 
 
 def print_cores_check(name: str, chk: dict[str, Any]) -> None:
+    if "skipped" in chk:
+        print(f"\nworkload {name}, cores instead of GPUs: skipped ({chk['skipped']})")
+        return
     sc = chk["scaling"]
     print(
         f"\nworkload {name}, cores instead of GPUs: trainer step on all cores {sc['all_cores_s']:.2f} s, "
