@@ -170,3 +170,82 @@ def test_remember_canonical_keys_the_calls_as_an_object_client_writes_them() -> 
     written_back = {**compact, "function": {"name": "f", "arguments": '{"a": 1, "é": 2}'}}
     assert Server.generated.lookup("s", message_key("", [written_back])) == [7, 8]
     assert Server.generated.lookup("s", message_key("", [compact])) is None  # the chat path keeps that one
+
+
+# any JSON: a 400 naming what is wrong, never another exception (the server would answer 500) ------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from pydantic import ValidationError  # noqa: E402
+
+_WORDS = ["type", "role", "content", "text", "call_id", "tool_use_id", "id", "name", "input", "arguments",
+          "output", "refusal", "function", "message", "user", "assistant", "tool_use", "tool_result",
+          "function_call", "function_call_output", "input_text", "output_text", "image", "format"]  # fmt: skip
+_leaf = st.none() | st.booleans() | st.integers(-3, 3) | st.sampled_from(_WORDS) | st.text(max_size=3)
+_json = st.recursive(
+    _leaf,
+    lambda s: st.lists(s, max_size=3) | st.dictionaries(st.sampled_from(_WORDS), s, max_size=4),
+    max_leaves=12,
+)
+
+
+def _items(shapes: dict[str, list[str]]) -> Any:
+    """Objects of each ``type`` with any of its fields, each field any JSON; now and then a stray field."""
+    return st.one_of(
+        *(
+            st.fixed_dictionaries(
+                {"type": st.just(kind) | _json}, optional={k: _json for k in [*fields, "role", "bogus"]}
+            )
+            | st.fixed_dictionaries({"type": st.just(kind)}, optional={k: _json for k in fields})
+            for kind, fields in shapes.items()
+        )
+    )
+
+
+RESPONSES_ITEMS = {
+    "message": ["role", "content", "id", "status"],
+    "function_call": ["call_id", "name", "arguments", "id", "status"],
+    "function_call_output": ["call_id", "output", "id"],
+    "reasoning": ["summary"],
+}
+MESSAGES_BLOCKS = {
+    "text": ["text", "citations"],
+    "tool_use": ["id", "name", "input"],
+    "tool_result": ["tool_use_id", "content", "is_error"],
+    "image": ["source"],
+}
+
+
+@settings(max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(
+    items=st.lists(_items(RESPONSES_ITEMS), max_size=4) | _json,
+    extra=st.dictionaries(
+        st.sampled_from(["tools", "tool_choice", "text", "reasoning", "instructions"]), _json
+    ),
+)
+def test_any_responses_input_is_served_or_a_400(items: Any, extra: dict[str, Any]) -> None:
+    try:
+        body = ResponsesBody.model_validate({"model": "m", "input": items, **extra})
+        responses_to_chat(body, [])
+    except (ValidationError, _ApiError):
+        pass
+
+
+@settings(max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(
+    messages=st.lists(
+        st.fixed_dictionaries(
+            {"role": st.sampled_from(["user", "assistant"]) | _json},
+            optional={"content": st.lists(_items(MESSAGES_BLOCKS)) | _json},
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    extra=st.dictionaries(st.sampled_from(["tools", "tool_choice", "system", "thinking"]), _json),
+)
+def test_any_messages_input_is_served_or_a_400(messages: Any, extra: dict[str, Any]) -> None:
+    try:
+        body = MessagesBody.model_validate({"model": "m", "max_tokens": 1, "messages": messages, **extra})
+        messages_to_chat(body)
+    except (ValidationError, _ApiError):
+        pass

@@ -161,6 +161,7 @@ def text_of(value: Any, where: str, kinds: tuple[str, ...]) -> str:
     parts = []
     for j, part in enumerate(value):
         kind = part.get("type") if isinstance(part, dict) else None
+        kind = kind if isinstance(kind, str) else None  # a list or object is no type (nor hashable)
         if kind not in kinds or not isinstance(part.get("text"), str):
             if kind in IMAGE_KINDS:
                 raise unsupported(f"{kind} content (images, files, audio)", f"{where}[{j}]")

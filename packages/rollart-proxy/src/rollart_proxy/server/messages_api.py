@@ -187,7 +187,7 @@ def _tool_result(b: dict[str, Any], at: str, known: set[str]) -> dict[str, Any]:
     if unknown:
         raise _ApiError(400, f"{at}: unknown fields {sorted(unknown)}", param=at)
     call_id = b.get("tool_use_id")
-    if call_id not in known:
+    if not isinstance(call_id, str) or call_id not in known:
         raise _ApiError(
             400, f"{at}.tool_use_id: no tool_use with id {call_id!r} precedes this tool_result", param=at
         )
@@ -227,6 +227,7 @@ def _assistant(blocks: list[dict[str, Any]], where: str, known: set[str]) -> dic
 
 
 def _refuse_block(kind: Any, at: str) -> None:
+    kind = kind if isinstance(kind, str) else None
     if kind in IMAGE_KINDS:
         raise unsupported(f"{kind} blocks (images, documents)", f"{at}.type")
     if kind in ("thinking", "redacted_thinking"):

@@ -48,6 +48,7 @@ from rollart_proxy.server.dialect import (
 )
 from rollart_proxy.server.guard import _ApiError
 from rollart_proxy.server.models import INT32_MAX
+from rollart_proxy.server.sessions import _ADMIN
 
 if TYPE_CHECKING:
     from rollart_proxy.server.app import OpenAIServer
@@ -123,6 +124,8 @@ class ResponsesBody(BaseModel):
 
     def check_supported(self) -> None:
         fmt = (self.text or {}).get("format") or {"type": "text"}
+        if not isinstance(fmt, dict):
+            raise _ApiError(400, "text.format must be an object", param="text")
         refused = [
             (self.truncation == "auto", "truncation 'auto'", "truncation"),
             (fmt.get("type") != "text", f"text.format {fmt.get('type')!r} (structured output)", "text"),
@@ -175,6 +178,7 @@ def input_messages(items: str | list[Any], known_calls: set[str]) -> list[dict[s
         if not isinstance(item, dict):
             raise _ApiError(400, f"{where} must be an object", param=where)
         kind = item.get("type", "message" if "role" in item else None)
+        kind = kind if isinstance(kind, str) else None
         if kind == "message":
             _fields(item, {"type", "role", "content", "id", "status", "phase"}, where)
             role = item.get("role")
@@ -204,7 +208,7 @@ def input_messages(items: str | list[Any], known_calls: set[str]) -> list[dict[s
         elif kind == "function_call_output":
             _fields(item, {"type", "call_id", "output", "id", "status"}, where)
             call_id = item.get("call_id")
-            if call_id not in known_calls:
+            if not isinstance(call_id, str) or call_id not in known_calls:
                 raise _ApiError(
                     400,
                     f"{where}.call_id: no function_call with call_id {call_id!r} precedes this output",
@@ -413,8 +417,6 @@ class _Store:
         self._items: OrderedDict[str, tuple[str | None, list[dict[str, Any]]]] = OrderedDict()
 
     def get(self, response_id: str, principal: str | None) -> list[dict[str, Any]]:
-        from rollart_proxy.server.sessions import _ADMIN
-
         kept = self._items.get(response_id)
         if kept is None or (principal != _ADMIN and kept[0] != principal):
             raise _ApiError(
