@@ -1,6 +1,6 @@
 """Chaos run: an async multi-task run on the real stack while faults are injected on a seeded schedule.
 
-    uv run --no-sync python integration/bench/chaos.py --quick [--seed 0] [--out runs/bench/chaos.json]
+    uv run --no-sync python integration/bench/chaos.py --quick [--seed 0] [--out runs/bench/chaos.json] [--driver-kill]
 
 The run: two built-in environments (FrozenLake and Sokoban), ``train.mode: async``, alpha 1; two vLLM
 CPU engines as Ray actors (``engines[].max_restarts``; engine core in the actor's process,
@@ -31,6 +31,10 @@ before the run ended; seconds lost per fault (the steps around it against the me
 processes left behind: every process seen descending from this one during the run (sampled every
 0.2 s), not alive before, still alive 15 s after the pipeline closed. Wall time is split into the
 pipeline's build (with its phases) and the run.
+
+``--driver-kill`` then runs the driver's own death (``chaos_driver.py``): the same config as a
+``rollart train`` process, SIGKILLed after a checkpoint; no process of it may be left 10 s later, and
+``resume_from`` the newest checkpoint must complete its steps.
 """
 
 from __future__ import annotations
@@ -567,6 +571,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="40 steps, 1 trainer rank, 4 env actors (< 5 min)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("runs/bench/chaos.json"))
+    ap.add_argument(
+        "--driver-kill",
+        action="store_true",
+        help="then SIGKILL a rollart train of this config mid-run and resume it (chaos_driver.py)",
+    )
     args = ap.parse_args(argv)
     for k, v in {**LOOPBACK_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}.items():
         os.environ.setdefault(k, v)  # engines start in seconds and live and die with their actor
@@ -575,6 +584,14 @@ def main(argv: list[str] | None = None) -> int:
     result["seed"], result["quick"] = args.seed, args.quick
     result["violations"] = invariants(result)
     print(table(result))
+    if args.driver_kill:  # the driver's own death: a process of its own, killed, then resumed
+        from chaos_driver import driver_kill
+        from chaos_driver import table as driver_table
+
+        with tempfile.TemporaryDirectory(prefix="rollart-chaos-driver-") as tmp:
+            result["driver_kill"] = driver_kill(args.seed, Path(tmp))
+        print(driver_table(result["driver_kill"]))
+        result["violations"] += result["driver_kill"]["violations"]
     for v in result["violations"]:
         print(f"VIOLATION: {v}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
