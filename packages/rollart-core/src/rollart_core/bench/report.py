@@ -89,7 +89,7 @@ def table_rows(res: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
         *[f"util {_SHORT[s]}" for s in STAGES],
         "step s",
         "episode s",
-        "group life s idle/rollout/taken",
+        "group life s idle/load/taken",
         "gen waste",
         "reward runtime",
         "launched",
@@ -100,7 +100,7 @@ def table_rows(res: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
         rounds = r["rounds"]
         fates = " ".join(f"{k}={v}" for k, v in sorted(r["fates"].items()))
         idle = r.get("group_idle_s") or {}
-        rollout, taken = r.get("group_rollout_s", {}), r.get("group_lifetime_s", {})
+        rollout, taken = r.get("group_natural_s", {}), r.get("group_lifetime_s", {})
         lives = " ".join(
             f"{k} {_num(idle.get(k), '.1f')}/{_num(rollout.get(k), '.1f')}/{_num(taken.get(k), '.1f')}"
             for k in sorted(set(idle) | set(rollout) | set(taken))
@@ -352,11 +352,12 @@ def window_lines(res: dict[str, Any]) -> list[str]:
         spec = res["bounds"][m].get("window")
         if spec:
             idle = r.get("group_idle_s") or {}
-            rollout, taken = r.get("group_rollout_s", {}), r.get("group_lifetime_s", {})
+            natural, taken = r.get("group_natural_s", {}), r.get("group_lifetime_s", {})
             lives = ", ".join(
-                f"{k} {_num(idle.get(k), '.1f')} s alone, {_num(rollout.get(k), '.1f')} s under load "
-                f"(+{_num(taken[k] - rollout[k] if k in taken and k in rollout else None, '.1f')} s waiting to be taken)"
-                for k in sorted(set(idle) | set(rollout))
+                f"{k} {_num(idle.get(k), '.1f')} s alone, {_num(natural.get(k), '.1f')} s under load "
+                f"(+{_num(taken[k] - natural[k] if k in taken and k in natural else None, '.1f')} s "
+                "waiting for a version or to be taken)"
+                for k in sorted(set(idle) | set(natural))
             )
             line += (
                 f". Window bound (Little's law): at most {spec['depth']} steps x {sum(spec['mix'].values())} "
@@ -461,7 +462,7 @@ def markdown(res: dict[str, Any]) -> str:
         "flight, so by Little's law trained traj/s <= depth x groups per step x trajectories trained per group / "
         "(group-seconds per batch), with each group's life from launch to its last member's fate: alone on the "
         "idle pipeline (the limit), or the segment's own groups under load; group life s: alone / launch to last "
-        "fate under load / launch until the trainer took it (which moves with the trainer's speed, so it makes "
+        "fate under load (less any wait for a version) / launch until the trainer took it (which moves with the trainer's speed, so it makes "
         "no limit); of tightest: achieved / min(compute, CPU-charged, window alone), and which one. reward runtime: the "
         "function runtime's own busy share of its workers' provisioned time, and its cold starts, in the mode's "
         "segments.",
