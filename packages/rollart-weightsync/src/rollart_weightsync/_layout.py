@@ -34,6 +34,7 @@ class Manifest:
     checksum: str
     tensors: list[dict[str, Any]]  # name, dtype, shape, offset, nbytes
     bucket_sums: list[str]
+    delta: dict[str, Any] | None = None  # {"base", "nbytes", ...}: a delta from ``base`` is stored too
 
     def to_bytes(self) -> bytes:
         return json.dumps({"format": 1, **self.__dict__}).encode()

@@ -3,6 +3,7 @@
 Keys under ``<prefix>/``::
 
     v0000000003/b00000 … b000NN   buckets: the version's flat byte stream cut into ``bucket_bytes``
+    v0000000003/d00000 … d0000MM   with ``delta=True``: the delta from the previous push, in chunks
     v0000000003/manifest          tensor layout + bucket checksums, written LAST (the commit)
     index                         {"latest", "versions", "garbage"}: what ``latest_version`` reads
 
@@ -40,7 +41,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from rollart_core.errors import ConfigError, WeightSyncError
 from rollart_core.extras import require
 from rollart_weightsync import _layout
-from rollart_weightsync._common import PushWatchMixin, check_into
+from rollart_weightsync._common import PushWatchMixin, check_into, fill_into
+from rollart_weightsync._delta import DeltaReader, DeltaWriter, new_stats
+from rollart_weightsync._mooncake_delta import MooncakeDeltaMixin
 
 if TYPE_CHECKING:
     import torch
@@ -91,6 +94,10 @@ class MooncakeWeightStoreConfig(BaseModel):
     real_client: str | None = Field(None, pattern=r"^[^:\s]+:[0-9]{1,5}$")
     """``host:port`` of the holder run as Mooncake's real client on this host: join it as a dummy
     client over shared memory (see the module docstring). None: a regular TCP/RDMA client."""
+    delta: bool = False
+    """Store each version also as its difference from the previous push, and pull a newer version
+    as deltas from the one this store object last pulled (full pulls where that cannot work). Costs
+    one copy of the weights in the pusher's and in each puller's memory (see the README)."""
 
 
 _CLIENTS: dict[tuple[Any, ...], Any] = {}
@@ -230,7 +237,7 @@ class _Packed:
                 raise WeightSyncError(f"packing the pushed tensors failed: {self._error!r}")
 
 
-class MooncakeWeightStore(PushWatchMixin):
+class MooncakeWeightStore(MooncakeDeltaMixin, PushWatchMixin):
     """See the module docstring. ``push`` returns at once; ``pull`` streams bucket by bucket;
     ``close`` finishes queued pushes (the process-wide client stays for other store objects)."""
 
@@ -248,6 +255,13 @@ class MooncakeWeightStore(PushWatchMixin):
         """The flat buffer of the last committed push, reused by the next push of the same size."""
         self._spare_lock = threading.Lock()
         self.stats = {"pushes": 0, "pulls": 0, "refetches": 0, "push_retries": 0, "shm_fallbacks": 0}
+        self.stats.update(new_stats())
+        self._writer = DeltaWriter() if config.delta else None
+        self._reader = DeltaReader(self.stats, f"mooncake store {config.prefix!r}") if config.delta else None
+        self._base_flat: torch.Tensor | None = None
+        """With deltas: the flat buffer of the last committed push, which the writer holds (not reused)."""
+        self._pending_sums: dict[str, str] | None = None
+        """With deltas: the checksums of the version being committed, for the writer to hold."""
 
     def __getstate__(self) -> dict[str, Any]:  # threads and the client stay behind
         return {"config": self.config}
@@ -330,17 +344,29 @@ class MooncakeWeightStore(PushWatchMixin):
 
     def _commit(self, flat: torch.Tensor, manifest: _layout.Manifest, packed: _Packed) -> None:
         c = self._conn()
+        ok = False
+        self._pending_sums = None
         try:
-            self._put_version(c, flat, manifest, packed)
-        except _ShmLost:
-            self._shm_lost(c, f"version {manifest.version}")
-            self._put_version(self._conn(), flat, manifest, packed)
+            try:
+                self._put_version(c, flat, manifest, packed)
+            except _ShmLost:
+                self._shm_lost(c, f"version {manifest.version}")
+                self._put_version(self._conn(), flat, manifest, packed)
+            self._update_index(
+                self._conn(),
+                manifest.version,
+                len(manifest.ranges()) if manifest.total_bytes else 0,
+                manifest.delta["chunks"] if manifest.delta else 0,
+            )
+            ok = True
         finally:
             with self._spare_lock:
-                self._spare = flat
-        self._update_index(
-            self._conn(), manifest.version, len(manifest.ranges()) if manifest.total_bytes else 0
-        )
+                if ok and self._writer is not None:  # the writer holds this buffer now: reuse the old one
+                    self._spare, self._base_flat = self._base_flat, flat
+                else:
+                    self._spare = flat
+        if self._writer is not None and self._pending_sums is not None:
+            self._writer.hold(manifest.version, _layout.unpack(flat, manifest), self._pending_sums)
         self.stats["pushes"] += 1
         self._committed()
 
@@ -370,6 +396,9 @@ class MooncakeWeightStore(PushWatchMixin):
                     shm=shm is not None,
                 )
             sealed.result()
+            if self._writer is not None:
+                packed.wait(manifest.total_bytes)
+                self._put_delta(c, flat, manifest)
             raw = manifest.to_bytes()
             self._retry(f"version {v} manifest", lambda: [c.upsert(self.manifest_key(v), raw, rcfg)])
         finally:
@@ -405,28 +434,40 @@ class MooncakeWeightStore(PushWatchMixin):
         except ValueError as exc:
             raise WeightSyncError(f"unreadable index at {self.index_key!r}: {exc}") from None
 
-    def _update_index(self, c: Any, version: int, n_buckets: int) -> None:
+    def _update_index(self, c: Any, version: int, n_buckets: int, n_delta_chunks: int = 0) -> None:
         rcfg = self._rcfg()
         with self._index_lock:
             idx = self._read_index(c)
             idx["versions"][str(version)] = n_buckets
+            deltas = idx.setdefault("deltas", {})  # version -> delta chunks, until the version is deleted
+            if n_delta_chunks:
+                deltas[str(version)] = n_delta_chunks
+            else:
+                deltas.pop(str(version), None)
             kept = sorted(idx["versions"], key=int)
             for old in kept[: -self.config.keep_last]:
                 idx["garbage"][old] = idx["versions"].pop(old)
             idx["latest"] = max(int(k) for k in idx["versions"])
             self._retry("index", lambda: [c.upsert(self.index_key, json.dumps(idx).encode(), rcfg)])
-            removed = [v for v, n in list(idx["garbage"].items()) if self._delete_version(c, int(v), n)]
+            removed = [
+                v
+                for v, n in list(idx["garbage"].items())
+                if self._delete_version(c, int(v), n, deltas.get(v, 0))
+            ]
             if removed:
                 for v in removed:
                     idx["garbage"].pop(v)
+                    deltas.pop(v, None)
                 self._retry("index", lambda: [c.upsert(self.index_key, json.dumps(idx).encode(), rcfg)])
 
-    def _delete_version(self, c: Any, version: int, n_buckets: int) -> bool:
+    def _delete_version(self, c: Any, version: int, n_buckets: int, n_delta_chunks: int = 0) -> bool:
         """Delete a retired version. The manifest goes first and at once, so the version stops
         being pullable; a bucket still leased by a reader mid-pull stays until the next commit
         (False), so that reader finishes intact."""
         rc = c.remove(self.manifest_key(version), True)
-        codes = c.batch_remove([self.bucket_key(version, i) for i in range(n_buckets)]) if n_buckets else []
+        keys = [self.bucket_key(version, i) for i in range(n_buckets)]
+        keys += [self.delta_key(version, i) for i in range(n_delta_chunks)]
+        codes = c.batch_remove(keys) if keys else []
         return all(code in (0, _NOT_FOUND) for code in [rc, *codes])
 
     def latest_version(self) -> int | None:
@@ -447,6 +488,15 @@ class MooncakeWeightStore(PushWatchMixin):
         return _layout.Manifest.from_bytes(raw, f"version {version}")
 
     def pull(self, version: int, into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        if self._reader is not None:
+            return self._reader.pull(self, version, into, fill_into)
+        return self._pull_any(version, into)
+
+    def pull_full(self, version: int) -> dict[str, torch.Tensor]:
+        """``version`` read whole (no delta), checksums verified."""
+        return self._pull_any(version, None)
+
+    def _pull_any(self, version: int, into: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
         c = self._conn()
         try:
             return self._pull(c, version, into)

@@ -5,6 +5,8 @@ the actor owns it and a version outlives the process that pushed it (this costs 
 the object store). The actor keeps the last ``keep_last`` versions' references and drops older
 ones (Ray then frees them); a version becomes visible only at ``commit``. Readers anywhere in the cluster fetch buckets from the object
 store (shared memory on the same node). The object is picklable and finds the actor by name.
+With ``delta=True`` each version's delta from the previous push is one more object (see
+:mod:`rollart_weightsync._delta`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from rollart_core.errors import ConfigError, WeightSyncError
 from rollart_core.extras import require
 from rollart_weightsync import _layout
 from rollart_weightsync._common import PushWatchMixin, check_into, fill_into
+from rollart_weightsync._delta import DeltaInfo, DeltaReader, DeltaWriter, new_stats
 
 if TYPE_CHECKING:
     import torch
@@ -44,6 +47,10 @@ class RayWeightStoreConfig(BaseModel):
     keep_last: int = Field(2, ge=1)
     """Retention: committed versions whose objects are kept."""
     poll_s: float = Field(0.05, gt=0)
+    delta: bool = False
+    """Store each version also as its difference from the previous push, and pull a newer version
+    as deltas from the one this store object last pulled (full pulls where that cannot work). Costs
+    one copy of the weights in the pusher's and in each puller's memory (see the README)."""
 
 
 class _Holder:
@@ -53,6 +60,7 @@ class _Holder:
         self.keep_last = keep_last
         self.versions: dict[int, tuple[bytes, list[Any]]] = {}
         self.pending: dict[int, dict[int, Any]] = {}
+        self.deltas: dict[int, Any] = {}
 
     def put_bucket(self, version: int, i: int, data: Any) -> None:
         import ray
@@ -60,6 +68,16 @@ class _Holder:
         if i == 0:  # a retried push starts over
             self.pending[version] = {}
         self.pending.setdefault(version, {})[i] = ray.put(data)
+
+    def put_delta(self, version: int, data: Any) -> None:
+        """The delta stored with ``version`` (its manifest, committed after, says from which base)."""
+        import ray
+
+        self.deltas[version] = ray.put(data)
+
+    def get_delta(self, version: int) -> list[Any] | None:
+        ref = self.deltas.get(version)
+        return None if ref is None else [ref]  # in a list: a returned ref would be resolved
 
     def commit(self, version: int, manifest: bytes, n_buckets: int) -> int | None:
         got = self.pending.pop(version, {})
@@ -70,6 +88,8 @@ class _Holder:
             del self.versions[v]
         for v in [v for v in self.pending if v < version]:  # abandoned by a dead pusher
             del self.pending[v]
+        for v in [v for v in self.deltas if v < version and v not in self.versions]:
+            del self.deltas[v]
         return max(self.versions)
 
     def get(self, version: int) -> tuple[bytes, list[Any]] | None:
@@ -94,6 +114,9 @@ class RayWeightStore(PushWatchMixin):
         self._actor: Any = None
         self._lock = threading.Lock()
         self._init_push_watch("ray", config.poll_s)
+        self.stats = new_stats()
+        self._writer = DeltaWriter() if config.delta else None
+        self._reader = DeltaReader(self.stats, f"ray store {config.name!r}") if config.delta else None
 
     def __getstate__(self) -> dict[str, Any]:
         return {"config": self.config}
@@ -133,7 +156,20 @@ class RayWeightStore(PushWatchMixin):
         arr = flat.numpy()
         ranges = manifest.ranges() if manifest.total_bytes else []
         ray.get([holder.put_bucket.remote(manifest.version, i, arr[s:e]) for i, (s, e) in enumerate(ranges)])
+        if self._writer is not None:
+            import numpy as np
+
+            tensors = _layout.unpack(flat, manifest)
+            blob, sums = self._writer.encode(manifest.version, tensors)
+            if blob is not None:  # recorded even when not stored: readers then know why
+                manifest.delta = {"base": self._writer.base_version, "nbytes": len(blob)}
+                if len(blob) < manifest.total_bytes:
+                    ray.get(holder.put_delta.remote(manifest.version, np.frombuffer(blob, dtype=np.uint8)))
+                    self.stats["delta_pushes"] += 1
+                    self.stats["delta_push_bytes"] += len(blob)
         ray.get(holder.commit.remote(manifest.version, manifest.to_bytes(), len(ranges)))
+        if self._writer is not None:
+            self._writer.hold(manifest.version, tensors, sums)
         self._committed()
 
     def latest_version(self) -> int | None:
@@ -147,18 +183,56 @@ class RayWeightStore(PushWatchMixin):
         return ray.get(self._holder().committed.remote())
 
     def pull(self, version: int, into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        if self._reader is not None:
+            return self._reader.pull(self, version, into, fill_into)
+        return self._pull(version, into)
+
+    def _entry(self, version: int) -> tuple[_layout.Manifest, list[Any]] | None:
+        import ray
+
+        entry = ray.get(self._holder().get.remote(version))
+        if entry is None:
+            return None
+        return _layout.Manifest.from_bytes(entry[0], f"version {version}"), entry[1]
+
+    # what the delta reader asks (rollart_weightsync._delta.DeltaSource)
+
+    def delta_info(self, version: int) -> DeltaInfo | None:
+        entry = self._entry(version)
+        d = entry[0].delta if entry is not None else None
+        return DeltaInfo(int(d["base"]), int(d["nbytes"])) if d else None
+
+    def delta_blob(self, version: int) -> bytes:
+        import ray
+
+        ref = ray.get(self._holder().get_delta.remote(version))
+        if ref is None:
+            raise WeightSyncError(f"version {version}: no delta object in Ray store {self.config.name!r}")
+        try:
+            return bytes(ray.get(ref[0]))
+        except ray.exceptions.RayError as exc:
+            raise WeightSyncError(f"version {version}: delta lost from the object store: {exc}") from None
+
+    def full_nbytes(self, version: int) -> int:
+        entry = self._entry(version)
+        return entry[0].total_bytes if entry is not None else 0
+
+    def pull_full(self, version: int) -> dict[str, torch.Tensor]:
+        """``version`` read whole (no delta), checksums verified."""
+        return self._pull(version, None)
+
+    def _pull(self, version: int, into: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
         import ray
         import torch
 
-        entry = ray.get(self._holder().get.remote(version))
+        entry = self._entry(version)
         if entry is None:
             raise WeightSyncError(
                 f"version {version} is not committed in Ray store {self.config.name!r} "
                 f"(latest: {self.latest_version()})"
             )
-        m = _layout.Manifest.from_bytes(entry[0], f"version {version}")
+        m, refs = entry
         check_into(into, m.shapes)
-        refs = entry[1]
         flat = torch.empty(m.total_bytes, dtype=torch.uint8)
         out = flat.numpy()
         for i, ((s, e), ref) in enumerate(zip(m.ranges() if m.total_bytes else [], refs, strict=True)):
