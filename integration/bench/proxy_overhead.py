@@ -18,7 +18,13 @@ a process of its own, same tiny model, same engine settings) and rollart's endpo
 requests with ``tools`` (tool_choice auto, one session per request), from a client in a process of its
 own (a client in this process would share rollart's GIL and event loop, not vLLM's). Reported:
 rollart/vLLM for the round's wall time (1/throughput) and for the per-request latency, paired per
-round. Goal: ≤ 1.1. Writes JSON to ``--out``.
+round. Goal: ≤ 1.1.
+
+Dialects (``--no-dialects`` skips them): the same chat-with-tools requests written as OpenAI Responses
+(``/v1/responses``: ``instructions``, ``input``, function tools) and as Anthropic Messages
+(``/v1/messages``: ``system``, ``messages``, ``input_schema`` tools) to rollart's endpoint, from the
+same client process; they render the same prompt. Reported: each dialect / Chat Completions for the
+round's wall time and the per-request latency, paired per round. Goal: ≤ 1.1. Writes JSON to ``--out``.
 """
 
 from __future__ import annotations
@@ -58,10 +64,14 @@ TOOLS = [
 ]
 ROLLART_TOOLS = "rollart HTTP chat+tools"
 VLLM_TOOLS = "vLLM server chat+tools"
+RESPONSES_TOOLS = "rollart Responses+tools"
+MESSAGES_TOOLS = "rollart Messages+tools"
+PATHS = {ROLLART_TOOLS: "/v1/chat/completions", VLLM_TOOLS: "/v1/chat/completions"}
+PATHS |= {RESPONSES_TOOLS: "/v1/responses", MESSAGES_TOOLS: "/v1/messages"}
 
 
 def _client_main(conn: Any) -> None:
-    """The load generator, in a process of its own: for each ``(url, bodies, headers)`` it receives,
+    """The load generator, in a process of its own: for each ``(url, path, bodies, headers)`` it receives,
     posts every body at once and answers ``(wall s, per-request latencies, completion tokens)``."""
     import httpx
 
@@ -71,7 +81,7 @@ def _client_main(conn: Any) -> None:
             job = await asyncio.to_thread(conn.recv)
             if job is None:
                 break
-            url, bodies, headers = job
+            url, path, bodies, headers = job
             if url not in clients:
                 clients[url] = httpx.AsyncClient(
                     base_url=url,
@@ -83,18 +93,19 @@ def _client_main(conn: Any) -> None:
             client = clients[url]
 
             async def one(
-                client: httpx.AsyncClient, url: str, body: dict[str, Any], h: dict[str, str]
+                client: httpx.AsyncClient, url: str, path: str, body: dict[str, Any], h: dict[str, str]
             ) -> tuple[float, int]:
                 t0 = time.perf_counter()
-                r = await client.post("/v1/chat/completions", json=body, headers=h)
+                r = await client.post(path, json=body, headers=h)
                 if r.status_code != 200:
-                    raise RuntimeError(f"{url}: {r.status_code} {r.text[:500]}")
-                return time.perf_counter() - t0, r.json()["usage"]["completion_tokens"]
+                    raise RuntimeError(f"{url}{path}: {r.status_code} {r.text[:500]}")
+                usage = r.json()["usage"]  # Chat Completions' names, or the dialects' (output_tokens)
+                return time.perf_counter() - t0, usage.get("completion_tokens", usage.get("output_tokens"))
 
             t0 = time.perf_counter()
             try:
                 res = await asyncio.gather(
-                    *(one(client, url, b, h) for b, h in zip(bodies, headers, strict=True))
+                    *(one(client, url, path, b, h) for b, h in zip(bodies, headers, strict=True))
                 )
             except Exception as e:
                 conn.send(("error", repr(e)))
@@ -115,8 +126,10 @@ class LoadClient:
         self.proc = ctx.Process(target=_client_main, args=(child,), daemon=True)
         self.proc.start()
 
-    async def round(self, url: str, bodies: list[dict[str, Any]], headers: list[dict[str, str]]) -> Any:
-        self.conn.send((url, bodies, headers))
+    async def round(
+        self, url: str, path: str, bodies: list[dict[str, Any]], headers: list[dict[str, str]]
+    ) -> Any:
+        self.conn.send((url, path, bodies, headers))
         status, value = await asyncio.to_thread(self.conn.recv)
         if status != "ok":
             raise RuntimeError(f"load client: {value}")
@@ -212,6 +225,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         vllm_log = args.out.with_name(args.out.stem + "_vllm_server.log")  # kept: what it ran with
         vllm_log.parent.mkdir(parents=True, exist_ok=True)
         vllm_server, vllm_url = start_vllm_server(model, args, vllm_log)
+    if args.vllm_server or args.dialects:
         load = LoadClient()
     engine = VllmEngine(
         VllmEngineConfig(max_model_len=MAX_MODEL_LEN, dtype="float32", max_num_seqs=max(64, args.requests)),
@@ -267,7 +281,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             r.raise_for_status()
         return sum(r.json()["usage"]["completion_tokens"] for r in rs)
 
-    latencies: dict[str, list[list[float]]] = {ROLLART_TOOLS: [], VLLM_TOOLS: []}
+    latencies: dict[str, list[list[float]]] = {k: [] for k in PATHS}
     chat_bodies = [
         {
             "model": "tiny",
@@ -284,11 +298,45 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         for i in range(args.requests)
     ]
 
+    fn = TOOLS[0]["function"]
+    bodies = {
+        ROLLART_TOOLS: chat_bodies,
+        VLLM_TOOLS: chat_bodies,
+        RESPONSES_TOOLS: [
+            {
+                "model": "tiny",
+                "instructions": b["messages"][0]["content"],
+                "input": b["messages"][1]["content"],
+                "tools": [{"type": "function", **fn}],
+                "tool_choice": "auto",
+                "max_output_tokens": args.max_tokens,
+                "temperature": 0.0,
+                "allowed_token_ids": list(NO_EOS),
+            }
+            for b in chat_bodies
+        ],
+        MESSAGES_TOOLS: [
+            {
+                "model": "tiny",
+                "system": b["messages"][0]["content"],
+                "messages": [b["messages"][1]],
+                "tools": [
+                    {"name": fn["name"], "description": fn["description"], "input_schema": fn["parameters"]}
+                ],
+                "tool_choice": {"type": "auto"},
+                "max_tokens": args.max_tokens,
+                "temperature": 0.0,
+                "allowed_token_ids": list(NO_EOS),
+            }
+            for b in chat_bodies
+        ],
+    }
+
     def chat_tools(name: str, url: str) -> Any:
         async def variant() -> int:
             n = next(counter)  # one session per request, as an agent's trajectory has
             headers = [{"X-Session-Id": f"c{n}-{i}"} for i in range(args.requests)]
-            _, lat, toks = await load.round(url, chat_bodies, headers)
+            _, lat, toks = await load.round(url, PATHS[name], bodies[name], headers)
             latencies[name].append(lat)
             return int(toks)
 
@@ -299,6 +347,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         await wait_ready(vllm_server, vllm_url, vllm_log)
         variants[ROLLART_TOOLS] = chat_tools(ROLLART_TOOLS, rollart_url)
         variants[VLLM_TOOLS] = chat_tools(VLLM_TOOLS, vllm_url)
+    if args.dialects:
+        for name in (ROLLART_TOOLS, RESPONSES_TOOLS, MESSAGES_TOOLS):
+            variants[name] = chat_tools(name, rollart_url)
     for fn in variants.values():  # warm-up (prefix cache, compiled paths, connections)
         await fn()
     for lat in latencies.values():
@@ -317,8 +368,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     await client.aclose()
     await server.stop()
     await engine.shutdown()
-    if vllm_server is not None:
+    if vllm_server is not None or args.dialects:
         load.close()
+    if vllm_server is not None:
         _stop_process(vllm_server)
 
     base = times["direct engine"]
@@ -339,11 +391,24 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "ratio_to_direct": statistics.median(ratios),
             "ratio_of_medians": med / statistics.median(base),
         }
-    if vllm_server is not None:
-        for name in (ROLLART_TOOLS, VLLM_TOOLS):
+    for name in names:
+        if latencies.get(name):
             flat = sorted(x for lat in latencies[name] for x in lat)
             result["variants"][name]["latency_median_s"] = statistics.median(flat)
             result["variants"][name]["latency_p90_s"] = flat[int(0.9 * (len(flat) - 1))]
+    if args.dialects:
+        ct, cl = times[ROLLART_TOOLS], [statistics.median(x) for x in latencies[ROLLART_TOOLS]]
+        result["dialects_vs_chat"] = {}
+        for name in (RESPONSES_TOOLS, MESSAGES_TOOLS):
+            dl = [statistics.median(x) for x in latencies[name]]
+            d = {
+                "round_time_ratio": statistics.median(a / b for a, b in zip(times[name], ct, strict=True)),
+                "latency_ratio": statistics.median(a / b for a, b in zip(dl, cl, strict=True)),
+                "same_tokens": tokens[name] == tokens[ROLLART_TOOLS],
+            }
+            d["goal_met"] = d["round_time_ratio"] <= 1.1 and d["latency_ratio"] <= 1.1
+            result["dialects_vs_chat"][name] = d
+    if vllm_server is not None:
         rt, vt = times[ROLLART_TOOLS], times[VLLM_TOOLS]
         rl = [statistics.median(x) for x in latencies[ROLLART_TOOLS]]
         vl = [statistics.median(x) for x in latencies[VLLM_TOOLS]]
@@ -374,6 +439,12 @@ def main() -> None:
         dest="vllm_server",
         action="store_false",
         help="skip the comparison with vLLM's own OpenAI server (chat requests with tools)",
+    )
+    p.add_argument(
+        "--no-dialects",
+        dest="dialects",
+        action="store_false",
+        help="skip the Responses and Messages dialects (the same requests with tools) against Chat Completions",
     )
     args = p.parse_args()
     if args.quick:
@@ -412,6 +483,21 @@ def main() -> None:
             f"(paired), throughput {r['throughput_ratio']:.3f}; goal ≤ 1.1: "
             f"{'met' if r['goal_met'] else 'NOT met'}; same tokens: {r['same_tokens']}"
         )
+    if "dialects_vs_chat" in res:
+        vs = res["variants"]
+        print(
+            f"\nrollart's dialects vs its Chat Completions, the same requests with tools:\n"
+            f"{'variant':<26}{'median s':>10}{'latency p50':>13}{'× chat round':>14}{'× chat latency':>16}"
+        )
+        for name in (ROLLART_TOOLS, RESPONSES_TOOLS, MESSAGES_TOOLS):
+            d = res["dialects_vs_chat"].get(name, {"round_time_ratio": 1.0, "latency_ratio": 1.0})
+            print(
+                f"{name:<26}{vs[name]['median_s']:>10.3f}{vs[name]['latency_median_s']:>13.3f}"
+                f"{d['round_time_ratio']:>14.3f}{d['latency_ratio']:>16.3f}"
+            )
+        met = all(d["goal_met"] for d in res["dialects_vs_chat"].values())
+        same = all(d["same_tokens"] for d in res["dialects_vs_chat"].values())
+        print(f"goal ≤ 1.1 (paired): {'met' if met else 'NOT met'}; same tokens: {same}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=2))
     print(f"wrote {args.out}")
