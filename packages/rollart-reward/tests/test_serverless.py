@@ -213,6 +213,7 @@ def test_every_scaling_option_reaches_the_serve_command() -> None:
         max_queue=11,
         cache_size=12,
         max_body_bytes=4096,
+        body_timeout_s=2.5,
         max_batch=13,
         max_async_tasks=14,
     )
@@ -227,9 +228,10 @@ def test_every_scaling_option_reaches_the_serve_command() -> None:
         args.max_queue,
         args.cache_size,
         args.max_body_bytes,
+        args.body_timeout,
         args.max_batch,
         args.max_async_tasks,
-    ) == (1, 3, 0.7, "fixed", 9.0, 11, 12, 4096, 13, 14)
+    ) == (1, 3, 0.7, "fixed", 9.0, 11, 12, 4096, 2.5, 13, 14)
     assert "--api-key" not in argv  # the token travels in the environment, not on a visible command line
 
 

@@ -43,6 +43,7 @@ _FLAGS = {  # ScalingConfig field -> ``rollart-reward serve`` flag
     "max_queue": "--max-queue",
     "cache_size": "--cache-size",
     "max_body_bytes": "--max-body-bytes",
+    "body_timeout_s": "--body-timeout",
     "max_batch": "--max-batch",
     "max_async_tasks": "--max-async-tasks",
     "faults": "--faults",
