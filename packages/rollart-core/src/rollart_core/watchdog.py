@@ -38,11 +38,11 @@ This file also runs as the watchdog itself (``python -I watchdog.py --pid ...``)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import secrets
 import select
 import signal
-import subprocess
 import sys
 import time
 
@@ -248,19 +248,30 @@ def _main(argv: list[str] | None = None) -> int:
 
 # ---------------------------------------------------------------------------------------- driver's side
 
-_guard: tuple[int, subprocess.Popen[bytes]] | None = None
+_guard: tuple[int, int] | None = None  # (driver PID, watchdog PID)
+
+
+def _running_child(pid: int) -> bool:
+    """Whether our child ``pid`` still runs (reaping it when it has ended)."""
+    try:
+        return os.waitpid(pid, os.WNOHANG) == (0, 0)
+    except ChildProcessError:
+        return False
 
 
 def guard_driver(grace_s: float = 2.0, interval_s: float = 0.5, ready_timeout_s: float = 30.0) -> int | None:
     """Start this process's watchdog (once per process; Linux only) and mark the environment that
     everything it starts from now on inherits. Returns the watchdog's PID (None: no ``/proc``, no
-    watchdog). Raises OSError when the watchdog did not come up."""
+    watchdog). Raises OSError when the watchdog did not come up.
+
+    The watchdog is spawned without a ``subprocess.Popen`` handle: it outlives the driver by design,
+    and a handle left at interpreter exit prints "ResourceWarning: subprocess N is still running"."""
     global _guard
     if not os.path.isdir("/proc/self/task"):
         return None
     me = os.getpid()
-    if _guard is not None and _guard[0] == me and _guard[1].poll() is None:
-        return _guard[1].pid
+    if _guard is not None and _guard[0] == me and _running_child(_guard[1]):
+        return _guard[1]
     start = start_time(me)
     if start is None:
         return None
@@ -268,21 +279,28 @@ def guard_driver(grace_s: float = 2.0, interval_s: float = 0.5, ready_timeout_s:
     env = {k: v for k, v in os.environ.items() if k != RUN_MARK_ENV}
     cmd = [sys.executable, "-I", os.path.abspath(__file__), "--pid", str(me), "--start", str(start)]
     cmd += ["--mark", mark, "--grace", str(grace_s), "--interval", str(interval_s)]
-    proc = subprocess.Popen(
-        cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, env=env, start_new_session=True
-    )
-    assert proc.stdout is not None
+    r, w = os.pipe()  # both close-on-exec; dup2 onto the child's stdout clears that for fd 1 only
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    try:
+        actions = [(os.POSIX_SPAWN_DUP2, devnull, 0), (os.POSIX_SPAWN_DUP2, w, 1)]
+        pid = os.posix_spawn(cmd[0], cmd, env, file_actions=actions, setsid=True)
+    finally:
+        os.close(w)
+        os.close(devnull)
     ready = b""
-    if select.select([proc.stdout], [], [], ready_timeout_s)[0]:
-        ready = proc.stdout.readline()
-    proc.stdout.close()
+    try:
+        if select.select([r], [], [], ready_timeout_s)[0]:
+            ready = os.read(r, len(READY))
+    finally:
+        os.close(r)
     if ready != READY:
-        proc.kill()
-        proc.wait()
-        raise OSError(f"the run's watchdog did not start ({cmd[:3]}; exit {proc.returncode})")
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+        raise OSError(f"the run's watchdog did not start ({cmd[:3]}; wait status {status})")
     os.environ[RUN_MARK_ENV] = mark  # after its start: the watchdog itself carries no mark
-    _guard = (me, proc)
-    return proc.pid
+    _guard = (me, pid)
+    return pid
 
 
 if __name__ == "__main__":
