@@ -220,9 +220,17 @@ class PDRouter:
                     f"task {task!r} is routed to {pool!r}, a prefill pool: route it to its decode pool"
                 )
         # One routing view per pool over the proxy's own worker handles: separate session maps
-        # keep a trajectory's prefill stickiness apart from its decode stickiness.
+        # keep a trajectory's prefill stickiness apart from its decode stickiness. A prefill pool
+        # with no healthy worker must not hold requests while it recovers: the decode worker
+        # prefills locally instead (``local_fallback``), so its view never waits.
         self._views = {
-            p: LLMProxy(ws, max_retries=proxy.max_retries, max_sessions=proxy.max_sessions)
+            p: LLMProxy(
+                ws,
+                max_retries=proxy.max_retries,
+                max_sessions=proxy.max_sessions,
+                recover_wait_s=0.0 if p in prefill_pools else proxy.recover_wait_s,
+                recover_poll_s=proxy.recover_poll_s,
+            )
             for p, ws in by_pool.items()
         }
         for view in self._views.values():
