@@ -16,10 +16,10 @@ import time
 from collections.abc import Awaitable
 from contextlib import AsyncExitStack
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from rollart_core.config import RunConfig, TaskConfig, file_sha256
-from rollart_core.errors import ConfigError, RegistryError
+from rollart_core.errors import ConfigError, RegistryError, RollartError
 from rollart_core.protocols import ChatFormat, Proxy, RewardExecutor, Trainer, WeightStore
 from rollart_core.registry import build, check, resolve, validate_options
 from rollart_core.resources import RayCluster, get_affinity
@@ -76,7 +76,7 @@ def check_lora(cfg: RunConfig, engine_cfgs: list[Any]) -> None:
                 f"engines.{i}.options.lora is set (engine group {group.name!r} serves LoRA adapters) "
                 "but trainer.options.lora is not (the trainer pushes full weights)"
             )
-        if lora is not None and lora.rank > engine_lora.max_lora_rank:
+        if lora is not None and engine_lora is not None and lora.rank > engine_lora.max_lora_rank:
             raise ConfigError(
                 f"trainer.options.lora.rank ({lora.rank}) exceeds engines.{i}.options.lora.max_lora_rank "
                 f"({engine_lora.max_lora_rank}) of engine group {group.name!r}"
@@ -110,6 +110,7 @@ def overlap_warning(cfg: RunConfig) -> str | None:
 
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 _ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
 TRAINER_GROUP = "rollart_train.ray_group:RayTrainerGroup"
 
@@ -159,19 +160,66 @@ def weight_store_options(cfg: RunConfig) -> dict[str, Any]:
 
 class Pipeline:
     """``async with Pipeline(cfg) as p:`` gives ``p.trainer``, ``p.store``, ``p.proxy``, ``p.chat``,
-    per-task ``p.rewards`` and ``p.make_env(task)``."""
+    per-task ``p.rewards`` and ``p.make_env(task)``.
 
-    trainer: Trainer
-    store: WeightStore
-    proxy: Proxy
-    chat: ChatFormat
-    rewards: dict[str, RewardExecutor]
+    Every attribute is declared here, empty until ``__aenter__`` builds it; ``__aexit__`` stops
+    whatever was built (a build that failed half-way included). Reading a component that was not
+    built raises :class:`RollartError` naming it."""
 
     def __init__(self, config: RunConfig) -> None:
         self.config = config
         self._stack = AsyncExitStack()
-        self.actors: list[Any] = []
-        self.timings: dict[str, float] = {}
+        self.actors: list[Any] = []  # engine actors, in start order
+        self.timings: dict[str, float] = {}  # start-up phases (the run summary)
+        self.rewards: dict[str, RewardExecutor] = {}
+        self.env_manager: Any | None = None  # environment workers (config ``env_manager``)
+        self.resources: Any | None = None  # the cluster's ResourceManager
+        self.placement: Any | None = None  # the engines' placement groups
+        self._pd_kv_dir: Path | None = None
+        self._trainer: Trainer | None = None
+        self._store: WeightStore | None = None
+        self._proxy: Proxy | None = None
+        self._chat: ChatFormat | None = None
+
+    @staticmethod
+    def _built(part: str, value: _T | None) -> _T:
+        if value is None:
+            raise RollartError(
+                f"pipeline: no {part} (the pipeline is not built: use `async with Pipeline(cfg)`)"
+            )
+        return value
+
+    @property
+    def trainer(self) -> Trainer:
+        return self._built("trainer", self._trainer)
+
+    @trainer.setter
+    def trainer(self, value: Trainer) -> None:
+        self._trainer = value
+
+    @property
+    def store(self) -> WeightStore:
+        return self._built("weight store", self._store)
+
+    @store.setter
+    def store(self, value: WeightStore) -> None:
+        self._store = value
+
+    @property
+    def proxy(self) -> Proxy:
+        return self._built("proxy", self._proxy)
+
+    @proxy.setter
+    def proxy(self, value: Proxy) -> None:
+        self._proxy = value
+
+    @property
+    def chat(self) -> ChatFormat:
+        return self._built("chat format", self._chat)
+
+    @chat.setter
+    def chat(self, value: ChatFormat) -> None:
+        self._chat = value
 
     async def __aenter__(self) -> Pipeline:
         cfg = self.config
@@ -232,7 +280,6 @@ class Pipeline:
         if group_cfg is not None:  # placed on its pool, validated with the engines before either starts
             self._validate_plan(group_cfg)
         self.timings["build_local_s"] = time.perf_counter() - t0
-        self.env_manager = None
         # The trainer group, the engines and the environment workers start side by side: each is
         # mostly process start-up and imports, which overlap (on a busy host too). All are waited
         # for before a failure is raised, so that __aexit__ finds and stops whatever did start.
@@ -265,14 +312,15 @@ class Pipeline:
         import ray
 
         nodes = [n for n in ray.nodes() if n.get("Alive")]
-        store_cfg = getattr(self.store, "config", None)
+        store = self.store
+        store_cfg = getattr(store, "config", None)
         if (
             cfg.weight_store.impl == "filesystem"
             and len(nodes) > 1
             and not getattr(store_cfg, "shared", False)
         ):
             raise ConfigError(
-                f"weight_store filesystem ({getattr(self.store, 'root', '?')}) is a local directory, but "
+                f"weight_store filesystem ({getattr(store, 'root', '?')}) is a local directory, but "
                 f"the cluster has {len(nodes)} nodes: engines on other nodes would never see the "
                 "weights. Use a store every node reaches (weight_store.impl: mooncake or ray), or set "
                 "weight_store.options.shared: true if the directory is on a shared file system"
@@ -354,8 +402,8 @@ class Pipeline:
 
         proxy_cls = resolve("proxy", "default")
         classes = [resolve("engine", g.impl) for g in self.config.engines]
-        self.resources = ResourceManager.from_ray()
-        self.placement = await asyncio.to_thread(self.resources.place, self._engine_decls())
+        self.resources = resources = ResourceManager.from_ray()
+        self.placement = placement = await asyncio.to_thread(resources.place, self._engine_decls())
         members: list[tuple[str, Any, str]] = []
         for group, ecfg, cls in zip(self.config.engines, engine_cfgs, classes, strict=True):
             for r in range(group.count):
@@ -363,7 +411,7 @@ class Pipeline:
                 actor = (
                     ray.remote(cls)
                     .options(
-                        **self.placement.actor_options(group.name, r),
+                        **placement.actor_options(group.name, r),
                         name=f"rollart-{name}",
                         max_concurrency=1024,
                         runtime_env={"env_vars": _ENGINE_ENV},
@@ -376,17 +424,16 @@ class Pipeline:
                 members.append((name, actor, group.name))
         await asyncio.gather(*(a.start.remote() for a in self.actors))
         task_pools = {t.name: t.pool for t in self.config.tasks if t.pool is not None}
-        self.proxy = proxy_cls.from_ray_actors(members, task_pools=task_pools)
+        proxy = proxy_cls.from_ray_actors(members, task_pools=task_pools)
         if self._pd_kv_dir is not None:  # prefill/decode disaggregation: the PD router fronts the proxy
             pd_cls = resolve("proxy", "pd")
-            self.proxy = pd_cls(
-                self.proxy, pd_cls.Config.from_tasks(self.config.tasks, kv_store_dir=self._pd_kv_dir)
-            )
-        if not isinstance(self.proxy, Proxy):
+            proxy = pd_cls(proxy, pd_cls.Config.from_tasks(self.config.tasks, kv_store_dir=self._pd_kv_dir))
+        if not isinstance(proxy, Proxy):
             raise RegistryError(
-                f"proxy {type(self.proxy).__name__} does not implement rollart_core.protocols.Proxy"
+                f"proxy {type(proxy).__name__} does not implement rollart_core.protocols.Proxy"
             )
-        start_health = getattr(self.proxy, "start_health_loop", None)
+        self._proxy = proxy
+        start_health = getattr(proxy, "start_health_loop", None)
         if start_health is not None:  # restarted engines come back on the served weights
             start_health()
 
@@ -430,8 +477,8 @@ class Pipeline:
                 f"which no node has (cluster: {sorted(ray.cluster_resources())}); declare it in "
                 "ray.resources or set env_manager.options.pool: null"
             )
-        self.env_manager = cls(mcfg)
-        await self.env_manager.start()
+        self.env_manager = manager = cls(mcfg)
+        await manager.start()
 
     def make_env(self, task: TaskConfig, index: int, *, held_out: bool = False) -> Any:
         """A new environment of the task (``held_out``: its ``eval_env`` when it has one)."""
@@ -446,13 +493,14 @@ class Pipeline:
         return self.make_env(task, index)
 
     async def __aexit__(self, *exc: object) -> None:
-        if getattr(self, "env_manager", None) is not None:
+        if (manager := self.env_manager) is not None:
+            self.env_manager = None
             try:
-                await self.env_manager.shutdown()
+                await manager.shutdown()
             except Exception as e:
                 log.warning("env manager shutdown failed: %r", e)
-            self.env_manager = None
-        stop_health = getattr(getattr(self, "proxy", None), "stop_health_loop", None)
+        proxy = self._proxy
+        stop_health = getattr(proxy, "stop_health_loop", None)
         if stop_health is not None:
             await stop_health()
         if self.actors:
@@ -464,24 +512,23 @@ class Pipeline:
                 log.warning("engine shutdown failed: %r", e)
             ray.kill(a)
         self.actors.clear()
-        placement = getattr(self, "placement", None)
-        if placement is not None:
-            placement.remove()
+        if (placement := self.placement) is not None:
             self.placement = None
-        trainer = getattr(self, "trainer", None)
+            placement.remove()
+        trainer = self._trainer
         if trainer is not None and hasattr(trainer, "close"):  # e.g. spawned trainer ranks, a worker group
             try:
                 await asyncio.to_thread(trainer.close)
             except Exception as e:
                 log.warning("trainer close failed: %r", e)
-        for name, executor in getattr(self, "rewards", {}).items():  # e.g. a reward runtime it started
+        for name, executor in self.rewards.items():  # e.g. a reward runtime it started
             aclose = getattr(executor, "aclose", None)
             if aclose is not None:
                 try:
                     await aclose()
                 except Exception as e:
                     log.warning("reward executor of task %s failed to close: %r", name, e)
-        store = getattr(self, "store", None)
+        store = self._store
         if store is not None and hasattr(store, "close"):
             store.close()
         await self._stack.aclose()
