@@ -193,8 +193,24 @@ class _RankActor:
         self.store = store
         return self.worker.state()
 
-    def call(self, method: str, *args: Any) -> Any:
-        result = getattr(self.worker, method)(*args)
+    # The rank worker's collective methods: every rank runs each, rank 0 answers for the group.
+
+    def train_step(self, batch: Any) -> Any:
+        return self._answer(self.worker.train_step(batch))
+
+    def full_weights(self) -> Any:
+        return self._answer(self.worker.full_weights())
+
+    def logprobs(self, ids: list[int]) -> Any:
+        return self._answer(self.worker.logprobs(ids))
+
+    def set_num_threads(self, n: int) -> None:
+        self.worker.set_num_threads(n)
+
+    def save(self, path: str, extra: Any) -> Any:
+        return self._answer(self.worker.save(path, extra))
+
+    def _answer(self, result: Any) -> Any:
         return result if self.rank == 0 else None
 
     def push_weights(self, version: int) -> dict[str, float] | None:
@@ -509,9 +525,7 @@ class RayTrainerGroup:
         import ray
 
         ref = ray.put(list(batch))
-        metrics, _ = self._call(
-            "train_step", lambda actors: [a.call.remote("train_step", ref) for a in actors]
-        )
+        metrics, _ = self._call("train_step", lambda actors: [a.train_step.remote(ref) for a in actors])
         self.version += 1
         restart, self._pending_restart = self._pending_restart, {}
         return {**metrics, "version": float(self.version), **restart}
@@ -527,27 +541,25 @@ class RayTrainerGroup:
 
     def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
         """Full tensors brought to the caller (tests, export); the pipeline pushes with :meth:`push_weights`."""
-        weights, _ = self._call(
-            "full_weights", lambda actors: [a.call.remote("full_weights") for a in actors]
-        )
+        weights, _ = self._call("full_weights", lambda actors: [a.full_weights.remote() for a in actors])
         self.weights_to_caller += 1
         return iter(weights.items())
 
     def logprobs(self, token_ids: Sequence[int]) -> list[float]:
         """Logprob of each token given the previous ones under the current weights (first: none)."""
         ids = list(token_ids)
-        out, _ = self._call("logprobs", lambda actors: [a.call.remote("logprobs", ids) for a in actors])
+        out, _ = self._call("logprobs", lambda actors: [a.logprobs.remote(ids) for a in actors])
         return out
 
     def set_num_threads(self, n: int) -> None:
         if n < 1:
             raise TrainerError(f"set_num_threads: need at least 1 thread, got {n}")
-        self._call("set_num_threads", lambda actors: [a.call.remote("set_num_threads", n) for a in actors])
+        self._call("set_num_threads", lambda actors: [a.set_num_threads.remote(n) for a in actors])
 
     def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
         """Checkpoint to ``path`` (written by rank 0: a path on a file system that node can write, and
         that every node can read for restarts)."""
-        self._call("save", lambda actors: [a.call.remote("save", str(path), extra) for a in actors])
+        self._call("save", lambda actors: [a.save.remote(str(path), extra) for a in actors])
 
     def load(self, path: str | Path) -> None:
         """Continue from a checkpoint written by :meth:`save` (or the newest inside ``path``): every rank
