@@ -16,7 +16,7 @@ import time
 from collections.abc import Awaitable
 from contextlib import AsyncExitStack
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar, overload
 
 from rollart_core.config import RunConfig, TaskConfig, file_sha256
 from rollart_core.errors import ConfigError, RegistryError, RollartError
@@ -158,6 +158,35 @@ def weight_store_options(cfg: RunConfig) -> dict[str, Any]:
     return opts
 
 
+class _Part(Generic[_T]):
+    """A pipeline component, kept in ``_<name>`` (None until built); reading it unbuilt raises
+    :class:`RollartError` naming it."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.slot = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = f"_{name}"
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> _Part[_T]: ...
+    @overload
+    def __get__(self, obj: object, owner: type | None = None) -> _T: ...
+    def __get__(self, obj: object | None, owner: type | None = None) -> _T | _Part[_T]:
+        if obj is None:
+            return self
+        value: _T | None = getattr(obj, self.slot)
+        if value is None:
+            raise RollartError(
+                f"pipeline: no {self.label} (the pipeline is not built: use `async with Pipeline(cfg)`)"
+            )
+        return value
+
+    def __set__(self, obj: object, value: _T) -> None:
+        setattr(obj, self.slot, value)
+
+
 class Pipeline:
     """``async with Pipeline(cfg) as p:`` gives ``p.trainer``, ``p.store``, ``p.proxy``, ``p.chat``,
     per-task ``p.rewards`` and ``p.make_env(task)``.
@@ -165,6 +194,11 @@ class Pipeline:
     Every attribute is declared here, empty until ``__aenter__`` builds it; ``__aexit__`` stops
     whatever was built (a build that failed half-way included). Reading a component that was not
     built raises :class:`RollartError` naming it."""
+
+    trainer = _Part[Trainer]("trainer")
+    store = _Part[WeightStore]("weight store")
+    proxy = _Part[Proxy]("proxy")
+    chat = _Part[ChatFormat]("chat format")
 
     def __init__(self, config: RunConfig) -> None:
         self.config = config
@@ -180,46 +214,6 @@ class Pipeline:
         self._store: WeightStore | None = None
         self._proxy: Proxy | None = None
         self._chat: ChatFormat | None = None
-
-    @staticmethod
-    def _built(part: str, value: _T | None) -> _T:
-        if value is None:
-            raise RollartError(
-                f"pipeline: no {part} (the pipeline is not built: use `async with Pipeline(cfg)`)"
-            )
-        return value
-
-    @property
-    def trainer(self) -> Trainer:
-        return self._built("trainer", self._trainer)
-
-    @trainer.setter
-    def trainer(self, value: Trainer) -> None:
-        self._trainer = value
-
-    @property
-    def store(self) -> WeightStore:
-        return self._built("weight store", self._store)
-
-    @store.setter
-    def store(self, value: WeightStore) -> None:
-        self._store = value
-
-    @property
-    def proxy(self) -> Proxy:
-        return self._built("proxy", self._proxy)
-
-    @proxy.setter
-    def proxy(self, value: Proxy) -> None:
-        self._proxy = value
-
-    @property
-    def chat(self) -> ChatFormat:
-        return self._built("chat format", self._chat)
-
-    @chat.setter
-    def chat(self, value: ChatFormat) -> None:
-        self._chat = value
 
     async def __aenter__(self) -> Pipeline:
         cfg = self.config
