@@ -243,6 +243,9 @@ def test_pipeline_checks_trainer_and_engine_lora_agree() -> None:
 
     check(None, None)
     check({"rank": 8}, {"max_lora_rank": 8})
+    check({"rank": 8, "serve": "merged"}, None)  # merged adapters reach the engine as full weights
+    with pytest.raises(ConfigError, match=r"engines.0.options.lora is set .* serve: merged .* LoRA merged"):
+        check({"rank": 8, "serve": "merged"}, {"max_lora_rank": 8})
     with pytest.raises(ConfigError, match=r"trainer.options.lora is set .* engines.0.options.lora is not"):
         check({"rank": 8}, None)
     with pytest.raises(ConfigError, match=r"engines.0.options.lora is set .* trainer.options.lora is not"):

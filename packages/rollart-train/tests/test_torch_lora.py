@@ -111,6 +111,27 @@ def test_named_weights_are_a_peft_adapter(tiny_model: Path) -> None:
             assert t.abs().max() > 0
 
 
+def test_merged_serving_pushes_full_weights_that_compute_the_adapted_model(tiny_model: Path) -> None:
+    merged_cfg = LORA.model_copy(update={"serve": "merged"})
+    trainer = TorchTrainer(TorchTrainerConfig(lr=1e-2, lora=merged_cfg), model_path=tiny_model)
+    trainer.train_step(make_batch(trainer))
+    pushed = dict(trainer.named_weights())
+    plain = TorchTrainer(TorchTrainerConfig(), model_path=tiny_model)
+    base = plain.model.state_dict()
+    assert set(pushed) == set(base)  # HF naming, no adapter tensors: any engine loads it as weights
+    changed = {n for n, t in pushed.items() if not torch.equal(t, base[n])}
+    assert changed == {
+        f"model.layers.{i}.{mod}.weight"
+        for i in range(trainer.model.config.num_hidden_layers)
+        for mod in ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")
+    }  # lora_B moved off zero in every adapter; nothing else moved
+    plain.model.load_state_dict(pushed)
+    torch.testing.assert_close(
+        torch.tensor(plain.logprobs(IDS)), torch.tensor(trainer.logprobs(IDS)), rtol=0, atol=1e-5
+    )
+    assert plain.logprobs(IDS) != lora_trainer(tiny_model).logprobs(IDS)  # the step changed the model
+
+
 def test_unknown_target_modules_fail_before_training(tiny_model: Path) -> None:
     bad = LoraConfig(target_modules=["q_proj", "query_key_value"])
     with pytest.raises(ConfigError, match="query_key_value") as err:

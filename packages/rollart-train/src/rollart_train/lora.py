@@ -17,6 +17,8 @@ What goes to the weight store (:func:`served_adapter`) is the adapter tensors al
 ``lora_A``'s shape, target modules from the names, ``lora_alpha = r``), so a store that carries only
 named tensors carries an adapter, and an engine rebuilds the directory from them
 (:func:`adapter_files` is the trainer-side writer of the same format, used for checkpoints).
+With ``serve: merged`` the store carries :func:`merged_weights` instead: the whole model in HF naming
+with every adapter folded into its base weight, which any engine loads as full weights.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ __all__ = [
     "is_lora_name",
     "linear_module_names",
     "load_adapter_files",
+    "merged_weights",
     "save_adapter_files",
     "served_adapter",
 ]
@@ -139,6 +142,25 @@ def served_adapter(model: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
         if ".lora_B." in name:
             t = t * scales[name.rsplit("lora_B.", 1)[0]]
         yield PEFT_PREFIX + name, t
+
+
+def merged_weights(model: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
+    """The model's full weights in HF naming (no adapter tensors) with each adapter folded into its
+    base weight: ``W + (B @ A) · alpha/r`` for every :class:`LoraLinear`, in the base weight's dtype."""
+
+    def full(t: torch.Tensor) -> torch.Tensor:  # under FSDP: gather the shard (collective)
+        return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
+
+    lora = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, LoraLinear)}
+    for name, t in model.state_dict().items():
+        if is_lora_name(name):
+            continue
+        t = full(t)
+        m = lora.get(name)
+        if m is not None:
+            a, b = full(m.lora_A.weight).float(), full(m.lora_B.weight).float()
+            t = (t.float() + (b @ a) * m.scaling).to(t.dtype)
+        yield name, t
 
 
 def adapter_config(

@@ -12,8 +12,8 @@ __all__ = ["LoraConfig", "TorchTrainerConfig", "lr_factor"]
 
 class LoraConfig(BaseModel):
     """Low-rank adapters on the model's linear layers (:mod:`rollart_train.lora`): the base weights
-    stay frozen, only the adapters train, and only they are pushed to the weight store (in PEFT
-    naming), so an engine serves them as a LoRA adapter on top of the unchanged base model."""
+    stay frozen and only the adapters train (their gradients and optimiser state alone). What the
+    engines get is ``serve``'s choice."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
@@ -26,6 +26,12 @@ class LoraConfig(BaseModel):
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"], min_length=1)
     """Names of the ``nn.Linear`` modules to adapt, matched against the last part of each module's
     path (Llama/Qwen2: ``q_proj k_proj v_proj o_proj gate_proj up_proj down_proj``)."""
+    serve: Literal["adapter", "merged"] = "adapter"
+    """``adapter``: only the adapters are pushed (PEFT naming; a few MB) and the engines serve them
+    through vLLM's LoRA support (their ``lora`` option). ``merged``: the full weights with each adapter
+    folded in (``W + B·A·alpha/r``) are pushed, and the engines serve a plain model at the base model's
+    speed — for engines whose LoRA path is slow (vLLM's CPU build generates several times slower
+    with an adapter); the push is then as large as full fine-tuning's."""
 
 
 class TorchTrainerConfig(BaseModel):

@@ -417,12 +417,14 @@ class TorchRankWorker:
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full tensors in HF naming (collective with several ranks: every rank must iterate). With
-        LoRA: the adapters alone, PEFT-named, ``alpha / r`` folded into ``lora_B``
-        (:func:`rollart_train.lora.served_adapter`)."""
+        LoRA served as an adapter: the adapters alone, PEFT-named, ``alpha / r`` folded into ``lora_B``
+        (:func:`rollart_train.lora.served_adapter`); served merged: the full weights with the adapters
+        folded in (:func:`rollart_train.lora.merged_weights`)."""
         if self.config.lora is not None:
-            from rollart_train.lora import served_adapter
+            from rollart_train.lora import merged_weights, served_adapter
 
-            yield from served_adapter(self.model)
+            served = served_adapter if self.config.lora.serve == "adapter" else merged_weights
+            yield from served(self.model)
             return
         for name, t in self.model.state_dict().items():
             yield name, (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()

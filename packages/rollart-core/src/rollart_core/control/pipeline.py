@@ -56,29 +56,36 @@ def check_tasks(cfg: RunConfig) -> None:
 
 
 def check_lora(cfg: RunConfig, engine_cfgs: list[Any]) -> None:
-    """A trainer that trains LoRA (``trainer.options.lora``) pushes adapters, not weights: every engine
-    must serve them (its ``lora`` option, ``max_lora_rank`` >= the trainer's ``lora.rank``), and an
-    engine that serves adapters needs such a trainer. ConfigError naming both fields otherwise."""
+    """A trainer that trains LoRA served as adapters (``trainer.options.lora``, ``serve: adapter``)
+    pushes adapters, not weights: every engine must serve them (its ``lora`` option, ``max_lora_rank``
+    >= the trainer's ``lora.rank``), and an engine that serves adapters needs such a trainer (LoRA
+    served ``merged`` pushes full weights, as full fine-tuning does). ConfigError naming both fields
+    otherwise."""
     served = [getattr(e, "lora", None) for e in engine_cfgs]
     if "lora" not in cfg.trainer.options and not any(served):
         return  # neither side uses LoRA: the trainer's class (and torch) is not imported here
     trainer = validate_options(resolve("trainer", cfg.trainer.impl), cfg.trainer.options, "trainer.options")
     lora = getattr(trainer, "lora", None)
+    adapters = lora is not None and getattr(lora, "serve", "adapter") == "adapter"
+    rank = getattr(lora, "rank", 0)
+    pushes = "LoRA merged into full weights" if lora is not None else "full weights"
     for i, (group, engine_lora) in enumerate(zip(cfg.engines, served, strict=True)):
-        if lora is not None and engine_lora is None:
+        if adapters and engine_lora is None:
             raise ConfigError(
                 f"trainer.options.lora is set (the trainer pushes LoRA adapters) but "
                 f"engines.{i}.options.lora is not (engine group {group.name!r}, impl {group.impl!r}, "
-                "loads full weights): set it, e.g. lora: {max_lora_rank: " + f"{lora.rank}}}"
+                "loads full weights): set it, e.g. lora: {max_lora_rank: " + f"{rank}}}"
+                ", or serve the adapters merged (trainer.options.lora.serve: merged)"
             )
-        if lora is None and engine_lora is not None:
+        if not adapters and engine_lora is not None:
             raise ConfigError(
                 f"engines.{i}.options.lora is set (engine group {group.name!r} serves LoRA adapters) "
-                "but trainer.options.lora is not (the trainer pushes full weights)"
+                f"but trainer.options.lora {'has serve: merged' if lora is not None else 'is not set'} "
+                f"(the trainer pushes {pushes}): drop the engine's lora option"
             )
-        if lora is not None and engine_lora is not None and lora.rank > engine_lora.max_lora_rank:
+        if adapters and engine_lora is not None and rank > engine_lora.max_lora_rank:
             raise ConfigError(
-                f"trainer.options.lora.rank ({lora.rank}) exceeds engines.{i}.options.lora.max_lora_rank "
+                f"trainer.options.lora.rank ({rank}) exceeds engines.{i}.options.lora.max_lora_rank "
                 f"({engine_lora.max_lora_rank}) of engine group {group.name!r}"
             )
 
