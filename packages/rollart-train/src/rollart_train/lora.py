@@ -132,13 +132,17 @@ def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p for n, p in model.named_parameters() if is_lora_name(n)}
 
 
+def _gathered(t: torch.Tensor) -> torch.Tensor:
+    """Under FSDP a parameter is a shard (DTensor): gather it (collective: every rank iterates)."""
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
+
+
 def served_adapter(model: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
     """What the weight store carries: PEFT-named adapter tensors with ``alpha / r`` folded into
     ``lora_B`` (the matching ``adapter_config.json`` has ``lora_alpha = r``)."""
     scales = {f"{n}.": m.scaling for n, m in model.named_modules() if isinstance(m, LoraLinear)}
     for name, t in adapter_state(model).items():
-        # under FSDP a parameter is a shard (DTensor): gather it (collective: every rank iterates)
-        t = (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
+        t = _gathered(t)
         if ".lora_B." in name:
             t = t * scales[name.rsplit("lora_B.", 1)[0]]
         yield PEFT_PREFIX + name, t
@@ -148,17 +152,14 @@ def merged_weights(model: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
     """The model's full weights in HF naming (no adapter tensors) with each adapter folded into its
     base weight: ``W + (B @ A) · alpha/r`` for every :class:`LoraLinear`, in the base weight's dtype."""
 
-    def full(t: torch.Tensor) -> torch.Tensor:  # under FSDP: gather the shard (collective)
-        return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
-
     lora = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, LoraLinear)}
     for name, t in model.state_dict().items():
         if is_lora_name(name):
             continue
-        t = full(t)
+        t = _gathered(t)
         m = lora.get(name)
         if m is not None:
-            a, b = full(m.lora_A.weight).float(), full(m.lora_B.weight).float()
+            a, b = _gathered(m.lora_A.weight).float(), _gathered(m.lora_B.weight).float()
             t = (t.float() + (b @ a) * m.scaling).to(t.dtype)
         yield name, t
 

@@ -68,7 +68,6 @@ def check_lora(cfg: RunConfig, engine_cfgs: list[Any]) -> None:
     lora = getattr(trainer, "lora", None)
     adapters = lora is not None and getattr(lora, "serve", "adapter") == "adapter"
     rank = getattr(lora, "rank", 0)
-    pushes = "LoRA merged into full weights" if lora is not None else "full weights"
     for i, (group, engine_lora) in enumerate(zip(cfg.engines, served, strict=True)):
         if adapters and engine_lora is None:
             raise ConfigError(
@@ -80,8 +79,13 @@ def check_lora(cfg: RunConfig, engine_cfgs: list[Any]) -> None:
         if not adapters and engine_lora is not None:
             raise ConfigError(
                 f"engines.{i}.options.lora is set (engine group {group.name!r} serves LoRA adapters) "
-                f"but trainer.options.lora {'has serve: merged' if lora is not None else 'is not set'} "
-                f"(the trainer pushes {pushes}): drop the engine's lora option"
+                "but trainer.options.lora "
+                + (
+                    "has serve: merged (the trainer pushes LoRA merged into"
+                    if lora
+                    else "is not set (the trainer pushes"
+                )
+                + " full weights): drop the engine's lora option"
             )
         if adapters and engine_lora is not None and rank > engine_lora.max_lora_rank:
             raise ConfigError(
