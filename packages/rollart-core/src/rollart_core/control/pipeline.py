@@ -77,15 +77,14 @@ def check_lora(cfg: RunConfig, engine_cfgs: list[Any]) -> None:
                 ", or serve the adapters merged (trainer.options.lora.serve: merged)"
             )
         if not adapters and engine_lora is not None:
+            why = (
+                "has serve: merged (the trainer pushes LoRA merged into"
+                if lora is not None
+                else "is not set (the trainer pushes"
+            )
             raise ConfigError(
                 f"engines.{i}.options.lora is set (engine group {group.name!r} serves LoRA adapters) "
-                "but trainer.options.lora "
-                + (
-                    "has serve: merged (the trainer pushes LoRA merged into"
-                    if lora
-                    else "is not set (the trainer pushes"
-                )
-                + " full weights): drop the engine's lora option"
+                f"but trainer.options.lora {why} full weights): drop the engine's lora option"
             )
         if adapters and engine_lora is not None and rank > engine_lora.max_lora_rank:
             raise ConfigError(
