@@ -154,24 +154,32 @@ def test_incomplete_lora_checkpoint(trained: tuple[Path, Path, list[torch.Tensor
 def test_vllm_serves_the_merged_export(
     trained: tuple[Path, Path, list[torch.Tensor]], tmp_path: Path
 ) -> None:
-    """vLLM (no LoRA support asked for) loads the export and computes the LoRA model's greedy tokens."""
+    """vLLM (no LoRA support asked for) loads the export and computes the LoRA model's greedy tokens.
+
+    The engine core runs in its own process and the environment vLLM writes is put back: an
+    in-process vLLM CPU engine pins this process's torch threads for good (``torch.set_num_threads``
+    becomes a no-op), which changed a later test's in-process training step."""
     _, ckpt, lora_logits = trained
     out = export_hf(ckpt, tmp_path / "hf")
     expected = [int(lg[-1].argmax()) for lg in lora_logits]
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm import LLM, SamplingParams
-
-    llm = LLM(model=str(out), dtype="float32", max_model_len=128, enforce_eager=True, seed=0)
+    saved_env = dict(os.environ)
+    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_CPU_KVCACHE_SPACE="1")
     try:
-        outs = llm.generate(
-            [{"prompt_token_ids": ids} for ids in PROMPTS],
-            SamplingParams(temperature=0.0, max_tokens=1, logprobs=1),
-            use_tqdm=False,
-        )
+        from vllm import LLM, SamplingParams
+
+        llm = LLM(model=str(out), dtype="float32", max_model_len=128, enforce_eager=True, seed=0)
+        try:
+            outs = llm.generate(
+                [{"prompt_token_ids": ids} for ids in PROMPTS],
+                SamplingParams(temperature=0.0, max_tokens=1, logprobs=1),
+                use_tqdm=False,
+            )
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
     finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
+        os.environ.clear()
+        os.environ.update(saved_env)
     got = [o.outputs[0].token_ids[0] for o in outs]
     assert got == expected
     for o, lg in zip(outs, lora_logits, strict=True):

@@ -138,6 +138,22 @@ def test_rank_failure_is_reported(two_ranks) -> None:
     assert two_ranks.logprobs([5, 6, 7]) is not None  # still usable afterwards
 
 
+def test_a_thread_count_that_does_not_take_is_warned(tiny_model, monkeypatch, caplog) -> None:
+    """An in-process vLLM CPU engine replaces ``torch.set_num_threads`` with a no-op (stood in for
+    here, as vLLM does it): the rank says its ``num_threads`` did not take instead of training with
+    another thread count in silence."""
+    want = torch.get_num_threads() % 4 + 1  # never the current count
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    with caplog.at_level("WARNING", logger="rollart_train.torch_rank"):
+        trainer = TorchTrainer(TorchTrainerConfig(**{**CFG, "num_threads": want}), model_path=tiny_model)
+    assert f"asked for {want} torch threads but runs with {torch.get_num_threads()}" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="rollart_train.torch_rank"):
+        trainer.set_num_threads(torch.get_num_threads())  # what it has: nothing to say
+    assert "torch threads" not in caplog.text
+    trainer.close()
+
+
 def test_spawned_single_rank_gives_the_in_process_update(one_rank, tiny_model) -> None:
     """``spawn: true`` with one rank: the same step as in process, computed in a child process (so the
     step never holds the caller's GIL; in process, a busy Python thread beside it slowed a step of

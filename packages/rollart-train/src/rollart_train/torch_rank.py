@@ -66,6 +66,21 @@ def _any_nonzero(a: float | list[float]) -> bool:
     return any(x != 0.0 for x in a) if isinstance(a, list) else a != 0.0
 
 
+def _set_threads(n: int) -> None:
+    """``torch.set_num_threads(n)``, warning when it does not take: an in-process vLLM CPU engine
+    replaces that function with a no-op once it has pinned torch's threads to cores, so a rank
+    sharing its process computes with the engine's thread count (and other numerics)."""
+    torch.set_num_threads(n)
+    if torch.get_num_threads() != n:
+        log.warning(
+            "trainer asked for %d torch threads but runs with %d: an in-process vLLM engine in this "
+            "process has pinned torch's threads; run the engine or the trainer in its own process "
+            "(trainer spawn: true, or the engine with VLLM_ENABLE_V1_MULTIPROCESSING=1)",
+            n,
+            torch.get_num_threads(),
+        )
+
+
 class TorchRankWorker:
     def __init__(
         self, config: TorchTrainerConfig, model_path: str | Path, *, rank: int = 0, world_size: int = 1
@@ -74,7 +89,7 @@ class TorchRankWorker:
         self.rank, self.world_size = rank, world_size
         self.model_path = Path(model_path)
         if c.num_threads:
-            torch.set_num_threads(c.num_threads)
+            _set_threads(c.num_threads)
         torch.manual_seed(c.seed)
         self.device = torch.device(
             f"cuda:{rank % max(torch.cuda.device_count(), 1)}"
@@ -506,7 +521,7 @@ class TorchRankWorker:
         log.info("resumed from %s at version %d", ckpt, self.version)
 
     def set_num_threads(self, n: int) -> None:
-        torch.set_num_threads(n)
+        _set_threads(n)
 
     def set_version(self, version: int) -> None:
         """Continue under ``version`` (a restarted worker group rebases the weights restored from an
