@@ -454,3 +454,68 @@ async def test_agent_over_http_keeps_its_session_binding(
             assert done.json() == {"session_id": "http-3", "calls": [], "refused": 0}
     finally:
         await server.stop()
+
+
+async def test_the_calculator_agent_in_each_dialect_is_the_same_trajectory(
+    forcing: Forcing, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """examples/agents/: the calculator agent written against Chat Completions, Responses (``openai``
+    SDK) and Messages (``anthropic`` SDK, ``sdk: anthropic``, in-process and over HTTP) on the real
+    engine, greedy: every dialect's trajectory holds the same engine tokens, the same restricted
+    choices and the same answer, so a harness trains the same whichever API it speaks."""
+    from rollart_proxy.chat import ChatMLFormat
+    from rollart_proxy.server import OpenAIServer
+    from rollart_reward.builtin import SuccessReward
+    from rollart_reward.executor import InlineExecutor
+
+    agents = HERE.parents[2] / "examples" / "agents"
+    server = OpenAIServer(forcing, str(model_dir), max_model_len=1024, api_key="k-dialects")
+    port = await server.start("127.0.0.1", 0)
+    monkeypatch.setenv("ROLLART_TEST_AGENT_KEY", "k-dialects")
+    http = {"base_url": f"http://127.0.0.1:{port}/v1", "api_key_env": "ROLLART_TEST_AGENT_KEY"}
+    variants = {
+        "chat": ("calculator_agent.py", {}),
+        "responses": ("calculator_agent_responses.py", {}),
+        "messages": ("calculator_agent_messages.py", {"sdk": "anthropic"}),
+        "messages-http": ("calculator_agent_messages.py", {"sdk": "anthropic", **http}),
+    }
+    from rollart_env.agent import AgentEnv
+
+    forcing.script, forcing.seen = [], []
+    trajs = {}
+    try:
+        for name, (file, options) in variants.items():
+            agent_env = AgentEnv(
+                AgentEnv.Config(
+                    entry=f"{agents / file}:solve",
+                    task_data_fn=f"{agents / 'calculator_agent.py'}:make_task",
+                    model=str(model_dir),
+                    max_model_len=1024,
+                    **options,
+                )
+            )
+            traj = Trajectory(f"dialect-{name}", "agent", "agent", "g0", 3, 0)
+            trajs[name] = await asyncio.wait_for(
+                run_trajectory(
+                    traj,
+                    env=agent_env,
+                    generator=forcing,
+                    chat=ChatMLFormat(model_dir),
+                    scorer=InlineExecutor(SuccessReward()),
+                    sampling=SamplingParams(max_tokens=128, temperature=0.0),
+                    max_turns=1,
+                ),
+                300,
+            )
+    finally:
+        await server.stop()
+    for name, traj in trajs.items():
+        assert traj.fate is Fate.FINISHED, (name, traj.error)
+        assert traj.info["agent_calls"] == 1 and len(traj.turns) == 1, name  # one choice: the operator
+        seen = [s for s in forcing.seen if s[0] == f"dialect-{name}"]
+        assert traj.token_ids() == seen[-1][1] + seen[-1][2], name  # the engine's exact tokens
+    chat = trajs["chat"]
+    for name, traj in trajs.items():
+        assert traj.token_ids() == chat.token_ids(), name
+        assert traj.turns[0].allowed_token_ids == chat.turns[0].allowed_token_ids, name
+        assert traj.info["call"] == chat.info["call"] and traj.reward == chat.reward, name

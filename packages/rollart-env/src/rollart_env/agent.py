@@ -1,9 +1,16 @@
-"""Agent tasks: train any agent written against the OpenAI SDK.
+"""Agent tasks: train any agent written against the OpenAI or the Anthropic SDK.
 
 ``env: {impl: agent, options: {entry: "my_pkg.agent:solve", model: <model dir>, episode_timeout_s: 60}}``
 with::
 
     async def solve(client: openai.AsyncOpenAI, task: AgentTask) -> AgentResult | str: ...
+
+(Chat Completions or Responses: ``client.chat.completions`` / ``client.responses``), or with
+``sdk: anthropic``::
+
+    async def solve(client: anthropic.AsyncAnthropic, task: AgentTask) -> AgentResult | str: ...
+
+(Messages: ``client.messages``). Every dialect reaches the same endpoint, sessions and recording.
 
 Per trajectory the agent gets a client bound to the trajectory's session on the proxy's
 OpenAI-compatible endpoint:
@@ -23,7 +30,8 @@ Failures, as fates: the agent raises → ``env_failed`` with the error; runs pas
 ``env_failed``; calls with another session's id → refused by the proxy (403), ``env_failed``.
 
 The agent runs in the control process (the proxy lives there); an ``env_manager`` cannot lease it.
-Needs ``pip install 'rollart-env[agent]'`` (the ``openai`` SDK and rollart-proxy's endpoint).
+Needs ``pip install 'rollart-env[agent]'`` (the ``openai`` SDK and rollart-proxy's endpoint), and
+``pip install anthropic`` for ``sdk: anthropic``.
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
@@ -64,7 +72,8 @@ class AgentTask:
     data: dict[str, Any] = field(default_factory=dict)
     """Per-episode data: the options' ``task_data``, updated with what ``task_data_fn(seed)`` makes."""
     model: str = "policy"
-    """The model name to pass to ``client.chat.completions.create(model=...)``."""
+    """The model name to pass as ``model=`` (``client.chat.completions.create``, ``client.responses.create``,
+    ``client.messages.create``)."""
     max_tokens: int = 256
     temperature: float = 1.0
     """The task's sampling settings (what the agent should ask for, unless it knows better)."""
@@ -93,6 +102,9 @@ class AgentEnvConfig(BaseModel):
     """Per-episode data handed to the agent as ``task.data`` (the same for every episode)."""
     task_data_fn: str | None = None
     """``"module:fn"`` / ``"file.py:fn"``: ``fn(seed) -> dict`` makes per-episode data (merged over ``task_data``)."""
+    sdk: Literal["openai", "anthropic"] = "openai"
+    """The client the agent gets: ``openai.AsyncOpenAI`` (Chat Completions, Responses) or
+    ``anthropic.AsyncAnthropic`` (Messages)."""
     served_model_name: str = "policy"
     """The model name of the in-process endpoint (over HTTP: the server's, as its bind answers)."""
     tool_parser: str | None = "hermes"
@@ -201,7 +213,13 @@ class AgentEnv:
         )
         # a missing extra fails when the env is built (before a run starts), not in every episode
         self._openai = require("openai", INSTALL)
+        self._anthropic = require("anthropic", "pip install anthropic") if config.sdk == "anthropic" else None
         self._httpx = require("httpx", INSTALL)
+        # the HTTP package the agent's SDK takes clients of (anthropic 2.x ships its own fork, httpx2)
+        self._sdk_httpx = self._httpx
+        if self._anthropic is not None:
+            sdk_client = self._anthropic.DefaultAsyncHttpxClient.__mro__[1]
+            self._sdk_httpx = importlib.import_module(sdk_client.__module__.split(".")[0])
         if config.base_url is None:  # the endpoint in-process
             for module in ("fastapi", "jinja2", "jsonschema", "rollart_proxy.server"):
                 require(module, INSTALL)
@@ -267,23 +285,34 @@ class AgentEnv:
     async def close(self) -> None:
         return None
 
+    def _client(self, base_url: str, token: str, http: Any, headers: dict[str, str]) -> Any:
+        """The agent's SDK client on the endpoint at ``base_url`` (``.../v1``); never retries (a retried
+        call would be a second, unrecorded sample)."""
+        if self._anthropic is not None:  # its SDK adds /v1/messages to the root itself
+            root = base_url.removesuffix("/v1")
+            return self._anthropic.AsyncAnthropic(
+                base_url=root, api_key=token, http_client=http, max_retries=0, default_headers=headers
+            )
+        return self._openai.AsyncOpenAI(
+            base_url=base_url, api_key=token, http_client=http, max_retries=0, default_headers=headers
+        )
+
     @asynccontextmanager
     async def _in_process(self, session: AgentSession) -> AsyncIterator[tuple[Any, _Binding]]:
         """A client on the run's own proxy through the endpoint's app in-process (no socket)."""
         server = _server_for(session.generator, self.config)
         token = server.bind_session(session.session_id)
         binding = _InProcessBinding(server, token, session)
-        http = self._httpx.AsyncClient(
-            transport=self._httpx.ASGITransport(app=server.app),
+        http = self._sdk_httpx.AsyncClient(
+            transport=self._sdk_httpx.ASGITransport(app=server.app),
             base_url="http://rollart-proxy",
             timeout=self.config.episode_timeout_s,
         )
-        client = self._openai.AsyncOpenAI(
-            base_url="http://rollart-proxy/v1",
-            api_key=token,
-            http_client=http,
-            max_retries=0,
-            default_headers={server.session_header: session.session_id, server.task_header: session.task},
+        client = self._client(
+            "http://rollart-proxy/v1",
+            token,
+            http,
+            {server.session_header: session.session_id, server.task_header: session.task},
         )
         try:
             yield client, binding
@@ -309,16 +338,12 @@ class AgentEnv:
         try:
             bound = await _post(control, f"/sessions/{session.session_id}/bind", {})
             binding = _HttpBinding(control, session.session_id, bound["token"], bound["model"])
-            http = self._httpx.AsyncClient(timeout=cfg.episode_timeout_s, trust_env=False)
-            client = self._openai.AsyncOpenAI(
-                base_url=cfg.base_url,
-                api_key=bound["token"],
-                http_client=http,
-                max_retries=0,
-                default_headers={
-                    bound["session_header"]: session.session_id,
-                    bound["task_header"]: session.task,
-                },
+            http = self._sdk_httpx.AsyncClient(timeout=cfg.episode_timeout_s, trust_env=False)
+            client = self._client(
+                cfg.base_url,
+                bound["token"],
+                http,
+                {bound["session_header"]: session.session_id, bound["task_header"]: session.task},
             )
             release = f"/sessions/{session.session_id}/release"
             try:
