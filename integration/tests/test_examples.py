@@ -11,6 +11,7 @@ import yaml
 
 from rollart_core.cli import main
 from rollart_core.config import load_config
+from rollart_core.control.pipeline import check_tasks
 from rollart_core.protocols import Environment
 from rollart_core.registry import resolve, validate_options
 
@@ -49,6 +50,7 @@ async def test_example_passes_check_config_and_its_components_validate(
     assert main(["check-config", str(path)]) == 0, capsys.readouterr().err
     assert path.read_text().startswith("# ")  # opens with a comment saying what it shows
     cfg = load_config(path)
+    check_tasks(cfg)  # as a run does first (it fills an agent's model directory in)
     # what check-config leaves to the pipeline: each implementation's own options, and a first episode
     for i, task in enumerate(cfg.tasks):
         env_cls = resolve("env", task.env.impl)
@@ -58,6 +60,7 @@ async def test_example_passes_check_config_and_its_components_validate(
         )
         env = env_cls(env_cfg) if env_cfg is not None else env_cls()
         if not isinstance(env, Environment):  # e.g. an agent task (it drives the model itself)
+            assert Path(env_cfg.model).resolve() == Path(cfg.model.path).resolve()  # given or filled in
             continue
         obs, _ = await env.reset(1)
         assert isinstance(obs, str) and obs
@@ -151,3 +154,43 @@ async def test_dataset_task_trains_and_evaluates_on_heldout_rows_only(
     assert all(split == "heldout" and row in heldout for row, split in evals)
     assert all(split == "train" and row in train_rows for row, split in trains)
     assert len({row for row, _ in evals}) == 8  # 8 episodes, 8 different held-out rows
+
+
+def test_tool_agent_examples_tools_answer_bad_calls_and_its_split_is_disjoint() -> None:
+    """examples/agents/smollm2_tool_agent.py: the model's calls are untrusted input (every bad call is
+    an error text for the model, never an exception), and held-out questions share no (count,
+    price) pair with training ones."""
+    from rollart_env.agent import load_callable
+
+    file = ROOT / "examples" / "agents" / "smollm2_tool_agent.py"
+    run_tool = load_callable(f"{file}:run_tool", "test")
+    train_task = load_callable(f"{file}:make_train_task", "test")
+    heldout_task = load_callable(f"{file}:make_heldout_task", "test")
+    shop = {"lemon": 4, "cup": 7}
+    assert run_tool("lookup_price", '{"item": "Lemons"}', shop) == "4"
+    assert run_tool("calculator", '{"expression": "7 * 4"}', shop) == "28"
+    bad = [
+        ("lookup_price", '{"item": "kiwi"}'),
+        ("lookup_price", "{not json"),
+        ("lookup_price", "[1, 2]"),
+        ("calculator", '{"expression": "2 ** 999999"}'),
+        ("calculator", '{"expression": "__import__(\\"os\\")"}'),
+        ("calculator", '{"expression": "1 / 0"}'),
+        ("calculator", "{}"),
+        ("rm", "{}"),
+    ]
+    for name, args in bad:
+        assert run_tool(name, args, shop).startswith("error:"), (name, args)
+
+    def pair(task: dict) -> tuple[int, int]:
+        count = int(task["question"].split()[3])
+        return count, task["value"] // count
+
+    train = {pair(train_task(s)) for s in range(400)}
+    heldout = {pair(heldout_task(s)) for s in range(400)}
+    assert train and heldout and not train & heldout
+    for seed in range(50):  # the asked item is in the shop at the price the answer uses
+        task = train_task(seed)
+        count, price = pair(task)
+        item = task["question"].split()[4].removesuffix("s")
+        assert task["shop"][item] == price and task["value"] == count * price

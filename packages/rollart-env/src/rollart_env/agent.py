@@ -95,7 +95,8 @@ class AgentEnvConfig(BaseModel):
     entry: str
     """``"package.module:solve"`` or ``"path/to/file.py:solve"``: ``async def solve(client, task)``."""
     model: str
-    """The model directory (tokenizer and chat template), the run's ``model.path``."""
+    """The model directory (tokenizer and chat template), the run's ``model.path``; left out of a run
+    config, the run fills it in (``check_tasks``)."""
     episode_timeout_s: float = Field(300.0, gt=0)
     """Longest an episode may take; past it the trajectory is ``timed_out``."""
     task_data: dict[str, Any] = Field(default_factory=dict)

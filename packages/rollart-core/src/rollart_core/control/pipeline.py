@@ -40,8 +40,17 @@ def _pd_roles(cfg: RunConfig) -> dict[str, set[str]]:
 def check_tasks(cfg: RunConfig) -> None:
     """Every task's components, before anything starts: each implementation's options, and each
     environment's own check of what they point to (``SupportsConfigCheck``: a dataset's file, rows and
-    keys; an agent's code), so a user's mistake is one error naming it, at start."""
+    keys; an agent's code), so a user's mistake is one error naming it, at start.
+
+    An environment whose options have a ``model`` field (the agent env: its endpoint's tokenizer and
+    chat template) and that leaves it out gets the run's ``model.path`` there first: a preset's or a
+    GGUF's converted directory is named by a content hash no one should copy into a config."""
     for i, task in enumerate(cfg.tasks):
+        for component in (task.env, task.eval_env):
+            if component is not None and "model" not in component.options:
+                fields = getattr(getattr(resolve("env", component.impl), "Config", None), "model_fields", {})
+                if "model" in fields:
+                    component.options["model"] = str(cfg.model.path)
         check("env", task.env.impl, task.env.options, f"tasks.{i}.env.options")
         if task.eval_env is not None:
             check("env", task.eval_env.impl, task.eval_env.options, f"tasks.{i}.eval_env.options")
