@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from rollart_core.errors import ConfigError, RollartError
+from rollart_core.malloc import limit_arenas
 from rollart_core.signals import sigterm_as_sigint, terminated
 
 __all__ = ["main"]
@@ -180,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     verbose = getattr(args, "verbose", False)
     sigterm_as_sigint()  # a scheduler's SIGTERM stops the run as Ctrl-C does, cleaning up
+    limit_arenas()  # before the run's threads start (rollart_core.malloc says why)
     try:
         return _run(args)
     except KeyboardInterrupt:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from rollart_core.errors import TrainerError
+from rollart_core.malloc import limit_arenas
 from rollart_train._rendezvous import free_port, start_rank_worker
 from rollart_train.torch_config import TorchTrainerConfig
 
@@ -41,6 +42,7 @@ def _rank_main(
     # the driver owns this process's life (close, or EOF when it dies): a terminal's Ctrl-C, sent to
     # the whole foreground process group, must not kill a rank mid-step while the driver shuts down
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    limit_arenas()  # before torch's threads start (rollart_core.malloc says why)
     os.environ["LOCAL_RANK"] = str(rank)
     try:
         worker = start_rank_worker(

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from rollart_core.errors import ConfigError, TrainerError
+from rollart_core.malloc import release_free_memory
 from rollart_core.types import Trajectory
 from rollart_train._attention import SEGMENT_ATTENTION, register_segment_attention
 from rollart_train._checkpoint import (
@@ -262,6 +263,14 @@ class TorchRankWorker:
         return lr
 
     def train_step(
+        self, batch: Sequence[Trajectory], config: TorchTrainerConfig | None = None
+    ) -> dict[str, float]:
+        try:
+            return self._train_step(batch, config)
+        finally:  # the step's activations and gradients are freed: give their pages back
+            release_free_memory()
+
+    def _train_step(
         self, batch: Sequence[Trajectory], config: TorchTrainerConfig | None = None
     ) -> dict[str, float]:
         if not batch:

@@ -34,6 +34,7 @@ from rollart_core.control.pipeline import Pipeline
 from rollart_core.control.rollout import Rollout
 from rollart_core.control.state import RunState
 from rollart_core.errors import RollartError
+from rollart_core.malloc import release_free_memory
 from rollart_core.protocols import SupportsWeightPrefetch, SupportsWeightPush
 from rollart_core.timeline import record
 from rollart_core.types import Fate, Trajectory
@@ -253,6 +254,7 @@ def push(run: Run, *, update: bool) -> asyncio.Task[dict[str, float]]:
 async def _land(run: Run, version: int, commit: Awaitable[Any], update: bool) -> dict[str, float]:
     t0 = time.perf_counter()
     await commit
+    release_free_memory()  # the driver's snapshot of the weights, freed once written
     if isinstance(run.p.proxy, SupportsWeightPrefetch):
         await run.p.proxy.prefetch_weights(version)
     record("weight_sync", t0, time.perf_counter())
