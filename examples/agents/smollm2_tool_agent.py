@@ -16,8 +16,10 @@ multiplies, and answers; the agent runs each call it writes and sends the result
 A malformed or unknown call is the model's mistake: the agent answers it with an error message as
 the tool's result, and an episode that never answers scores 0.
 
-The prompt holds one worked example (another item, other numbers) as earlier turns of the
-conversation: a 135M model shown only the tool schemas wrote no usable call.
+The prompt holds three worked examples (other items, other numbers) as earlier turns of the
+conversation: shown only the tool schemas, or one example, the 135M model wrote its calls inside
+``<tool_response>`` tags (the last tag it had seen) when greedy; with three, some of its sampled
+replies open a real ``<tool_call>``, which is what training has to make the rule.
 
 Held-out questions share no (count, price) pair with training ones (``make_train_task`` /
 ``make_heldout_task``: the split is keyed on the pair, whatever the item).
@@ -89,34 +91,29 @@ TOOLS = [
         },
     },
 ]
-# one worked example, as earlier turns (never an item or numbers of a task: see _EXAMPLE_KEY)
-EXAMPLE = [
-    {"role": "user", "content": "How much do 3 mangos cost?"},
-    {
-        "role": "assistant",
-        "content": "",
-        "tool_calls": [
-            {
-                "id": "call_ex1",
-                "type": "function",
-                "function": {"name": "lookup_price", "arguments": json.dumps({"item": "mango"})},
-            }
-        ],
-    },
-    {"role": "tool", "tool_call_id": "call_ex1", "content": "11"},
-    {
-        "role": "assistant",
-        "content": "",
-        "tool_calls": [
-            {
-                "id": "call_ex2",
-                "type": "function",
-                "function": {"name": "calculator", "arguments": json.dumps({"expression": "3 * 11"})},
-            }
-        ],
-    },
-    {"role": "tool", "tool_call_id": "call_ex2", "content": "33"},
-    {"role": "assistant", "content": "3 mangos cost 33."},
+
+
+def worked_example(item: str, count: int, price: int, k: int) -> list[dict[str, Any]]:
+    """One solved question as earlier turns of the conversation: look up, multiply, answer."""
+    calls = [
+        (f"call_ex{k}a", "lookup_price", {"item": item}, str(price)),
+        (f"call_ex{k}b", "calculator", {"expression": f"{count} * {price}"}, str(count * price)),
+    ]
+    turns: list[dict[str, Any]] = [{"role": "user", "content": f"How much do {count} {item}s cost?"}]
+    for call_id, name, args, result in calls:
+        call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
+        turns += [
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": call_id, "content": result},
+        ]
+    return [*turns, {"role": "assistant", "content": f"{count} {item}s cost {count * price}."}]
+
+
+# items no task asks about, prices above any task's: the examples never answer a question
+EXAMPLES = [
+    turn
+    for k, (item, count, price) in enumerate([("mango", 3, 11), ("ruler", 4, 12), ("glove", 5, 13)])
+    for turn in worked_example(item, count, price, k)
 ]
 
 
@@ -171,7 +168,7 @@ def run_tool(name: str, arguments: str, shop: dict[str, int]) -> str:
 
 async def solve(client: Any, task: AgentTask) -> AgentResult:
     shop: dict[str, int] = task.data["shop"]
-    messages: list[Any] = [*EXAMPLE, {"role": "user", "content": task.data["question"]}]
+    messages: list[Any] = [*EXAMPLES, {"role": "user", "content": task.data["question"]}]
     reply = ""
     calls = errors = 0
     for _ in range(MAX_ROUNDS):
