@@ -1,28 +1,32 @@
 """A shopping agent for a real model (SmolLM2-135M-Instruct): it must write real tool calls itself.
 
-Per episode a shop with its own prices (2..9 each) and a question, e.g. ``"How much do 7 lemons
-cost?"``. The model has two tools, declared the usual OpenAI way and written into its prompt by
-rollart's endpoint (SmolLM2's template has no tool section; Hermes-style ``<tool_call>{json}
-</tool_call>``, parsed by vLLM's ``hermes`` parser):
+Per episode a shop with its own prices (2..19 each) and one of three kinds of question:
+
+- ``"How much does one lemon cost?"`` — look the price up;
+- ``"What is 37 plus 58?"`` — add with the calculator;
+- ``"How much do 7 lemons cost?"`` — look the price up, then multiply with the calculator.
+
+The model has two tools, declared the usual OpenAI way and written into its prompt by rollart's
+endpoint (SmolLM2's template has no tool section; Hermes-style ``<tool_call>{json}</tool_call>``,
+parsed by vLLM's ``hermes`` parser):
 
 - ``lookup_price(item)``: the shop's price of one item (prices change every episode, so the model
   cannot know them);
 - ``calculator(expression)``: an arithmetic expression's value (``rollart_env.calculator``: exact,
   bounded, never raises).
 
-No tool choice is enforced and the arguments are free-form JSON: the model looks the price up,
-multiplies, and answers; the agent runs each call it writes and sends the result back, for at most
-``MAX_ROUNDS`` model calls. The reward is 1 when the final reply's last number is the right total.
-A malformed or unknown call is the model's mistake: the agent answers it with an error message as
-the tool's result, and an episode that never answers scores 0.
+No tool choice is enforced and the arguments are free-form JSON: the agent runs each call the model
+writes and sends the result back, for at most ``MAX_ROUNDS`` model calls. The reward is 1 when the
+final reply's last number is the answer. A malformed or unknown call is the model's mistake: the
+agent answers it with an error message as the tool's result, and an episode that never answers
+scores 0.
 
-The prompt holds three worked examples (other items, other numbers) as earlier turns of the
-conversation: shown only the tool schemas, or one example, the 135M model wrote its calls inside
-``<tool_response>`` tags (the last tag it had seen) when greedy; with three, some of its sampled
-replies open a real ``<tool_call>``, which is what training has to make the rule.
+The prompt holds one worked example of each kind (other items, numbers outside the tasks' ranges)
+as earlier turns of the conversation: shown only the tool schemas, the 135M model wrote its calls
+inside ``<tool_response>`` tags (the last tag it had seen) or wrote no call.
 
-Held-out questions share no (count, price) pair with training ones (``make_train_task`` /
-``make_heldout_task``: the split is keyed on the pair, whatever the item).
+Held-out questions share no numbers with training ones (``make_train_task`` /
+``make_heldout_task``: the split is keyed on the kind and the question's numbers, whatever the item).
 """
 
 from __future__ import annotations
@@ -62,8 +66,9 @@ ITEMS = [
     "bottle",
     "lamp",
 ]  # fmt: skip  (plurals: the name and an s)
+KINDS = ["price", "sum", "total"]
 COUNTS = range(2, 10)
-PRICES = range(2, 10)
+PRICES = range(2, 20)
 MAX_ROUNDS = 4
 TOOLS = [
     {
@@ -93,49 +98,67 @@ TOOLS = [
 ]
 
 
-def worked_example(item: str, count: int, price: int, k: int) -> list[dict[str, Any]]:
-    """One solved question as earlier turns of the conversation: look up, multiply, answer."""
-    calls = [
-        (f"call_ex{k}a", "lookup_price", {"item": item}, str(price)),
-        (f"call_ex{k}b", "calculator", {"expression": f"{count} * {price}"}, str(count * price)),
-    ]
-    turns: list[dict[str, Any]] = [{"role": "user", "content": f"How much do {count} {item}s cost?"}]
-    for call_id, name, args, result in calls:
+def worked_example(
+    question: str, calls: list[tuple[str, dict[str, str], str]], answer: str, k: int
+) -> list[Any]:
+    """One solved question as earlier turns of the conversation: its tool calls, then the answer."""
+    turns: list[dict[str, Any]] = [{"role": "user", "content": question}]
+    for n, (name, args, result) in enumerate(calls):
+        call_id = f"call_ex{k}{n}"
         call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
         turns += [
             {"role": "assistant", "content": "", "tool_calls": [call]},
             {"role": "tool", "tool_call_id": call_id, "content": result},
         ]
-    return [*turns, {"role": "assistant", "content": f"{count} {item}s cost {count * price}."}]
+    return [*turns, {"role": "assistant", "content": answer}]
 
 
-# items no task asks about, prices above any task's: the examples never answer a question
+# one of each kind; items no task asks about, numbers outside every task's ranges
 EXAMPLES = [
-    turn
-    for k, (item, count, price) in enumerate([("mango", 3, 11), ("ruler", 4, 12), ("glove", 5, 13)])
-    for turn in worked_example(item, count, price, k)
-]
+    *worked_example("How much does one mango cost?", [("lookup_price", {"item": "mango"}, "23")], "One mango costs 23.", 0),
+    *worked_example("What is 131 plus 252?", [("calculator", {"expression": "131 + 252"}, "383")], "131 plus 252 is 383.", 1),
+    *worked_example(
+        "How much do 3 rulers cost?",
+        [("lookup_price", {"item": "ruler"}, "24"), ("calculator", {"expression": "3 * 24"}, "72")],
+        "3 rulers cost 72.",
+        2,
+    ),
+]  # fmt: skip
 
 
-def held_out(count: int, price: int) -> bool:
-    """One (count, price) pair in eight is held out: a stable hash, the same on every machine."""
-    return hashlib.sha256(f"{count}x{price}".encode()).digest()[0] % 8 == 0
+def held_out(numbers: tuple[int, ...]) -> bool:
+    """One question's numbers in eight are held out: a stable hash, the same on every machine."""
+    return hashlib.sha256(repr(numbers).encode()).digest()[0] % 8 == 0
+
+
+def _question(rng: random.Random) -> tuple[str, tuple[int, ...], int, str]:
+    """``(kind, the question's numbers, the answer, the item asked about or "")``."""
+    kind = rng.choice(KINDS)
+    item = rng.choice(ITEMS)
+    if kind == "sum":
+        a, b = rng.randrange(10, 100), rng.randrange(10, 100)
+        return kind, (a, b), a + b, ""
+    price = rng.choice(PRICES)
+    if kind == "price":
+        return kind, (price,), price, item
+    count = rng.choice(COUNTS)
+    return kind, (count, price), count * price, item
 
 
 def _make_task(seed: int, heldout: bool) -> dict[str, Any]:
     rng = random.Random(seed)
     while True:
-        count, price = rng.choice(COUNTS), rng.choice(PRICES)
-        if held_out(count, price) == heldout:
+        kind, numbers, value, item = _question(rng)
+        if held_out((KINDS.index(kind), *numbers)) == heldout:
             break
-    item = rng.choice(ITEMS)
     shop = {name: rng.choice(PRICES) for name in rng.sample(ITEMS, 4)}
-    shop[item] = price
-    return {
-        "question": f"How much do {count} {item}s cost?",
-        "shop": shop,
-        "value": count * price,
-    }
+    if kind == "sum":
+        question = f"What is {numbers[0]} plus {numbers[1]}?"
+    elif kind == "price":
+        question, shop[item] = f"How much does one {item} cost?", numbers[0]
+    else:
+        question, shop[item] = f"How much do {numbers[0]} {item}s cost?", numbers[1]
+    return {"question": question, "kind": kind, "numbers": list(numbers), "shop": shop, "value": value}
 
 
 def make_train_task(seed: int) -> dict[str, Any]:
@@ -192,5 +215,5 @@ async def solve(client: Any, task: AgentTask) -> AgentResult:
     numbers = re.findall(r"-?\d+(?:\.\d+)?", reply)
     answer = numbers[-1] if numbers else None
     ok = answer is not None and float(answer) == task.data["value"]
-    info = {"success": ok, "tool_calls": calls, "tool_errors": errors}
+    info = {"success": ok, "kind": task.data["kind"], "tool_calls": calls, "tool_errors": errors}
     return AgentResult(answer=answer, reward=float(ok), info=info)

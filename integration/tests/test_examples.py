@@ -158,8 +158,8 @@ async def test_dataset_task_trains_and_evaluates_on_heldout_rows_only(
 
 def test_tool_agent_examples_tools_answer_bad_calls_and_its_split_is_disjoint() -> None:
     """examples/agents/smollm2_tool_agent.py: the model's calls are untrusted input (every bad call is
-    an error text for the model, never an exception), and held-out questions share no (count,
-    price) pair with training ones."""
+    an error text for the model, never an exception); held-out questions share no numbers with
+    training ones, every kind is in both, and each answer is what the tools give."""
     from rollart_env.agent import load_callable
 
     file = ROOT / "examples" / "agents" / "smollm2_tool_agent.py"
@@ -182,15 +182,19 @@ def test_tool_agent_examples_tools_answer_bad_calls_and_its_split_is_disjoint() 
     for name, args in bad:
         assert run_tool(name, args, shop).startswith("error:"), (name, args)
 
-    def pair(task: dict) -> tuple[int, int]:
-        count = int(task["question"].split()[3])
-        return count, task["value"] // count
+    def key(task: dict) -> tuple:
+        return (task["kind"], *task["numbers"])
 
-    train = {pair(train_task(s)) for s in range(400)}
-    heldout = {pair(heldout_task(s)) for s in range(400)}
-    assert train and heldout and not train & heldout
-    for seed in range(50):  # the asked item is in the shop at the price the answer uses
-        task = train_task(seed)
-        count, price = pair(task)
-        item = task["question"].split()[4].removesuffix("s")
-        assert task["shop"][item] == price and task["value"] == count * price
+    train = [train_task(s) for s in range(600)]
+    heldout = [heldout_task(s) for s in range(600)]
+    assert not {key(t) for t in train} & {key(t) for t in heldout}
+    assert {t["kind"] for t in train} == {t["kind"] for t in heldout} == {"price", "sum", "total"}
+    for task in train[:100]:  # the answer is what the tools give for the question asked
+        words, numbers = task["question"].rstrip("?").split(), task["numbers"]
+        if task["kind"] == "sum":
+            assert task["value"] == sum(numbers) and [int(words[2]), int(words[4])] == numbers
+        elif task["kind"] == "price":
+            assert task["shop"][words[-2]] == task["value"] == numbers[0]
+        else:
+            item = words[4].removesuffix("s")
+            assert task["shop"][item] * int(words[3]) == task["value"] == numbers[0] * numbers[1]

@@ -53,6 +53,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from rollart_core.errors import ConfigError, RollartError, TrainerError
 from rollart_core.extras import require
+from rollart_core.malloc import limit_arenas
 from rollart_core.resources import AffinitySpec, ClusterView, WorkerDecl
 from rollart_core.types import Trajectory
 from rollart_train._checkpoint import find_checkpoint, read_state
@@ -153,6 +154,7 @@ class _RankActor:
     """One rank in its Ray actor: rendezvous, then the rank worker's methods (collective)."""
 
     def __init__(self, rank: int) -> None:
+        limit_arenas()  # before the rank's threads start (rollart_core.malloc says why)
         self.rank = rank
         self.worker: Any = None
         self.store: Any = None
