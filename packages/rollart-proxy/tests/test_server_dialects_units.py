@@ -304,6 +304,52 @@ async def test_previous_response_id_continues_the_conversation(served: Any) -> N
     await client.close()
 
 
+async def test_stored_responses_are_retrieved_and_deleted(served: Any) -> None:
+    """``GET /v1/responses/{id}`` gives back the Response object as returned (plain and streamed);
+    ``DELETE`` drops it (retrieve and ``previous_response_id`` then fail); ``store: false``, an
+    unknown id and another principal's response are 404s."""
+    import openai
+
+    server, engine, http = served
+    client = openai_client(http, "store-1")
+    engine.script = [CALL, "five", "hello"]
+    r = await client.responses.create(model="tiny", input="2 + 3?", tools=RESPONSES_TOOLS)
+    got = await client.responses.retrieve(r.id)
+    assert got.model_dump() == r.model_dump()
+    async with client.responses.stream(model="tiny", input="say five") as stream:
+        streamed = await stream.get_final_response()
+    kept = await client.responses.retrieve(streamed.id)  # the SDK's stream adds its own "parsed" fields
+    assert (kept.id, kept.status, kept.output_text, kept.usage) == (
+        streamed.id, streamed.status, "five", streamed.usage,
+    )  # fmt: skip
+    assert [(o.id, o.type) for o in kept.output] == [(o.id, o.type) for o in streamed.output]
+    # another principal (a token bound to another session) does not see it
+    token = server.bind_session("store-2")
+    other = openai.AsyncOpenAI(
+        base_url="http://t/v1", api_key=token, http_client=http, max_retries=0,
+        default_headers={"X-Session-Id": "store-2"},
+    )  # fmt: skip
+    with pytest.raises(openai.NotFoundError, match=r.id):
+        await other.responses.retrieve(r.id)
+    with pytest.raises(openai.NotFoundError):
+        await other.responses.delete(r.id)
+    await client.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.retrieve(r.id)
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.delete(r.id)
+    with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+        await client.responses.create(model="tiny", previous_response_id=r.id, input="x")
+    unstored = await client.responses.create(model="tiny", input="x", store=False)
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.retrieve(unstored.id)
+    with pytest.raises(openai.NotFoundError, match="resp_nope"):
+        await client.responses.retrieve("resp_nope")
+    server.release_session(token)
+    await other.close()
+    await client.close()
+
+
 BAD_RESPONSES = [
     ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "5"}]}, "call_id"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "web_search"),

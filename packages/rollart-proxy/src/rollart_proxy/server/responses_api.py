@@ -5,7 +5,8 @@ What is served: ``input`` as a string or a list of items (messages of role ``use
 items), ``instructions`` (a system message first), ``tools`` of type ``function``, ``tool_choice``
 (``none`` / ``auto`` / ``required`` / a named function), ``parallel_tool_calls``,
 ``max_output_tokens``, ``temperature``, ``top_p``, ``previous_response_id`` (this server keeps the
-latest :data:`MAX_STORED` responses, per API key, unless ``store: false``), ``stream`` (the
+latest :data:`MAX_STORED` responses, per API key, unless ``store: false``; ``GET`` and ``DELETE
+/v1/responses/{id}`` read and drop them), ``stream`` (the
 Responses event types: ``response.created`` … ``response.output_text.delta`` …
 ``response.function_call_arguments.done`` … ``response.completed`` / ``response.incomplete``), and
 ``usage``; plus vLLM's ``top_k``, ``seed``, ``stop``, ``stop_token_ids``, ``allowed_token_ids``.
@@ -28,6 +29,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import FastAPI, Request
@@ -409,32 +411,74 @@ class _Reply:
             yield event("response.failed", response=failed)
 
 
+@dataclass(slots=True)
+class _Stored:
+    principal: str | None
+    conversation: list[dict[str, Any]]
+    """The chat messages up to and including this response (what ``previous_response_id`` continues)."""
+    response: dict[str, Any]
+    """The Response object as it was returned (``GET /v1/responses/{id}``)."""
+
+
 class _Store:
-    """Conversations of recent responses for ``previous_response_id``, per principal (bounded)."""
+    """Recent responses, per principal (bounded): their conversations for ``previous_response_id``,
+    their objects for ``GET`` / ``DELETE /v1/responses/{id}``. Another principal's response is
+    answered as unknown (its existence is not disclosed)."""
 
     def __init__(self, size: int = MAX_STORED) -> None:
         self.size = size
-        self._items: OrderedDict[str, tuple[str | None, list[dict[str, Any]]]] = OrderedDict()
+        self._items: OrderedDict[str, _Stored] = OrderedDict()
+
+    def find(self, response_id: str, principal: str | None) -> _Stored | None:
+        kept = self._items.get(response_id)
+        if kept is None or (principal != _ADMIN and kept.principal != principal):
+            return None
+        return kept
 
     def get(self, response_id: str, principal: str | None) -> list[dict[str, Any]]:
-        kept = self._items.get(response_id)
-        if kept is None or (principal != _ADMIN and kept[0] != principal):
+        kept = self.find(response_id, principal)
+        if kept is None:
             raise _ApiError(
                 400,
                 f"previous_response_id: no response {response_id!r} (unknown, not stored or too old)",
                 param="previous_response_id",
             )
-        return list(kept[1])
+        return list(kept.conversation)
 
-    def put(self, response_id: str, principal: str | None, conversation: list[dict[str, Any]]) -> None:
-        self._items[response_id] = (principal, conversation)
+    def put(self, response_id: str, stored: _Stored) -> None:
+        self._items[response_id] = stored
         while len(self._items) > self.size:
             self._items.popitem(last=False)
 
+    def delete(self, response_id: str, principal: str | None) -> bool:
+        if self.find(response_id, principal) is None:
+            return False
+        del self._items[response_id]
+        return True
+
+
+def _not_found(response_id: str) -> _ApiError:
+    return _ApiError(
+        404, f"no response {response_id!r} (unknown, not stored or too old)", param="response_id"
+    )
+
 
 def add_responses_routes(app: FastAPI, server: OpenAIServer) -> None:
-    """``POST /v1/responses`` on ``app``."""
+    """``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}`` on ``app``."""
     store = _Store()
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve(response_id: str, request: Request) -> Any:
+        kept = store.find(response_id, server._principal(request))
+        if kept is None:
+            raise _not_found(response_id)
+        return kept.response
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete(response_id: str, request: Request) -> Any:
+        if not store.delete(response_id, server._principal(request)):
+            raise _not_found(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Any:
@@ -450,7 +494,8 @@ def add_responses_routes(app: FastAPI, server: OpenAIServer) -> None:
 
         def done(turn: Turn) -> None:
             if body.store is not False:
-                store.put(reply.id, principal, [*conversation, turn.history_message()])
+                stored = _Stored(principal, [*conversation, turn.history_message()], reply.response(turn))
+                store.put(reply.id, stored)
 
         result = await server._chat(chat_body(fields), request)
         if isinstance(result, StreamingResponse):
