@@ -144,12 +144,18 @@ async def forcing(model_dir: Path) -> AsyncIterator[Forcing]:
 def env(model_dir: Path, fn: str, **options: Any) -> Any:
     from rollart_env.agent import AgentEnv
 
-    return AgentEnv(
-        AgentEnv.Config(entry=f"{HERE}:{fn}", model=str(model_dir), max_model_len=1024, **options)
-    )
+    entry = fn if ":" in fn else f"{HERE}:{fn}"  # an agent of this file, or "path.py:fn"
+    return AgentEnv(AgentEnv.Config(entry=entry, model=str(model_dir), max_model_len=1024, **options))
 
 
-async def run(forcing: Forcing, model_dir: Path, fn: str, traj_id: str, **options: Any) -> Trajectory:
+async def run(
+    forcing: Forcing,
+    model_dir: Path,
+    fn: str,
+    traj_id: str,
+    sampling: SamplingParams | None = None,
+    **options: Any,
+) -> Trajectory:
     from rollart_proxy.chat import ChatMLFormat
     from rollart_reward.builtin import SuccessReward
     from rollart_reward.executor import InlineExecutor
@@ -162,7 +168,7 @@ async def run(forcing: Forcing, model_dir: Path, fn: str, traj_id: str, **option
             generator=forcing,
             chat=ChatMLFormat(model_dir),
             scorer=InlineExecutor(SuccessReward()),
-            sampling=SamplingParams(max_tokens=16),
+            sampling=sampling or SamplingParams(max_tokens=16),
             max_turns=1,
         ),
         300,
@@ -463,10 +469,7 @@ async def test_the_calculator_agent_in_each_dialect_is_the_same_trajectory(
     SDK) and Messages (``anthropic`` SDK, ``sdk: anthropic``, in-process and over HTTP) on the real
     engine, greedy: every dialect's trajectory holds the same engine tokens, the same restricted
     choices and the same answer, so a harness trains the same whichever API it speaks."""
-    from rollart_proxy.chat import ChatMLFormat
     from rollart_proxy.server import OpenAIServer
-    from rollart_reward.builtin import SuccessReward
-    from rollart_reward.executor import InlineExecutor
 
     agents = HERE.parents[2] / "examples" / "agents"
     server = OpenAIServer(forcing, str(model_dir), max_model_len=1024, api_key="k-dialects")
@@ -479,34 +482,16 @@ async def test_the_calculator_agent_in_each_dialect_is_the_same_trajectory(
         "messages": ("calculator_agent_messages.py", {"sdk": "anthropic"}),
         "messages-http": ("calculator_agent_messages.py", {"sdk": "anthropic", **http}),
     }
-    from rollart_env.agent import AgentEnv
-
+    greedy = SamplingParams(max_tokens=128, temperature=0.0)  # the enforced call is ~80 tokens
+    make_task = f"{agents / 'calculator_agent.py'}:make_task"
     forcing.script, forcing.seen = [], []
     trajs = {}
     try:
         for name, (file, options) in variants.items():
-            agent_env = AgentEnv(
-                AgentEnv.Config(
-                    entry=f"{agents / file}:solve",
-                    task_data_fn=f"{agents / 'calculator_agent.py'}:make_task",
-                    model=str(model_dir),
-                    max_model_len=1024,
-                    **options,
-                )
-            )
-            traj = Trajectory(f"dialect-{name}", "agent", "agent", "g0", 3, 0)
-            trajs[name] = await asyncio.wait_for(
-                run_trajectory(
-                    traj,
-                    env=agent_env,
-                    generator=forcing,
-                    chat=ChatMLFormat(model_dir),
-                    scorer=InlineExecutor(SuccessReward()),
-                    sampling=SamplingParams(max_tokens=128, temperature=0.0),
-                    max_turns=1,
-                ),
-                300,
-            )
+            trajs[name] = await run(
+                forcing, model_dir, f"{agents / file}:solve", f"dialect-{name}", greedy,
+                task_data_fn=make_task, **options,
+            )  # fmt: skip
     finally:
         await server.stop()
     for name, traj in trajs.items():
