@@ -283,7 +283,8 @@ def _configured_ports(node: Any, where: str = "") -> list[tuple[str, str, int]]:
     """Every ``port`` / ``*_port`` field with a fixed value (0 and None pick a free one), with the host beside it."""
     found: list[tuple[str, str, int]] = []
     if isinstance(node, dict):
-        host = node.get("host") if isinstance(node.get("host"), str) else "127.0.0.1"
+        named = node.get("host")
+        host = named if isinstance(named, str) else "127.0.0.1"
         for k, v in node.items():
             path = f"{where}.{k}" if where else str(k)
             if (

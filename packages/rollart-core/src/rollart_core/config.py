@@ -288,7 +288,9 @@ class MlflowConfig(_Model):
 
 
 class LoggingConfig(_Model):
-    backends: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(default_factory=lambda: ["tensorboard"])
+    backends: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=lambda: ["tensorboard"]  # type: ignore[arg-type]  # pydantic plugin infers list[str]
+    )
     """Where step metrics go besides ``metrics.jsonl`` and the console (always written: the report
     reads them). W&B and MLflow also get the config, the summary and the report's files. A chosen
     backend whose package is missing stops the run at start, naming the extra to install; by default

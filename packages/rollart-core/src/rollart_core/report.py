@@ -167,8 +167,7 @@ def write_report(run_dir: Path, summary: dict[str, Any] | None = None, error: st
         import matplotlib
     except ImportError:
         log.warning("matplotlib is not installed: report.html without plots (pip install matplotlib)")
-        matplotlib = None
-    if matplotlib is not None:
+    else:
         matplotlib.use("Agg")
         plots = {
             "curves.png": (

@@ -308,6 +308,7 @@ class PDRouter:
         rid, sid, s = request.request_id, request.session_id, request.sampling
         self._active[rid] = sid
         out: PDOutput | None = None
+        path: PDPath  # route() picks pd/decode_only; a failed prefill turns it into local_fallback
         try:
             path, pool, prefill = self.route(request)
             if path == "pd" and prefill is not None:

@@ -543,7 +543,7 @@ class LLMProxy:
                     if have != target:
                         raise WeightSyncError(f"{w.name} reports version {have} after updating to {target}")
                 if self.suspended and hasattr(w.engine, "pause"):
-                    await asyncio.wait_for(w.engine.pause("keep"), timeout)  # type: ignore[attr-defined]
+                    await asyncio.wait_for(w.engine.pause("keep"), timeout)
                     w.metrics.suspend()
                 w.healthy = True
         except Exception as exc:

@@ -103,19 +103,21 @@ def load_config(path: str | Path) -> ServiceConfig:
 
 async def build_proxy(cfg: ServiceConfig) -> LLMProxy:
     from rollart_proxy.engines.sglang_server_engine import SglangServerEngine
-    from rollart_proxy.engines.vllm_server_engine import VllmServerEngine
+    from rollart_proxy.engines.vllm_server_engine import VllmServerEngine, VllmServerEngineConfig
 
     handles = []
     for w in cfg.workers:
         cls = VllmServerEngine if w.kind == "vllm" else SglangServerEngine
-        engine = cls(
-            cls.Config(
-                url=w.url,
-                weights_path_template=w.weights_path_template,
-                request_timeout_s=w.request_timeout_s,
-            ),
-            name=w.name or w.url,
+        config = cls.Config(
+            url=w.url,
+            weights_path_template=w.weights_path_template,
+            request_timeout_s=w.request_timeout_s,
         )
+        engine: VllmServerEngine | SglangServerEngine
+        if isinstance(config, VllmServerEngineConfig):  # pairs each config with its engine class
+            engine = VllmServerEngine(config, name=w.name or w.url)
+        else:
+            engine = SglangServerEngine(config, name=w.name or w.url)
         await engine.start()
         handles.append(WorkerHandle(w.name or w.url, engine, w.pool, w.max_inflight, cfg.max_queued))
     return LLMProxy(

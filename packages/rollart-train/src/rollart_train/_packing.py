@@ -154,8 +154,8 @@ def pack_bins(lengths: Sequence[int], token_budget: int, max_seqs: int) -> list[
         else:
             bins.append([i])
             loads.append(lengths[i])
-    for b in bins:
-        b.sort()
+    for members in bins:
+        members.sort()
     return bins
 
 

@@ -170,13 +170,11 @@ def hf_to_megatron(
         p, d = f"model.layers.{i}.", f"decoder.layers.{i}."
         out[d + ln_in] = hf[p + "input_layernorm.weight"]
         out[d + ln_mlp] = hf[p + "post_attention_layernorm.weight"]
-        out[d + "self_attention.linear_qkv.weight"] = merge_qkv(
-            *(hf[f"{p}self_attn.{x}_proj.weight"] for x in "qkv"), shape
-        )
+        q, k, v = (hf[f"{p}self_attn.{x}_proj.weight"] for x in "qkv")
+        out[d + "self_attention.linear_qkv.weight"] = merge_qkv(q, k, v, shape)
         if p + "self_attn.q_proj.bias" in hf:
-            out[d + "self_attention.linear_qkv.bias"] = merge_qkv(
-                *(hf[f"{p}self_attn.{x}_proj.bias"] for x in "qkv"), shape
-            )
+            q, k, v = (hf[f"{p}self_attn.{x}_proj.bias"] for x in "qkv")
+            out[d + "self_attention.linear_qkv.bias"] = merge_qkv(q, k, v, shape)
         out[d + "self_attention.linear_proj.weight"] = hf[p + "self_attn.o_proj.weight"]
         out[d + "mlp.linear_fc1.weight"] = torch.cat(
             [hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]]

@@ -426,15 +426,16 @@ class RayTrainerGroup:
             except RayTaskError as exc:
                 app_error = app_error or (rank_of[ready[0]], exc)
         if app_error is not None:
-            rank, exc = app_error
-            cause = exc.cause if isinstance(getattr(exc, "cause", None), BaseException) else exc
+            rank, task_error = app_error
+            raised = getattr(task_error, "cause", None)
+            cause = raised if isinstance(raised, BaseException) else task_error
             if pending:  # the others are stuck in a collective the failed rank left: the group diverged
                 raise _RankFailed(
                     rank, f"{what} raised {cause!r} on rank {rank} while other ranks waited in a collective"
-                ) from exc
+                ) from task_error
             if isinstance(cause, RollartError):  # every rank raised it: the group is still consistent
                 raise cause
-            raise TrainerError(f"trainer rank {rank}: {what} failed: {cause!r}") from exc
+            raise TrainerError(f"trainer rank {rank}: {what} failed: {cause!r}") from task_error
         out = ray.get(refs)
         return out if every else out[0]
 

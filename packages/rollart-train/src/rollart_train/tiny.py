@@ -14,6 +14,7 @@ import json
 import random
 import sys
 from pathlib import Path
+from typing import Any
 
 __all__ = ["CHAT_TEMPLATE", "SPECIAL_TOKENS", "create_tiny_model", "is_model_dir"]
 
@@ -68,6 +69,13 @@ def _corpus(rng: random.Random, n: int = 3000) -> list[str]:
         lines.append(" ".join(rng.choice(words) for _ in range(rng.randint(4, 16))))
         lines.append(f"{rng.randint(0, 999)} + {rng.randint(0, 999)} = {rng.randint(0, 1998)}")
     return lines
+
+
+def _token_id(tokenizer: Any, token: str) -> int:
+    found = tokenizer.convert_tokens_to_ids(token)
+    if not isinstance(found, int):
+        raise TypeError(f"the tiny tokenizer has no single id for {token!r}: {found!r}")
+    return found
 
 
 def create_tiny_model(
@@ -127,10 +135,10 @@ def create_tiny_model(
         num_key_value_heads=num_kv_heads,
         max_position_embeddings=max_positions,
         tie_word_embeddings=False,
-        bos_token_id=fast.convert_tokens_to_ids("<|endoftext|>"),
-        eos_token_id=fast.convert_tokens_to_ids("<|im_end|>"),
-        pad_token_id=fast.convert_tokens_to_ids("<|endoftext|>"),
-        rope_theta=10000.0,
+        bos_token_id=_token_id(fast, "<|endoftext|>"),
+        eos_token_id=_token_id(fast, "<|im_end|>"),
+        pad_token_id=_token_id(fast, "<|endoftext|>"),
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )
     config.dtype = dtype
     torch.manual_seed(seed)

@@ -20,7 +20,7 @@ import shutil
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -128,9 +128,10 @@ class TorchRankWorker:
 
     # model -----------------------------------------------------------------------------------
 
-    def _load(self, path: Path, policy: bool = False) -> torch.nn.Module:
-        """The model at ``path``; the ``policy`` gets its LoRA adapters (from ``path/adapter`` when a
-        checkpoint holds them) before it is moved and sharded."""
+    def _load(self, path: Path, policy: bool = False) -> Any:
+        """The model at ``path`` (a transformers ``PreTrainedModel``, typed ``Any``: its ``config`` and
+        FSDP's methods are attributes mypy cannot see); the ``policy`` gets its LoRA adapters (from
+        ``path/adapter`` when a checkpoint holds them) before it is moved and sharded."""
         from transformers import AutoModelForCausalLM
 
         kw: dict[str, Any] = {"dtype": self.param_dtype}
@@ -139,7 +140,7 @@ class TorchRankWorker:
             attn = register_segment_attention()
         if attn:
             kw["attn_implementation"] = attn
-        model = AutoModelForCausalLM.from_pretrained(path, **kw)
+        model: Any = AutoModelForCausalLM.from_pretrained(path, **kw)
         if policy and self.config.lora is not None:
             from rollart_train.lora import apply_lora, load_adapter_files
 
@@ -377,7 +378,12 @@ class TorchRankWorker:
         return out
 
     def _micro_loss(
-        self, mb: MicroBatch, n: int, prox: torch.Tensor | None, ref: torch.Tensor | None, entropy_coef: float
+        self,
+        mb: MicroBatch,
+        n: float,
+        prox: torch.Tensor | None,
+        ref: torch.Tensor | None,
+        entropy_coef: float,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         c = self.config
         logits = self._logits(self.model, mb)
@@ -469,7 +475,7 @@ class TorchRankWorker:
         )
 
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        sd = get_model_state_dict(self.model, options=opts)
+        sd = cast(dict[str, torch.Tensor], get_model_state_dict(self.model, options=opts))
         osd = get_optimizer_state_dict(self.model, self.optimizer, options=opts)
         if self.rank != 0:
             return

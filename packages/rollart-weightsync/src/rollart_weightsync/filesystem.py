@@ -69,7 +69,7 @@ class FilesystemWeightStore(PushWatchMixin):
         return {"config": self.config, "root": self.root}
 
     def __setstate__(self, state: dict[str, object]) -> None:
-        self.__init__(state["config"], root=state["root"])  # type: ignore[misc,arg-type]
+        self.__init__(state["config"], root=state["root"])  # type: ignore[misc]
 
     def _dir(self, version: int) -> Path:
         return self.root / f"v{version:08d}"

@@ -26,6 +26,7 @@ The object is picklable: a copy sent to a Ray actor or a vLLM worker reconnects 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -388,11 +389,11 @@ class MooncakeWeightStore(MooncakeDeltaMixin, PushWatchMixin):
                 idx = range(g, min(g + step, len(ranges)))
                 packed.wait(ranges[idx.stop - 1][1])
                 keys = [self.bucket_key(v, i) for i in idx]
+                ptrs = [ptr + ranges[j][0] for j in idx]
+                sizes = [ranges[j][1] - ranges[j][0] for j in idx]
                 self._retry(
                     f"version {v} buckets {idx.start}..{idx.stop - 1}",
-                    lambda k=keys, i=idx: c.batch_upsert_from(
-                        k, [ptr + ranges[j][0] for j in i], [ranges[j][1] - ranges[j][0] for j in i], rcfg
-                    ),
+                    functools.partial(c.batch_upsert_from, keys, ptrs, sizes, rcfg),
                     shm=shm is not None,
                 )
             sealed.result()

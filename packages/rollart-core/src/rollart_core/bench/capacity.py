@@ -20,7 +20,7 @@ import asyncio
 import functools
 import itertools
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any
 
 from rollart_core.bench.workload import BenchSize, train_threads
@@ -92,8 +92,8 @@ async def measure_capacity(
     # trainer alone: one batch-sized step (after a warm-up step) on whole groups from the probe,
     # on all cores (Sync+) and on the half the overlapping modes give it
     groups: dict[str, list[Any]] = {}
-    for t in done:
-        groups.setdefault(t.group_id, []).append(t)
+    for traj in done:
+        groups.setdefault(traj.group_id, []).append(traj)
     batch = [t for g in list(groups.values())[:num_groups] for t in g]
     await asyncio.to_thread(p.trainer.train_step, batch)
     train_s = await _timed(asyncio.to_thread(p.trainer.train_step, batch))
@@ -237,7 +237,7 @@ async def _timed(work: Awaitable[Any]) -> float:
     return time.perf_counter() - t0
 
 
-async def _for(duration: float, workers: int, work: Callable[[int], Awaitable[None]]) -> float:
+async def _for(duration: float, workers: int, work: Callable[[int], Coroutine[Any, Any, None]]) -> float:
     """Run ``work(w)`` in ``workers`` loops for ``duration`` seconds, then cancel what is still running
     (only what completed inside the window counts); returns the window's length."""
     tasks = [asyncio.create_task(work(w)) for w in range(workers)]

@@ -357,7 +357,9 @@ async def run_bench(
         try:
             info["build_s"] = dict(p.timings)
             t0 = time.perf_counter()
-            by_kind = {MODES[m].reward: next(iter(rewards.of(cfgs[m]).values())) for m in modes}
+            by_kind: dict[str, Any] = {
+                MODES[m].reward: next(iter(rewards.of(cfgs[m]).values())) for m in modes
+            }
             try:
                 cap.update(
                     await measure_capacity(

@@ -483,8 +483,11 @@ def plot_timeline(res: dict[str, Any], path: Path) -> bool:
 
     from rollart_core.timeline import merge
 
-    segs = {m: next((s for s in reversed(v) if "intervals" in s), None) for m, v in res["segments"].items()}
-    segs = {m: s for m, s in segs.items() if s is not None}
+    segs: dict[str, dict[str, Any]] = {}
+    for m, v in res["segments"].items():
+        last = next((s for s in reversed(v) if "intervals" in s), None)
+        if last is not None:
+            segs[m] = last
     if not segs:
         return False
     span = max(s["wall_s"] for s in segs.values())

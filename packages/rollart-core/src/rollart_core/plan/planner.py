@@ -462,7 +462,7 @@ def simulate_plan(
 ) -> dict[str, SimResult]:
     """Replay the profile for each mode on that mode's split: its rollout pools (roofline generation
     times) and its trainer's step time."""
-    out = {}
+    out: dict[str, SimResult] = {}
     for m in MODES:
         split = plan.splits[m]
         prof = profile.model_copy(deep=True)

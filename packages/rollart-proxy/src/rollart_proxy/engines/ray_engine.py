@@ -35,10 +35,10 @@ class RayActorEngine:
             ) from exc
 
     async def start(self) -> str:
-        return await self._call("start")  # type: ignore[no-any-return]
+        return await self._call("start")
 
     async def pid(self) -> int:
-        return await self._call("pid")  # type: ignore[no-any-return]
+        return await self._call("pid")
 
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
         return await self._call("generate", request)
@@ -80,7 +80,7 @@ class RayActorEngine:
         return await self._call("update_weights", version)
 
     async def prefetch_weights(self, version: int) -> None:
-        return await self._call("prefetch_weights", version)  # type: ignore[no-any-return]
+        return await self._call("prefetch_weights", version)
 
     async def read_parameter(self, name: str) -> tuple[list[int], str, bytes]:
         return await self._call("read_parameter", name)

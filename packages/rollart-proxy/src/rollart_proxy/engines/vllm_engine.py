@@ -227,6 +227,11 @@ class VllmEngine:
             # variable to 1 to get vLLM's CPU default (a multiprocessing executor) back.
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         c = self.config
+        # kept as separate expansions (not one merged dict): a key given twice still fails loudly
+        memory_args: dict[str, Any] = (
+            {"gpu_memory_utilization": c.gpu_memory_utilization} if c.gpu_memory_utilization else {}
+        )
+        lora_args: dict[str, Any] = _lora_args(c.lora) if c.lora else {}
         args = AsyncEngineArgs(
             model=self.model_path,
             dtype=c.dtype,
@@ -236,8 +241,8 @@ class VllmEngine:
             seed=c.seed,
             distributed_executor_backend="uni",
             worker_extension_cls="rollart_proxy.engines.vllm_worker.RollartWorkerExtension",
-            **({"gpu_memory_utilization": c.gpu_memory_utilization} if c.gpu_memory_utilization else {}),
-            **(_lora_args(c.lora) if c.lora else {}),
+            **memory_args,
+            **lora_args,
             **c.engine_args,
         )
         t0 = time.perf_counter()

@@ -37,7 +37,7 @@ DERIVED_ATTRS = ("cpu_linear", "_cpu_unpacked_conv_weight")
 
 def _clone_tree(module: torch.nn.Module, memo: dict[int, Any]) -> torch.nn.Module:
     if id(module) in memo:  # a module reached twice (e.g. a tied lm_head) stays one module
-        return memo[id(module)]  # type: ignore[no-any-return]
+        return memo[id(module)]
     new = copy.copy(module)  # shallow: a new __dict__, every other attribute shared
     memo[id(module)] = new
     new._parameters = {}

@@ -11,7 +11,7 @@ import socket
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -288,7 +288,9 @@ class OpenAIServer(Responses):
             elif isinstance(body.prompt, str):
                 prompt_ids = await off_loop(len(body.prompt), INLINE_CHARS, self.template.encode, body.prompt)
             else:
-                prompt_ids = list(body.prompt)  # token ids: checked against the vocabulary in _admit
+                # token ids (or []): pydantic keeps one element type per list, and a list of
+                # strings took the first branch; checked against the vocabulary in _admit
+                prompt_ids = list(cast("list[int]", body.prompt))
             return await self._serve("completions", body, prompt_ids, body.max_tokens, request)
 
         @app.post("/v1/chat/completions")

@@ -99,7 +99,7 @@ class _Guard:
             if not replayed:
                 replayed = True
                 return {"type": "http.request", "body": bytes(body), "more_body": False}
-            return await receive()  # type: ignore[no-any-return]
+            return await receive()
 
         await self.app(scope, replay, send)
 

@@ -105,7 +105,7 @@ class Responses:
             "completion_tokens": len(out.token_ids),
             "total_tokens": len(prompt_ids) + len(out.token_ids),
         }
-        base = {
+        base: dict[str, Any] = {  # the JSON response body
             "id": out.request_id,
             "created": int(time.time()),
             "model": self.model_name,
@@ -113,8 +113,8 @@ class Responses:
             "rollart": self._extra(out, prompt_ids),
         }
         toks = [self.template.token_str(t) for t in out.token_ids]
+        lp: dict[str, Any] | None = None  # the choice's JSON "logprobs" object
         if endpoint == "chat":
-            lp = None
             if getattr(body, "logprobs", False):
                 lp = {
                     "content": [
@@ -136,7 +136,6 @@ class Responses:
                 "object": "chat.completion",
                 "choices": [{"index": 0, "message": message, "logprobs": lp, "finish_reason": finish}],
             }
-        lp = None
         if getattr(body, "logprobs", None) is not None:
             lp = {"tokens": toks, "token_logprobs": out.logprobs, "top_logprobs": None, "text_offset": None}
         return {

@@ -95,7 +95,7 @@ class SessionRecorder:
         excess = len(self._owners) + n - self.max_sessions
         if excess > 0 and self.idle_ttl_s is not None:
             cutoff = time.monotonic() - self.idle_ttl_s
-            idle = []
+            idle: list[str] = []
             for sid in self._owners:  # least recently used first
                 if self._used.get(sid, 0.0) > cutoff or len(idle) == excess:
                     break
