@@ -5,10 +5,16 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from rollart_core.config import RunConfig
+
+if TYPE_CHECKING:
+    from rollart_core.control.pipeline import Pipeline
+    from rollart_core.control.state import RunState
+    from rollart_core.types import Trajectory
 
 
 def slice_config(root: Path, *, model_path: Path | None = None, steps: int = 1) -> RunConfig:
@@ -44,6 +50,21 @@ def slice_config(root: Path, *, model_path: Path | None = None, steps: int = 1) 
             "ray": {"num_cpus": 2},
         }
     )
+
+
+async def rollout_step(
+    p: Pipeline, step: int, *, launch_tag: str = "s", state: RunState | None = None
+) -> list[Trajectory]:
+    """Launch one step's groups of every task and wait for all of them; they are settled in
+    ``state`` (default: a fresh one at the trainer's version)."""
+    from rollart_core.control.rollout import Rollout
+
+    rollout = Rollout(p, state)
+    for ti, task in enumerate(p.config.tasks):
+        for _ in range(task.groups_per_step):
+            rollout.launch_group(ti, tag=f"{launch_tag}{step}-g")
+    await rollout.wait_all()
+    return rollout.drain_finished()
 
 
 @pytest.fixture(scope="session")

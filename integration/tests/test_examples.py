@@ -120,7 +120,7 @@ async def test_dataset_task_trains_and_evaluates_on_heldout_rows_only(
     training episodes got training rows only, evaluation episodes held-out rows only, each its own."""
     from rollart_core.control.pipeline import Pipeline
     from rollart_core.control.rollout import derive_seed
-    from rollart_core.loop import train
+    from rollart_core.control.train import train
 
     from .conftest import slice_config
 

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from rollart_core.loop import rollout_step, train
+from rollart_core.control.train import train
 from rollart_core.metrics import MemorySink
 from rollart_core.types import Fate, Trajectory
 from rollart_env.frozenlake import FrozenLakeConfig, FrozenLakeEnv
 
-from .conftest import slice_config
+from .conftest import rollout_step, slice_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ray]
 

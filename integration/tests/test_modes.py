@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from rollart_core.control.pipeline import Pipeline
-from rollart_core.loop import train
+from rollart_core.control.train import train
 
 from .conftest import slice_config
 

@@ -16,8 +16,9 @@ import pytest
 
 from rollart_core.config import RunConfig
 from rollart_core.control.state import RunState
-from rollart_core.loop import rollout_step
 from rollart_core.types import Fate, GenerateRequest, SamplingParams
+
+from .conftest import rollout_step
 
 # two vLLM engines in Ray actors (~2 min to start on 2 cores): in the slow set
 pytestmark = [pytest.mark.vllm, pytest.mark.ray, pytest.mark.slow]

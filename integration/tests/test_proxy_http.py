@@ -12,7 +12,6 @@ import asyncio
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ import httpx
 import pytest
 
 from rollart_core.errors import EngineError
+from rollart_core.serving import free_port
 from rollart_core.types import GenerateRequest, SamplingParams
 
 # Two real vLLM OpenAI servers (~2 min to start on 2 cores) and a timing-sensitive suspend test:
@@ -33,12 +33,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "packages" / "rollart-proxy" / "README.md"
 NO_EOS = tuple(range(10, 300))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float, log: Path) -> None:

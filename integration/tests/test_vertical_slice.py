@@ -12,8 +12,9 @@ import pytest
 from rollart_core.control.runner import run_trajectory
 from rollart_core.control.state import RunState
 from rollart_core.errors import EngineError
-from rollart_core.loop import rollout_step
 from rollart_core.types import Fate, GenerateRequest, SamplingParams, StepResult, Trajectory
+
+from .conftest import rollout_step
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ray]
 

@@ -166,7 +166,7 @@ async def test_buffer_state_keeps_each_groups_task() -> None:
 
 def test_the_producer_launches_the_task_furthest_below_its_batch_share() -> None:
     from rollart_core.config import TaskConfig
-    from rollart_core.loop import next_task
+    from rollart_core.control.admission import next_task
 
     env, reward = {"impl": "frozenlake"}, {"impl": "success"}
     tasks = [
@@ -181,7 +181,7 @@ def test_the_producer_launches_the_task_furthest_below_its_batch_share() -> None
 
 
 def test_admission_launches_a_group_only_if_it_can_be_trained_within_alpha() -> None:
-    from rollart_core.loop import on_time
+    from rollart_core.control.admission import on_time
 
     # 2 groups per batch, alpha 2, engines serving the version of the next batch (5): a new group
     # queued behind 5 pending ones is trained in the 3rd batch (version 7), 2 after its start: on time

@@ -34,7 +34,7 @@ def _loaded_after(code: str) -> set[str]:
 
 def test_core_import_is_light() -> None:
     mods = _loaded_after(
-        "import rollart_core, rollart_core.loop, rollart_core.cli, rollart_core.control.pipeline, "
+        "import rollart_core, rollart_core.cli, rollart_core.control.pipeline, "
         "rollart_core.trackers, rollart_core.metrics"
     )
     assert not {m for m in mods if m.split(".")[0] in HEAVY}

@@ -334,7 +334,8 @@ def _train(cfg: Any, *, verbose: bool) -> int:
                 import_s = since_process_start()
                 from rollart_core.control.train import train
 
-                asyncio.run(train(cfg, summary=summary))  # filled even when the run stops early
+                # summary is filled however the run ends; the earlier run was set aside above
+                asyncio.run(train(cfg, summary=summary, set_aside_earlier=False))
         except BaseException as exc:
             error = exc
             logging.getLogger(__name__).info("the run failed", exc_info=True)  # the file only

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
+
 __all__ = [
     "ConfigError",
     "EngineError",
@@ -14,6 +19,7 @@ __all__ = [
     "RollartError",
     "TrainerError",
     "WeightSyncError",
+    "validation_details",
 ]
 
 
@@ -74,3 +80,14 @@ class TrainerError(RollartError):
 
 class WeightSyncError(RollartError):
     """A weight store could not commit or deliver a version."""
+
+
+def validation_details(exc: ValidationError, prefix: str = "") -> list[str]:
+    """One ``field: message`` per error of a pydantic ``ValidationError``, the field's path dotted
+    and put under ``prefix`` (``(root)`` for an error about the whole object)."""
+    out = []
+    for err in exc.errors():
+        loc = ".".join(str(part) for part in err["loc"])
+        field = f"{prefix}.{loc}" if prefix and loc else (prefix or loc or "(root)")
+        out.append(f"{field}: {err['msg']}")
+    return out

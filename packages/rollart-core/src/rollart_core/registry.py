@@ -13,7 +13,7 @@ from typing import Any, TypeVar, overload
 
 from pydantic import BaseModel, ValidationError
 
-from rollart_core.errors import ConfigError, MissingExtraError, RegistryError
+from rollart_core.errors import ConfigError, MissingExtraError, RegistryError, validation_details
 
 __all__ = ["GROUPS", "available", "build", "check", "resolve", "validate_options"]
 
@@ -129,9 +129,4 @@ def build(
 
 
 def _format_validation(exc: ValidationError, prefix: str = "") -> str:
-    lines = []
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"])
-        field = f"{prefix}.{loc}" if prefix and loc else (prefix or loc)
-        lines.append(f"  {field}: {err['msg']}")
-    return "invalid configuration:\n" + "\n".join(lines)
+    return "invalid configuration:\n" + "\n".join(f"  {line}" for line in validation_details(exc, prefix))

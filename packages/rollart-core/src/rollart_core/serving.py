@@ -1,4 +1,5 @@
-"""What the member packages' servers share: whether a bind address stays on this machine, bearer
+"""What the member packages' servers share: whether a bind address stays on this machine, a free port,
+bearer
 API keys (the proxy's OpenAI server, ``rollart-env``'s EnvServer), and serving until SIGTERM or
 SIGINT (``rollart-env serve``, ``rollart-reward serve``)."""
 
@@ -10,14 +11,30 @@ import hmac
 import ipaddress
 import os
 import signal
+import socket
 from collections.abc import Awaitable, Callable, Sequence
 
-__all__ = ["INT64_MAX", "INT64_MIN", "ApiKeys", "bearer_token", "is_loopback", "serve_until_signalled"]
+__all__ = [
+    "INT64_MAX",
+    "INT64_MIN",
+    "ApiKeys",
+    "bearer_token",
+    "free_port",
+    "is_loopback",
+    "serve_until_signalled",
+]
 
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 """The range of a seed at every server's edge (vLLM's OpenAI server bounds ``seed`` the same way:
 a larger one breaks the engine)."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (the OS picks it; a caller binding later can still race)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 def is_loopback(host: str) -> bool:

@@ -17,9 +17,10 @@ from __future__ import annotations
 import datetime
 import importlib
 import os
-import socket
 from pathlib import Path
 from typing import Any
+
+from rollart_core.serving import free_port
 
 __all__ = ["backend_for", "free_port", "join_process_group", "load", "start_rank_worker"]
 
@@ -28,12 +29,6 @@ def load(path: str) -> Any:
     """The object a ``"module:attr"`` path names."""
     module, attr = path.split(":")
     return getattr(importlib.import_module(module), attr)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def backend_for(config: Any) -> str:

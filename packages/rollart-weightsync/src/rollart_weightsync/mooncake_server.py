@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rollart_core.errors import WeightSyncError
 from rollart_core.extras import require
+from rollart_core.serving import free_port
 from rollart_weightsync.mooncake import INSTALL, MooncakeWeightStoreConfig, force_tcp
 
 __all__ = ["MooncakeServerConfig", "MooncakeStoreServer", "free_port"]
@@ -67,12 +68,6 @@ class MooncakeServerConfig(BaseModel):
     """Run the holder as Mooncake's real client so same-host clients reach it through shared memory."""
     real_client_threads: int = Field(2, ge=1)
     """Service threads of the real client (``shared_memory`` only)."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 class MooncakeStoreServer:

@@ -21,9 +21,8 @@ from rollart_core.control.asynchronous import run_async
 from rollart_core.control.checkpoint import resume, save_checkpoint, set_aside_earlier_run
 from rollart_core.control.one_off import run_one_off
 from rollart_core.control.pipeline import Pipeline
-from rollart_core.control.rollout import Rollout, derive_seed
+from rollart_core.control.rollout import derive_seed
 from rollart_core.control.runner import run_trajectory
-from rollart_core.control.state import RunState
 from rollart_core.control.steps import Run, StepRecord, step_metrics
 from rollart_core.control.sync import run_sync
 from rollart_core.errors import RollartError
@@ -31,7 +30,7 @@ from rollart_core.metrics import MetricsSink, default_sinks, since_process_start
 from rollart_core.trajectories import TrajectoryLog
 from rollart_core.types import Fate, Trajectory
 
-__all__ = ["RECIPES", "evaluate", "rollout_step", "train"]
+__all__ = ["RECIPES", "evaluate", "train"]
 log = logging.getLogger(__name__)
 
 RECIPES: dict[str, Callable[[Run], AsyncGenerator[StepRecord, None]]] = {
@@ -61,16 +60,22 @@ async def train(
     pipeline: Pipeline | None = None,
     *,
     summary: dict[str, Any] | None = None,
+    set_aside_earlier: bool = True,
 ) -> dict[str, Any]:
     """Run ``cfg.train.steps`` steps in ``cfg.train.mode``; returns a summary. ``pipeline``: run on
     an already built one (its engines serving the trainer's version) instead of building one.
     ``summary``: a dict filled with the summary (and returned) however the run ends: a run stopped
     (Ctrl-C, SIGTERM) or failed after its loop began still records the steps it made and the fate of
-    every trajectory it launched, with ``completed`` False."""
+    every trajectory it launched, with ``completed`` False. ``set_aside_earlier``: move an earlier
+    run out of ``cfg.output_dir`` first (the CLI does it itself, before its log opens there)."""
     tc = cfg.train
     summary = {} if summary is None else summary
     history: list[dict[str, Any]] = []
-    if pipeline is None and (moved := set_aside_earlier_run(cfg.output_dir, tc.resume_from)):
+    if (
+        set_aside_earlier
+        and pipeline is None
+        and (moved := set_aside_earlier_run(cfg.output_dir, tc.resume_from))
+    ):
         log.info("the earlier run in %s was moved to %s", cfg.output_dir, moved)
     async with contextlib.nullcontext(pipeline) if pipeline is not None else Pipeline(cfg) as p:
         run = Run(p, cfg)
@@ -135,19 +140,6 @@ def _summary(p: Pipeline, run: Run, history: list[dict[str, Any]], completed: bo
         "history": history,
         **p.timings,
     }
-
-
-async def rollout_step(
-    p: Pipeline, step: int, *, launch_tag: str = "s", state: RunState | None = None
-) -> list[Trajectory]:
-    """Launch one step's groups of every task and wait for all of them (used by tests and tools);
-    they are settled in ``state`` (default: a fresh one at the trainer's version)."""
-    ro = Rollout(p, state)
-    for ti, task in enumerate(p.config.tasks):
-        for _ in range(task.groups_per_step):
-            ro.launch_group(ti, tag=f"{launch_tag}{step}-g")
-    await ro.wait_all()
-    return ro.drain_finished()
 
 
 async def evaluate(

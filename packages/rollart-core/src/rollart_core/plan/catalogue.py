@@ -14,7 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rollart_core.config import read_yaml_mapping
-from rollart_core.errors import ConfigError
+from rollart_core.errors import ConfigError, validation_details
 
 __all__ = ["DEFAULT_CATALOGUE", "HardwareClass", "load_catalogue"]
 
@@ -68,6 +68,6 @@ def load_catalogue(path: str | Path | None = None) -> dict[str, HardwareClass]:
         try:
             cat[str(name)] = HardwareClass.model_validate(fields)
         except ValidationError as exc:
-            errs = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            errs = "; ".join(validation_details(exc))
             raise ConfigError(f"{p}: hardware class {name!r}: {errs}") from None
     return cat

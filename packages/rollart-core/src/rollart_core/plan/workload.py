@@ -32,7 +32,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rollart_core.config import read_yaml_mapping
-from rollart_core.errors import ConfigError
+from rollart_core.errors import ConfigError, validation_details
 from rollart_core.types import Trajectory
 
 __all__ = [
@@ -215,7 +215,7 @@ def load_profile(path: str | Path) -> WorkloadProfile:
     try:
         return WorkloadProfile.model_validate(raw)
     except ValidationError as exc:
-        errs = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        errs = "; ".join(validation_details(exc))
         raise ConfigError(f"{p}: {errs}") from None
 
 
