@@ -41,23 +41,20 @@ them); the rank actor class is turned into a Ray actor when a group is built.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
-
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from typing import TYPE_CHECKING, Any
 
 from rollart_core.errors import ConfigError, RollartError, TrainerError
 from rollart_core.extras import require
-from rollart_core.malloc import limit_arenas
 from rollart_core.resources import AffinitySpec, ClusterView, WorkerDecl
 from rollart_core.types import Trajectory
 from rollart_train._checkpoint import find_checkpoint, read_state
-from rollart_train._rendezvous import free_port, load, start_rank_worker
+from rollart_train._rank_actor import _RankActor
+from rollart_train._ray_group_config import _WORKERS, RayTrainerGroupConfig, _placement_message
 
 if TYPE_CHECKING:
     import torch
@@ -69,164 +66,8 @@ __all__ = ["RayTrainerGroup", "RayTrainerGroupConfig"]
 
 log = logging.getLogger(__name__)
 
-_WORKERS: dict[str, tuple[str, str]] = {
-    "torch": ("rollart_train.torch_config:TorchTrainerConfig", "rollart_train.torch_rank:TorchRankWorker"),
-    "megatron": (
-        "rollart_train.megatron_config:MegatronTrainerConfig",
-        "rollart_train.megatron_rank:MegatronRankWorker",
-    ),
-}
-"""Rank kinds: name → (per-rank config model, rank class), both as ``module:attr`` (imported on use).
-A rank class is built and driven as :mod:`rollart_train._rendezvous` describes."""
 _GRACE_S = 5.0
 """After a rank raised, how long to wait for the other ranks before treating the group as diverged."""
-
-
-class RayTrainerGroupConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-    worker: Literal["torch", "megatron"] = "torch"
-    """Rank class: ``torch`` (:class:`~rollart_train.torch_rank.TorchRankWorker`, FSDP2) or ``megatron``
-    (:class:`~rollart_train.megatron_rank.MegatronRankWorker`: megatron-core with tensor / pipeline /
-    data parallelism from ``options``; extra ``[megatron]`` on the ranks' nodes)."""
-    ranks: int = Field(1, ge=1)
-    """Number of ranks (one Ray actor each); the per-rank ``world_size``."""
-    pool: str | None = None
-    """Pool the ranks are placed on (a Ray custom resource such as ``H800``, a GPU model or a labelled
-    CPU pool; :mod:`rollart_core.resources`). None: any node."""
-    num_cpus_per_rank: float = Field(1.0, ge=0)
-    """Ray CPUs reserved per rank (also the rank's torch threads unless ``options.num_threads``)."""
-    num_gpus_per_rank: float = Field(0.0, ge=0)
-    """Ray GPUs reserved per rank (use with ``options.device: cuda``)."""
-    options: dict[str, Any] = Field(default_factory=dict)
-    """The per-rank trainer config (:class:`~rollart_train.TorchTrainerConfig` for ``torch``,
-    :class:`~rollart_train.megatron_config.MegatronTrainerConfig` for ``megatron``: ``tensor_parallel``
-    x ``pipeline_parallel`` must divide ``ranks``); ``world_size`` comes from ``ranks``, and ``spawn``
-    does not apply."""
-    max_restarts: int = Field(0, ge=0)
-    """How many times the group may rebuild its ranks after a rank died or a call timed out."""
-    checkpoint_dir: str | None = None
-    """Where restarts restore from: the newest ``checkpoint-<n>`` in it (the initial model if none).
-    Must be readable from every rank's node."""
-    call_timeout_s: float = Field(900.0, gt=0)
-    """Longest wait for one collective call (a train step, a push, a save) before the group counts as
-    failed."""
-    placement_timeout_s: float = Field(120.0, gt=0)
-    """Longest wait for the placement group and for the ranks to start and join the process group."""
-
-    @model_validator(mode="after")
-    def _check(self) -> RayTrainerGroupConfig:
-        self.rank_config()
-        return self
-
-    def rank_config(self) -> Any:
-        """The validated per-rank config (``world_size = ranks``); ValueError on a conflict."""
-        config_cls = load(_WORKERS[self.worker][0])
-        ws = self.options.get("world_size")
-        if ws is not None and ws != self.ranks:
-            raise ValueError(
-                f"options.world_size ({ws}) conflicts with ranks ({self.ranks}): leave it out, "
-                "the group derives it from ranks"
-            )
-        if self.options.get("spawn"):
-            raise ValueError(
-                "options.spawn does not apply to a Ray trainer group (every rank is already "
-                "its own actor process): leave it out"
-            )
-        try:
-            config = config_cls.model_validate({**self.options, "world_size": self.ranks})
-        except ValidationError as exc:
-            details = "; ".join(
-                f"{'.'.join(map(str, e['loc'])) or '(root)'}: {e['msg']}" for e in exc.errors()
-            )
-            raise ValueError(f"options ({config_cls.__name__}): {details}") from None
-        if (self.num_gpus_per_rank > 0) != (config.device == "cuda"):
-            default = config_cls.model_fields["device"].default
-            raise ValueError(
-                f"options.device is {config.device!r} ({config_cls.__name__}'s default: {default!r}) "
-                f"but num_gpus_per_rank is {self.num_gpus_per_rank:g}: device cuda and "
-                "num_gpus_per_rank > 0 go together (Ray hides the GPUs from an actor that reserved none)"
-            )
-        return config
-
-
-class _RankActor:
-    """One rank in its Ray actor: rendezvous, then the rank worker's methods (collective)."""
-
-    def __init__(self, rank: int) -> None:
-        limit_arenas()  # before the rank's threads start (rollart_core.malloc says why)
-        self.rank = rank
-        self.worker: Any = None
-        self.store: Any = None
-
-    def identity(self) -> tuple[int, str]:
-        import ray
-
-        return os.getpid(), ray.get_runtime_context().get_node_id()
-
-    def address(self) -> tuple[str, int]:
-        """This node's IP and a port free on it (rank 0: the process group's rendezvous)."""
-        import ray
-
-        ip = ray.util.get_node_ip_address()
-        return ip, free_port(ip)
-
-    def setup(
-        self,
-        worker_path: str,
-        config: Any,
-        model_path: str,
-        world_size: int,
-        master: tuple[str, int],
-        store: Any,
-        version: int | None,
-        num_threads: int,
-    ) -> dict[str, Any]:
-        self.worker = start_rank_worker(
-            worker_path,
-            config,
-            model_path,
-            rank=self.rank,
-            world_size=world_size,
-            master=master,
-            version=version,
-            num_threads=num_threads,
-        )
-        self.store = store
-        return self.worker.state()
-
-    # The rank worker's collective methods: every rank runs each, rank 0 answers for the group.
-
-    def train_step(self, batch: Any) -> Any:
-        return self._answer(self.worker.train_step(batch))
-
-    def full_weights(self) -> Any:
-        return self._answer(self.worker.full_weights())
-
-    def logprobs(self, ids: list[int]) -> Any:
-        return self._answer(self.worker.logprobs(ids))
-
-    def set_num_threads(self, n: int) -> None:
-        self.worker.set_num_threads(n)
-
-    def save(self, path: str, extra: Any) -> Any:
-        return self._answer(self.worker.save(path, extra))
-
-    def _answer(self, result: Any) -> Any:
-        return result if self.rank == 0 else None
-
-    def push_weights(self, version: int) -> dict[str, float] | None:
-        t0 = time.perf_counter()
-        weights = self.worker.full_weights()  # collective; the full dict on rank 0 only
-        if self.rank != 0:
-            return None
-        gathered = time.perf_counter()
-        self.store.push(version, weights).result()
-        return {
-            "push_s": time.perf_counter() - t0,
-            "push_gather_s": gathered - t0,
-            "push_bytes": float(sum(t.numel() * t.element_size() for t in weights.values())),
-        }
 
 
 class _RankFailed(Exception):
@@ -622,12 +463,3 @@ def _newest_checkpoint(path: str | Path | None, required: bool = False) -> Path 
 
 def _checkpoint_version(ckpt: Path) -> int:
     return int(read_state(ckpt)["version"])
-
-
-def _placement_message(config: RayTrainerGroupConfig, cluster: ClusterView, exc: ConfigError) -> str:
-    pools = "; ".join(p.describe() for p in cluster.pools.values() if p.kind != "serverless")
-    return (
-        f"trainer group of {config.ranks} rank(s) on pool {config.pool or 'cpu'!r} "
-        f"({config.num_cpus_per_rank:g} CPU, {config.num_gpus_per_rank:g} GPU each) cannot be placed: {exc} "
-        f"[cluster pools: {pools}]"
-    )
