@@ -163,7 +163,7 @@ def load_callable(spec: str, what: str) -> Callable[..., Any]:
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ConfigError(f"{what}: {module_name!r} has no callable {attr!r}")
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 _servers: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], Any]] = weakref.WeakKeyDictionary()
@@ -408,4 +408,4 @@ async def _post(control: Any, path: str, body: dict[str, Any]) -> dict[str, Any]
         raise EnvError(f"agent endpoint {control.base_url}{path}: {type(e).__name__}: {e}") from e
     if r.status_code != 200:
         raise EnvError(f"agent endpoint {control.base_url}{path}: {r.status_code} {r.text[:300]}")
-    return r.json()  # type: ignore[no-any-return]
+    return r.json()

@@ -32,8 +32,9 @@ import logging
 import math
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -243,7 +244,7 @@ class ManagedEnv:
         self._manager = manager
         self._slot = slot
         self.env_id = slot.env_id
-        self.action_vocabulary = slot.action_vocabulary
+        self.action_vocabulary: Sequence[str] | None = slot.action_vocabulary  # as Environment declares it
         self.system_prompt = slot.system_prompt
         self.deadline: float | None = None
         self.closed = False
@@ -609,7 +610,8 @@ class EnvManager:
             return traj
         finally:
             traj.add_timing("env_acquire", time.perf_counter() - t0)
-        traj.env_id = env.env_id
+        # a ReplicatedEnv lease carries the env_id of its first replica, one of our ManagedEnvs
+        traj.env_id = cast(str, env.env_id)
         return await run_trajectory(traj, env=env, **runner_kwargs)
 
     def snapshot(self) -> dict[str, Any]:

@@ -18,6 +18,7 @@ straggle does not hold the batch either.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -99,7 +100,7 @@ async def run_group(
 
     for i, traj in enumerate(trajectories):
         task = asyncio.ensure_future(run(traj))
-        task.add_done_callback(lambda t, i=i: on_done(i, t))
+        task.add_done_callback(functools.partial(on_done, i))
         tasks.append(task)
     try:
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -181,7 +182,7 @@ async def run_batch(
             log.warning("a group of the batch raised %r", r)
     kept = {id(t) for g in done for t in g.kept}
     trajs = [t for g in groups for t in g]
-    for t in trajs:
-        if t.fate is None or (t.fate is Fate.FINISHED and id(t) not in kept):
-            t.fate = Fate.CANCELLED_REDUNDANT  # surplus: finished in a group the batch did not take
+    for traj in trajs:
+        if traj.fate is None or (traj.fate is Fate.FINISHED and id(traj) not in kept):
+            traj.fate = Fate.CANCELLED_REDUNDANT  # surplus: finished in a group the batch did not take
     return BatchOutcome(done, trajs, cancelled)

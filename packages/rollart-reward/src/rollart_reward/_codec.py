@@ -12,6 +12,13 @@ from __future__ import annotations
 
 import json
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING, without importing typing into the sandbox's processes
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
+
+    Tagged = list[Any]  # a wire value: its tag, then its payload
+
 MAX_DEPTH = 64
 MAX_ITEMS = 100_000
 MAX_MESSAGE = 8 << 20
@@ -21,7 +28,12 @@ class _Unsupported(Exception):
     pass
 
 
-def encode(x, depth=0, budget=None, hook=None):
+def encode(
+    x: Any,  # any value, a solution's too: dispatched on its exact type t, which does not narrow x
+    depth: int = 0,
+    budget: list[int] | None = None,
+    hook: Callable[[object], Tagged] | None = None,
+) -> Tagged:
     """Tag an exact-builtin value. Anything else becomes ``hook(x)`` when a hook is given (a handle to a
     remote object), else ``["?", type name]``."""
     budget = budget if budget is not None else [MAX_ITEMS]
@@ -42,7 +54,8 @@ def encode(x, depth=0, budget=None, hook=None):
     if t is bytes:
         return ["y", x.hex()]
     if t in (list, tuple, set, frozenset):
-        tag = {list: "l", tuple: "t", set: "S", frozenset: "F"}[t]
+        tags: dict[type, str] = {list: "l", tuple: "t", set: "S", frozenset: "F"}
+        tag = tags[t]
         return [tag, [encode(v, depth + 1, budget, hook) for v in x]]
     if t is dict:
         return [
@@ -54,7 +67,7 @@ def encode(x, depth=0, budget=None, hook=None):
     return ["?", t.__name__ if type(t.__name__) is str else "?"]
 
 
-def decode(v, depth=0, handle=None):
+def decode(v: Tagged, depth: int = 0, handle: Callable[[int], object] | None = None) -> Any:
     """Tagged value -> Python value; ``["h", n]`` becomes ``handle(n)`` (a remote object) when allowed."""
     if depth > MAX_DEPTH:
         raise ValueError("value too deep")
@@ -79,7 +92,7 @@ def decode(v, depth=0, handle=None):
     raise ValueError(f"unsupported tag {tag!r}")
 
 
-def canonical(v, depth=0):
+def canonical(v: object, depth: int = 0) -> str:
     """A comparable form of a tagged value: order-free for dicts and sets. Raises on a malformed tree."""
     if depth > MAX_DEPTH or type(v) is not list or not v or type(v[0]) is not str:
         raise ValueError("malformed value")
@@ -103,7 +116,7 @@ def canonical(v, depth=0):
     raise ValueError(f"unknown tag {tag!r}")
 
 
-def render(v, limit=200):
+def render(v: Tagged, limit: int = 200) -> str:
     """Short human form of a tagged value, for feedback."""
     try:
         text = repr(decode(v))

@@ -33,18 +33,67 @@ import sys
 import threading
 import time
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING, without importing typing into the sandbox's processes
+if TYPE_CHECKING:
+    import types
+    from collections.abc import Callable
+    from typing import IO, Any, NotRequired, Required, TypedDict
 
-def _sibling(name):
+    Tagged = list[Any]  # a value as tagged data (_codec)
+
+    class Case(TypedDict, total=False):
+        """A test case as the host sends it: ``kind`` says which of the other keys it has."""
+
+        kind: Required[str]  # "call" (call, args, kwargs, expected), "script" (script), "io" (stdin, stdout)
+        call: str
+        args: Tagged
+        kwargs: Tagged
+        expected: Tagged
+        script: str
+        stdin: str
+        stdout: str
+
+    class Config(TypedDict):
+        """The run as the host sends it on stdin (plus ``audit_hook``, which the harness sets)."""
+
+        nonce: str
+        cases: list[Case]
+        limits: dict[str, list[int]]  # resource.RLIMIT_* name -> [soft, hard]
+        timeout_s: float
+        max_output: int
+        solution: str
+        workdir: str
+        env: dict[str, str]
+        report_fd: int
+        audit_hook: NotRequired[bool]
+
+    class Result(TypedDict, total=False):
+        """One case's entry in the report."""
+
+        passed: Required[bool]
+        why: str
+
+
+def _sibling(name: str) -> types.ModuleType:
     """A module copied next to this file, loaded by path (inside the sandbox ``-I`` keeps the script's
     own directory off ``sys.path``)."""
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), name + ".py")
     spec = importlib.util.spec_from_file_location(f"_rollart_sandbox_{name}", path)
+    assert spec is not None and spec.loader is not None  # a .py path always gets a spec with a loader
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 _codec = _sibling("_codec")
+# _codec is loaded by path, so mypy cannot see its types: its names as this module re-exports them
+MAX_ITEMS: int
+MAX_MESSAGE: int
+_Unsupported: type[Exception]
+encode: Callable[..., Tagged]
+decode: Callable[..., Any]
+canonical: Callable[[object], str]
+render: Callable[[Tagged], str]
 MAX_ITEMS, MAX_MESSAGE = _codec.MAX_ITEMS, _codec.MAX_MESSAGE
 _Unsupported, encode, decode, canonical, render = (
     _codec._Unsupported,
@@ -62,7 +111,7 @@ class SetupError(Exception):
     """A hardening step of the harness's side could not be applied: the run must not go on."""
 
 
-def no_dump():
+def no_dump() -> None:
     """Make this process non-dumpable (PR_SET_DUMPABLE 0): processes of the same uid can then neither
     ptrace it nor open its ``/proc/<pid>/mem`` or ``/proc/<pid>/fd/*``. Raises :class:`SetupError` when
     that cannot be done or checked: the sandbox then refuses to run."""
@@ -77,7 +126,8 @@ def no_dump():
         raise SetupError("cannot make the harness non-dumpable: it is still dumpable after prctl")
 
 
-def _read_all(fd, cap):
+def _read_all(fd: int, cap: int) -> bytes:
+    chunks: list[bytes]
     chunks, total = [], 0
     while True:
         b = os.read(fd, 1 << 16)
@@ -92,13 +142,13 @@ def _read_all(fd, cap):
 class _Capture:
     """Drains a worker's stdout/stderr into a shared, capped buffer; flags an overflow."""
 
-    def __init__(self, cap):
+    def __init__(self, cap: int) -> None:
         self.cap, self.total, self.over = cap, 0, threading.Event()
         self.parts = {"stdout": bytearray(), "stderr": bytearray()}
         self.lock = threading.Lock()
 
-    def drain(self, stream, name):
-        def run():
+    def drain(self, stream: IO[bytes], name: str) -> threading.Thread:
+        def run() -> None:
             while True:
                 b = stream.read1(65536) if hasattr(stream, "read1") else stream.read(65536)
                 if not b:
@@ -120,9 +170,13 @@ class _Worker:
     """One solution process. Requests go to its stdin (from the harness, or from a tester given
     ``stdin_fd``); replies come back on its own pipe (to the harness, or to the tester: ``resp_w``)."""
 
-    def __init__(self, cfg, cap, stdin_fd=None, resp_w=None):
+    resp_fd: int | None  # None when the replies go to a tester
+
+    def __init__(
+        self, cfg: Config, cap: _Capture, stdin_fd: int | None = None, resp_w: int | None = None
+    ) -> None:
         own = resp_w is None
-        if own:
+        if resp_w is None:  # own
             self.resp_fd, resp_w = os.pipe()
         else:
             self.resp_fd = None
@@ -144,20 +198,23 @@ class _Worker:
         )
         if own:
             os.close(resp_w)
+        assert self.proc.stdout is not None and self.proc.stderr is not None  # both PIPE
         self.threads = [cap.drain(self.proc.stdout, "stdout"), cap.drain(self.proc.stderr, "stderr")]
         self.buf = b""
         self.cap = cap
 
-    def send(self, msg):
+    def send(self, msg: dict[str, object]) -> bool:
         try:
+            assert self.proc.stdin is not None  # a worker the harness sends to has its stdin on a PIPE
             self.proc.stdin.write((json.dumps(msg) + "\n").encode())
             self.proc.stdin.flush()
             return True
         except (BrokenPipeError, OSError):
             return False
 
-    def recv(self, deadline):
+    def recv(self, deadline: float) -> tuple[Any, str | None]:
         """One response line, or ``(None, reason)``."""
+        assert self.resp_fd is not None  # only the harness's own workers reply to it
         while b"\n" not in self.buf:
             left = deadline - time.monotonic()
             if self.cap.over.is_set():
@@ -178,7 +235,7 @@ class _Worker:
         except ValueError:
             return None, "malformed response"
 
-    def _death(self):
+    def _death(self) -> str:
         try:
             rc = self.proc.wait(timeout=1.0)
         except subprocess.TimeoutExpired:
@@ -190,7 +247,7 @@ class _Worker:
             return "cpu_time" if sig in (signal.SIGXCPU, signal.SIGKILL) else f"signal:{sig.name}"
         return f"worker exited early (status {rc})"
 
-    def stop(self):
+    def stop(self) -> None:
         try:
             self.proc.kill()
         except OSError:
@@ -201,7 +258,7 @@ class _Worker:
         if self.resp_fd is not None:
             os.close(self.resp_fd)
 
-    def signal_reason(self):
+    def signal_reason(self) -> str | None:
         rc = self.proc.poll()
         if rc is None or rc >= 0:
             return None
@@ -211,7 +268,10 @@ class _Worker:
         return "cpu_time" if sig in (signal.SIGXCPU, signal.SIGKILL) else f"signal:{sig.name}"
 
 
-def _run_calls(cfg, cases, cap, deadline, results, log):
+def _run_calls(
+    cfg: Config, cases: list[Case], cap: _Capture, deadline: float, results: list[Result], log: list[str]
+) -> str | None:
+    reason: str | None
     worker = _Worker(cfg, cap)
     try:
         if not worker.send({"op": "import"}):
@@ -243,7 +303,7 @@ def _run_calls(cfg, cases, cap, deadline, results, log):
     return reason
 
 
-def _judge_call(i, case, reply, log):
+def _judge_call(i: int, case: Case, reply: dict[str, Any], log: list[str]) -> Result:
     call = f"{case['call']}({', '.join(render(a) for a in case['args'][1])})"
     n = i + 1
     if reply.get("i") != i or not reply.get("ok"):
@@ -262,7 +322,9 @@ def _judge_call(i, case, reply, log):
     return {"passed": True}
 
 
-def _read_line(fd, deadline, stop=None, cap=MAX_MESSAGE):
+def _read_line(
+    fd: int, deadline: float, stop: Callable[[], bool] | None = None, cap: int = MAX_MESSAGE
+) -> str | None:
     """One line from ``fd`` before ``deadline`` (None on EOF, timeout, ``stop()`` or an over-long line)."""
     buf = b""
     while b"\n" not in buf:
@@ -283,7 +345,7 @@ class _Tester:
     bound to proxies of a worker (``_tester.py``). Started, non-dumpable and ready before any solution
     code runs; its verdict pipe is shared with the harness only."""
 
-    def __init__(self, cfg, cap, case, deadline):
+    def __init__(self, cfg: Config, cap: _Capture, case: Case, deadline: float) -> None:
         self.req_r, req_w = os.pipe()
         resp_r, self.resp_w = os.pipe()
         self.verdict_r, verdict_w = os.pipe()
@@ -299,9 +361,11 @@ class _Tester:
         )
         for fd in (req_w, resp_r, verdict_w):
             os.close(fd)
+        assert self.proc.stdout is not None and self.proc.stderr is not None  # both PIPE
         self.threads = [cap.drain(self.proc.stdout, "stdout"), cap.drain(self.proc.stderr, "stderr")]
         spec = {"nonce": cfg["nonce"], "script": case["script"], "deadline": deadline}
         try:
+            assert self.proc.stdin is not None  # PIPE
             self.proc.stdin.write(json.dumps(spec).encode())
             self.proc.stdin.close()
         except OSError:
@@ -311,7 +375,9 @@ class _Tester:
             self.stop()
             raise SetupError(f"the test runner did not start: {line or 'no answer'}")
 
-    def run(self, cfg, cap, deadline, results, log):
+    def run(
+        self, cfg: Config, cap: _Capture, deadline: float, results: list[Result], log: list[str]
+    ) -> str | None:
         worker = _Worker(cfg, cap, stdin_fd=self.req_r, resp_w=self.resp_w)
         os.close(self.req_r)
         os.close(self.resp_w)
@@ -321,7 +387,7 @@ class _Tester:
         finally:
             worker.stop()
             self.stop()
-        verdict = None
+        verdict: object = None
         try:
             verdict = json.loads(line) if line else None
         except ValueError:
@@ -346,7 +412,7 @@ class _Tester:
             return why
         return "memory" if "MemoryError" in why else died
 
-    def stop(self):
+    def stop(self) -> None:
         try:
             self.proc.kill()
         except OSError:
@@ -357,11 +423,11 @@ class _Tester:
         os.close(self.verdict_r)
 
 
-def _norm_out(text):
+def _norm_out(text: str) -> str:
     return "\n".join(line.rstrip() for line in text.rstrip().splitlines())
 
 
-def _run_io(cfg, case, deadline, results, log):
+def _run_io(cfg: Config, case: Case, deadline: float, results: list[Result], log: list[str]) -> str | None:
     left = deadline - time.monotonic()
     if left <= 0:
         results.append({"passed": False, "why": "timeout"})
@@ -391,7 +457,7 @@ def _run_io(cfg, case, deadline, results, log):
     return None
 
 
-def _setup(cfg, deadline):
+def _setup(cfg: Config, deadline: float) -> tuple[_Capture, list[_Tester]]:
     """Everything of the harness's side that must hold before any solution code exists. Raises
     :class:`SetupError` naming the step that could not be applied."""
     no_dump()
@@ -399,7 +465,8 @@ def _setup(cfg, deadline):
 
     for name, value in cfg["limits"].items():
         try:
-            resource.setrlimit(getattr(resource, name), tuple(value))
+            # a JSON [soft, hard]: no pair for mypy, but setrlimit checks the length itself (ValueError)
+            resource.setrlimit(getattr(resource, name), tuple(value))  # type: ignore[arg-type]
         except (OSError, ValueError) as exc:
             raise SetupError(f"cannot set {name} to {value}: {exc}") from None
     threading.stack_size(256 << 10)  # the output threads stay small under RLIMIT_AS
@@ -408,8 +475,8 @@ def _setup(cfg, deadline):
     return cap, testers
 
 
-def harness():
-    cfg = json.loads(_read_all(0, 64 << 20))
+def harness() -> None:
+    cfg: Config = json.loads(_read_all(0, 64 << 20))
     report_fd = cfg["report_fd"]
     cfg["audit_hook"] = os.environ.get("ROLLART_SANDBOX_NET") == "none"
     devnull = os.open(os.devnull, os.O_RDONLY)
@@ -421,6 +488,9 @@ def harness():
         os.write(report_fd, f"setup-error: {exc}\n".encode())
         return
     os.write(report_fd, b"started\n")  # from here on every failure is the solution's
+    results: list[Result]
+    log: list[str]
+    killed: str | None
     results, log, killed = [], [], None
     cases = cfg["cases"]
     calls = [c for c in cases if c["kind"] == "call"]
@@ -473,12 +543,12 @@ exec(compile(open(path).read(), path, "exec"), {"__name__": "__main__", "__file_
 """
 
 
-def _names(module, wrap):
+def _names(module: types.ModuleType, wrap: Callable[[object], Tagged]) -> dict[str, Tagged]:
     """The solution's top-level names as the tester binds them: data by value, a standard module by
     name, anything else as a handle."""
     import types
 
-    out = {}
+    out: dict[str, Tagged] = {}
     for name, value in list(vars(module).items()):
         if name.startswith("__"):
             continue
@@ -492,17 +562,17 @@ def _names(module, wrap):
     return out
 
 
-_HANDLES = []
+_HANDLES: list[object] = []  # the solution objects handed out, by handle number
 
 
-def _handle(obj):
+def _handle(obj: object) -> int:
     if len(_HANDLES) >= MAX_ITEMS:
         raise _Unsupported("too many solution objects")
     _HANDLES.append(obj)
     return len(_HANDLES) - 1
 
 
-def worker(resp_fd, solution):
+def worker(resp_fd: int, solution: str) -> None:
     """Serves one solution: ``import``, then ``call`` (by name, values only: the harness compares) or
     ``invoke`` / ``attr`` on handles (a tester's proxies). Never sees an expected value or a nonce."""
     out = os.fdopen(resp_fd, "w", buffering=1)
@@ -514,7 +584,7 @@ def worker(resp_fd, solution):
     except OSError:
         pass
 
-    def reply(**msg):
+    def reply(**msg: object) -> None:
         for stream in (sys.stdout, sys.stderr):  # the harness stops the worker once it has the reply
             try:
                 stream.flush()
@@ -523,16 +593,16 @@ def worker(resp_fd, solution):
         out.write(json.dumps(msg) + "\n")
         out.flush()
 
-    def error(exc):
+    def error(exc: BaseException) -> str:
         return f"{type(exc).__name__}: {exc}"[:2000]
 
-    def wrap(value):
+    def wrap(value: object) -> Tagged:
         return encode(value, hook=lambda obj: ["h", _handle(obj)])
 
-    def resolve(ref):
+    def resolve(ref: int) -> Any:  # a solution object: what it can do is up to it (a failure is its error)
         return _HANDLES[ref]
 
-    module = None
+    module: types.ModuleType | None = None
     for line in stdin:
         msg = json.loads(line)
         i, op = msg.get("i"), msg["op"]
@@ -541,6 +611,7 @@ def worker(resp_fd, solution):
 
             try:
                 spec = importlib.util.spec_from_file_location("solution", solution)
+                assert spec is not None and spec.loader is not None  # solution is a .py path
                 module = importlib.util.module_from_spec(spec)
                 sys.modules["solution"] = module
                 spec.loader.exec_module(module)

@@ -25,10 +25,15 @@ import time
 import traceback
 import types
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING, without importing typing into the sandbox's processes
+if TYPE_CHECKING:
+    from typing import Any, NoReturn
 
-def _load_harness():
+
+def _load_harness() -> types.ModuleType:
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_harness.py")
     spec = importlib.util.spec_from_file_location("_rollart_harness", path)
+    assert spec is not None and spec.loader is not None  # a .py path always gets a spec with a loader
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -49,29 +54,29 @@ class Remote:
 
     __slots__ = ("_label", "_ref")
 
-    def __init__(self, ref, label):
+    def __init__(self, ref: int, label: str) -> None:
         object.__setattr__(self, "_ref", ref)
         object.__setattr__(self, "_label", label)
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: object, **kwargs: object) -> Any:
         return _CHANNEL.ask(
             {"op": "invoke", "ref": self._ref, "args": _to_wire(args), "kwargs": _to_wire(kwargs)}
         )
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> Any:
         if name.startswith("__") and name not in ("__name__", "__qualname__", "__doc__"):
             raise AttributeError(name)
         return _CHANNEL.ask({"op": "attr", "ref": self._ref, "name": name})
 
-    def __setattr__(self, name, value):
+    def __setattr__(self, name: str, value: object) -> None:
         raise TypeError("solution objects are read-only in the tests")
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"<solution object {self._label}>"
 
 
-def _to_wire(value):
-    def hook(obj):
+def _to_wire(value: object) -> list[Any]:
+    def hook(obj: object) -> list[object]:
         if type(obj) is Remote:
             return ["h", obj._ref]
         raise TypeError(
@@ -84,20 +89,22 @@ def _to_wire(value):
         raise TypeError(f"argument not passable to the solution: {exc}") from None
 
 
-def _from_wire(value, label):
+def _from_wire(value: object, label: str) -> Any:
     return H.decode(value, handle=lambda ref: Remote(ref, label))
 
 
 class Channel:
-    def __init__(self, req_fd, resp_fd, deadline):
+    broken: str | None  # why the solution's worker failed the protocol, once it has
+
+    def __init__(self, req_fd: int, resp_fd: int, deadline: float) -> None:
         self.req_fd, self.resp_fd, self.deadline = req_fd, resp_fd, deadline
         self.n, self.buf, self.broken = 0, b"", None
 
-    def _break(self, why):
+    def _break(self, why: str) -> NoReturn:
         self.broken = self.broken or why
         raise Broken(self.broken)
 
-    def ask(self, msg):
+    def ask(self, msg: dict[str, Any]) -> Any:
         if self.broken:
             raise Broken(self.broken)
         self.n += 1
@@ -121,7 +128,7 @@ class Channel:
         except (ValueError, TypeError, KeyError, IndexError, RecursionError) as exc:
             raise TypeError(f"the solution returned an unsupported value ({exc})") from None
 
-    def _recv(self):
+    def _recv(self) -> Any:
         while b"\n" not in self.buf:
             left = self.deadline - time.monotonic()
             if left <= 0:
@@ -141,7 +148,7 @@ class Channel:
             self._break("malformed reply from the solution's process")
 
 
-def _exception(type_name, message):
+def _exception(type_name: str, message: str) -> Exception:
     if message.startswith(type_name + ": "):
         message = message[len(type_name) + 2 :]
     cls = getattr(builtins, type_name, None)
@@ -153,11 +160,11 @@ def _exception(type_name, message):
     return SolutionError(message)
 
 
-def _bind(names):
+def _bind(names: dict[str, Any] | None) -> dict[str, Any]:
     """The test code's globals: the solution's names (data, standard modules, proxies) and a
     ``solution`` module holding them, for ``from solution import f``."""
     main = types.ModuleType("__main__")  # the test code's module: unittest.main() finds its tests here
-    main.__builtins__ = builtins
+    main.__dict__["__builtins__"] = builtins  # main.__builtins__, an attribute ModuleType does not declare
     sys.modules["__main__"] = main
     scope = main.__dict__
     module = types.ModuleType("solution")
@@ -180,8 +187,9 @@ def _bind(names):
     return scope
 
 
-def _run(cfg):
+def _run(cfg: dict[str, Any]) -> tuple[bool, str | None]:
     """(passed, why) of the test code against the solution."""
+    why: str | None
     try:
         names = _CHANNEL.ask({"op": "import", "names": True})
     except Broken as exc:
@@ -198,6 +206,7 @@ def _run(cfg):
     except Broken as exc:
         passed, why = False, str(exc)
     except BaseException as exc:
+        assert exc.__traceback__ is not None  # caught here, so it has at least this frame
         traceback.print_exception(type(exc), exc, exc.__traceback__.tb_next)  # from the test code down
         passed, why = False, f"{type(exc).__name__}: {exc}"
     if _CHANNEL.broken:  # a caught Broken still fails the case
@@ -205,16 +214,16 @@ def _run(cfg):
     return passed, why
 
 
-H = None
-_CHANNEL = None
+H: types.ModuleType  # the harness module (_harness.py, loaded by path), set by main()
+_CHANNEL: Channel  # the solution's worker, set by main() before any test code runs
 
 
-def main():
+def main() -> None:
     global H, _CHANNEL
     req_fd, resp_fd, verdict_fd = (int(a) for a in sys.argv[1:4])
     sys.stdin = open(os.devnull)
 
-    def say(line):
+    def say(line: str) -> None:
         data = (line + "\n").encode()
         while data:
             data = data[os.write(verdict_fd, data) :]

@@ -243,6 +243,7 @@ class HttpExecutor:
         key = idempotency_key(trajectory, self.config.function)
         t_enq = time.monotonic()
         self.meter.enter()
+        result: RewardResult | None  # None: the circuit opened during the retries
         try:
             if not self.breaker.allow():
                 return await self._fall_back(trajectory, "circuit open")

@@ -170,8 +170,8 @@ def math_equivalent(pred: str, ref: str, timeout_s: int | None) -> bool:
     from math_verify import parse, verify
 
     timeout = timeout_s if threading.current_thread() is threading.main_thread() else None
-    gold = parse(_as_math(ref), parsing_timeout=timeout)  # type: ignore[arg-type]
-    got = parse(_as_math(pred), parsing_timeout=timeout)  # type: ignore[arg-type]
+    gold = parse(_as_math(ref), parsing_timeout=timeout)
+    got = parse(_as_math(pred), parsing_timeout=timeout)
     if not gold or not got:
         return normalize_answer(pred) == normalize_answer(ref)
     return bool(verify(gold, got, timeout_seconds=timeout))

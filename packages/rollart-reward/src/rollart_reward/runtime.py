@@ -206,7 +206,7 @@ class FunctionRuntime:
         r.add_get("/2023-03-30/functions/{name}/async-tasks/{task}", self._h_fc_poll)
         r.add_get("/stats", self._h_stats)
         r.add_get("/executions/{key}", self._h_executions)
-        r.add_get("/healthz", lambda _: web.json_response({"ok": True}))
+        r.add_get("/healthz", self._h_healthz)
         if self.config.admin_enabled:
             r.add_post("/admin/faults", self._h_faults)
             r.add_post("/admin/reset", self._h_reset)
@@ -629,6 +629,11 @@ class FunctionRuntime:
             }
         )
         return s
+
+    async def _h_healthz(self, request: Any) -> Any:
+        from aiohttp import web
+
+        return web.json_response({"ok": True})
 
     async def _h_stats(self, request: Any) -> Any:
         from aiohttp import web

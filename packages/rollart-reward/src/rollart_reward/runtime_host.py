@@ -307,7 +307,9 @@ class RayHandle:
         opts: dict[str, Any] = {"num_cpus": c.num_cpus, "max_restarts": 0, "max_concurrency": 1}
         if c.pool:
             opts["resources"] = {c.pool: 0.001}
-        self.actor = ray.remote(**opts)(RuntimeHost).remote()
+        # a Ray actor handle: Ray types `.remote` only on methods decorated with @ray.method, which
+        # RuntimeHost's are not (this module imports Ray lazily), so its calls stay untyped
+        self.actor: Any = ray.remote(**opts)(RuntimeHost).remote()
 
     async def start(self, port: int) -> dict[str, Any]:
         c = self.c

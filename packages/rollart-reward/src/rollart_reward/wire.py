@@ -104,12 +104,14 @@ def _check_fields(d: dict[str, Any], types: dict[str, tuple[type, ...]], where: 
             )
         if (
             name in _INT_LISTS
-            and value is not None
+            and isinstance(value, list)  # the type check let through a list or, where allowed, None
             and not all(isinstance(x, int) and not isinstance(x, bool) for x in value)
         ):
             raise RewardError(f"malformed trajectory: {where}{name} must be a list of integers")
-        if name == "output_logprobs" and not all(
-            isinstance(x, _NUM) and not isinstance(x, bool) for x in value
+        if (
+            name == "output_logprobs"
+            and isinstance(value, list)
+            and not all(isinstance(x, _NUM) and not isinstance(x, bool) for x in value)
         ):
             raise RewardError(f"malformed trajectory: {where}{name} must be a list of numbers")
         numbers = value if name in _INT_LISTS or name == "output_logprobs" else [value]
