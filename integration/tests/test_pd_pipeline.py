@@ -1,5 +1,5 @@
 """Prefill/decode disaggregation wired by the pipeline from a run config: a task with ``pd: on``
-and a ``prefill_pool`` gets KV-producer engines in its prefill group and KV-consumer engines in its
+and a ``prefill_engine_group`` gets KV-producer engines in its prefill group and KV-consumer engines in its
 decode group (vLLM CPU engines in Ray actors), the PD router in front of the proxy, weight updates
 that reach both pools, and a killed prefill worker that comes back on the served version before it
 prefills again."""
@@ -42,8 +42,8 @@ def pd_config(root: Path) -> RunConfig:
             "tasks": [
                 {
                     "name": "lake",
-                    "pool": "dec",
-                    "prefill_pool": "pre",
+                    "engine_group": "dec",
+                    "prefill_engine_group": "pre",
                     "pd": "on",
                     "env": {"impl": "frozenlake", "options": {"size": 4, "hole_prob": 0.2, "max_steps": 4}},
                     "reward": {"impl": "success"},

@@ -55,10 +55,17 @@ def test_invalid_sampling_params_rejected(tmp_path: Path) -> None:
         load_config(_write(tmp_path, data))
 
 
-def test_task_pool_must_name_an_engine_group(tmp_path: Path) -> None:
+def test_task_engine_group_must_name_an_engine_group(tmp_path: Path) -> None:
     data = _example()
-    data["tasks"][0]["pool"] = "H800"
-    with pytest.raises(ConfigError, match="H800"):
+    data["tasks"][0]["engine_group"] = "H800"
+    with pytest.raises(ConfigError, match="engine_group 'H800' is not an engine group"):
+        load_config(_write(tmp_path, data))
+
+
+def test_a_renamed_key_is_refused_with_its_new_name(tmp_path: Path) -> None:
+    data = _example()
+    data["tasks"][0]["pool"] = data["engines"][0]["name"]
+    with pytest.raises(ConfigError, match=r"tasks\.0.*'pool' was renamed: write 'engine_group' instead"):
         load_config(_write(tmp_path, data))
 
 

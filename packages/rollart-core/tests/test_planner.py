@@ -291,7 +291,7 @@ def test_planned_config_routes_tasks_to_the_plans_pools(tmp_path: Path) -> None:
     counts = {e["pool"]: e["count"] for e in data["engines"]}
     assert counts == {hw: n for hw, n in plan.pools.items() if hw in ("H800", "H20")}
     assert all(e["impl"] == "vllm" and e["options"] == {"x": 1} for e in data["engines"])
-    routes = {t["name"]: (t["pool"], t["prefill_pool"], t["pd"]) for t in data["tasks"]}
+    routes = {t["name"]: (t["engine_group"], t["prefill_engine_group"], t["pd"]) for t in data["tasks"]}
     assert routes["rag"] == ("h800", None, "off") and routes["reason"] == ("h20", None, "off")
     assert routes["agent"] == ("h20", "h800", "on")
     import yaml
@@ -304,7 +304,7 @@ def test_planned_config_routes_tasks_to_the_plans_pools(tmp_path: Path) -> None:
     src.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
     assert main(["plan", str(src), "--gpus", "8", "--write-config", str(written)]) == 0
     planned = load_config(written)
-    assert all(t.pool is not None for t in planned.tasks)
+    assert all(t.engine_group is not None for t in planned.tasks)
     # the trainer pool is written too: a worker group, one GPU per rank, on its class's pool
     trainer = planned.trainer
     assert trainer.pool == "H800" and trainer.num_gpus == 1 and trainer.ranks is not None

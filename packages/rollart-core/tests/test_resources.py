@@ -157,20 +157,27 @@ def test_affinity_labels_and_serverless_rules() -> None:
 
 
 def test_task_affinity_and_routes(cluster: ClusterView) -> None:
-    pd = TaskAffinity(prefill_pool="prefill", decode_pool="decode")
-    assert pd.disaggregated and pd.pools() == ["prefill", "decode"]
+    pd = TaskAffinity(prefill_engine_group="prefill", decode_engine_group="decode")
+    assert pd.disaggregated and pd.engine_groups() == ["prefill", "decode"]
     with pytest.raises(ValidationError, match="go together"):
-        TaskAffinity(prefill_pool="prefill")
+        TaskAffinity(prefill_engine_group="prefill")
     with pytest.raises(ValidationError, match="not both"):
-        TaskAffinity(generation_pool="gen", prefill_pool="p", decode_pool="d")
+        TaskAffinity(engine_group="gen", prefill_engine_group="p", decode_engine_group="d")
     with pytest.raises(ValidationError, match="extra"):
         ResourcePlanConfig.model_validate({"tasks": {}, "bogus": 1})
     rm = ResourceManager(cluster)
     assert rm.task_routes(
-        {"swe": pd, "math": TaskAffinity(generation_pool="gen")}, ["prefill", "decode", "gen"]
+        {"swe": pd, "math": TaskAffinity(engine_group="gen")}, ["prefill", "decode", "gen"]
     ) == {"swe": "decode", "math": "gen"}
-    with pytest.raises(ConfigError, match=r"task 'swe': pool 'decode' is not an engine group"):
+    with pytest.raises(ConfigError, match=r"task 'swe': 'decode' is not an engine group"):
         rm.task_routes({"swe": pd}, ["prefill"])
+    for old, new in [
+        ("generation_pool", "engine_group"),
+        ("prefill_pool", "prefill_engine_group"),
+        ("decode_pool", "decode_engine_group"),
+    ]:
+        with pytest.raises(ValidationError, match=f"'{old}' was renamed: write '{new}' instead"):
+            ResourcePlanConfig.model_validate({"tasks": {"swe": {old: "g"}}})
 
 
 def test_resource_plane_and_planner_import_without_ray() -> None:

@@ -72,23 +72,28 @@ def test_task_config_pd_fields(tmp_path: Path) -> None:
     task = {"name": "t", "env": {"impl": "x"}, "reward": {"impl": "y"}}
     assert TaskConfig.model_validate(task).pd == "off"
     ok = RunConfig.model_validate(
-        {**base, "tasks": [{**task, "pd": "auto", "pool": "dec", "prefill_pool": "pre"}]}
+        {**base, "tasks": [{**task, "pd": "auto", "engine_group": "dec", "prefill_engine_group": "pre"}]}
     )
     cfg = PDConfig.from_tasks(ok.tasks, min_pd_suffix_tokens=64)
     assert cfg.pools == {"dec": "pre"} and cfg.task_policy == {"t": "auto"} and cfg.min_pd_suffix_tokens == 64
     for bad, msg in [
-        ({"pd": "on", "pool": "dec"}, "needs both"),
-        ({"pd": "on", "pool": "dec", "prefill_pool": "dec"}, "other than its pool"),
-        ({"pd": "on", "pool": "dec", "prefill_pool": "nope"}, "must be an engine group"),
+        ({"pd": "on", "engine_group": "dec"}, "needs both"),
+        ({"pd": "on", "engine_group": "dec", "prefill_engine_group": "dec"}, "other than its engine_group"),
+        ({"pd": "on", "engine_group": "dec", "prefill_engine_group": "nope"}, "must be an engine group"),
+        ({"engine_group": "nope"}, "is not an engine group"),
         ({"pd": "sometimes"}, "pd"),
+        ({"pool": "dec"}, "'pool' was renamed: write 'engine_group' instead"),
+        ({"prefill_pool": "pre"}, "'prefill_pool' was renamed: write 'prefill_engine_group' instead"),
     ]:
         with pytest.raises(ValidationError, match=msg):
             RunConfig.model_validate({**base, "tasks": [{**task, **bad}]})
     two = [
-        TaskConfig.model_validate({**task, "name": n, "pool": "dec", "prefill_pool": p, "pd": "on"})
+        TaskConfig.model_validate(
+            {**task, "name": n, "engine_group": "dec", "prefill_engine_group": p, "pd": "on"}
+        )
         for n, p in (("a", "pre"), ("b", "other"))
     ]
-    with pytest.raises(ConfigError, match="paired with prefill pool"):
+    with pytest.raises(ConfigError, match="paired with prefill engine group"):
         PDConfig.from_tasks(two)
 
 

@@ -7,7 +7,7 @@ pydantic model (``Impl.Config``), so this module never needs to know every back-
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -37,6 +37,18 @@ __all__ = [
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    _renamed: ClassVar[dict[str, str]] = {}
+    """Old key → its new name: a config written with the old key is refused with the new one."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_renamed(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for old, new in cls._renamed.items():
+                if old in data:
+                    raise ValueError(f"{old!r} was renamed: write {new!r} instead")
+        return data
 
 
 class ComponentConfig(_Model):
@@ -203,13 +215,16 @@ class TaskConfig(_Model):
     """What each turn's prompt holds. ``full``: the whole history (first turn, then every action and
     observation). ``last_turn``: only the system prompt and the current observation (a Markov
     policy; each turn is then trained as a sequence of its own, with that turn's advantage)."""
-    pool: str | None = None
-    """Engine group (by name) that serves this task; None = any."""
+    engine_group: str | None = None
+    """Engine group (by name, one of ``engines``) that serves this task; None = any. (A hardware
+    pool is ``engines[].pool``.)"""
     pd: Literal["auto", "on", "off"] = "off"
-    """Prefill/decode disaggregation: prefill on ``prefill_pool``, decode on ``pool`` (``auto``:
-    decided from the task's prompt vs output length; see ``rollart_proxy.pd``)."""
-    prefill_pool: str | None = None
+    """Prefill/decode disaggregation: prefill on ``prefill_engine_group``, decode on ``engine_group``
+    (``auto``: decided from the task's prompt vs output length; see ``rollart_proxy.pd``)."""
+    prefill_engine_group: str | None = None
     """Engine group whose engines prefill this task's requests (KV producers) when ``pd`` is not off."""
+
+    _renamed: ClassVar[dict[str, str]] = {"pool": "engine_group", "prefill_pool": "prefill_engine_group"}
 
 
 class TrainConfig(_Model):
@@ -375,14 +390,20 @@ class RunConfig(_Model):
         if len(set(tasks)) != len(tasks):
             raise ValueError(f"task names must be unique, got {tasks}")
         for t in self.tasks:
-            if t.pool is not None and t.pool not in names:
-                raise ValueError(f"task {t.name!r}: pool {t.pool!r} is not an engine group ({names})")
-            if t.pd != "off" and (t.pool is None or t.prefill_pool is None):
-                raise ValueError(f"task {t.name!r}: pd {t.pd!r} needs both pool (decode) and prefill_pool")
-            if t.prefill_pool is not None and (t.prefill_pool not in names or t.prefill_pool == t.pool):
+            if t.engine_group is not None and t.engine_group not in names:
                 raise ValueError(
-                    f"task {t.name!r}: prefill_pool {t.prefill_pool!r} must be an engine group "
-                    f"other than its pool ({names})"
+                    f"task {t.name!r}: engine_group {t.engine_group!r} is not an engine group ({names})"
+                )
+            if t.pd != "off" and (t.engine_group is None or t.prefill_engine_group is None):
+                raise ValueError(
+                    f"task {t.name!r}: pd {t.pd!r} needs both engine_group (decode) and prefill_engine_group"
+                )
+            if t.prefill_engine_group is not None and (
+                t.prefill_engine_group not in names or t.prefill_engine_group == t.engine_group
+            ):
+                raise ValueError(
+                    f"task {t.name!r}: prefill_engine_group {t.prefill_engine_group!r} must be an engine "
+                    f"group other than its engine_group ({names})"
                 )
         return self
 

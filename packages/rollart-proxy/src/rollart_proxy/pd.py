@@ -100,17 +100,19 @@ class PDConfig(BaseModel):
 
     @classmethod
     def from_tasks(cls, tasks: Iterable[TaskConfig], **kw: Any) -> PDConfig:
-        """Pairs and policies from run-config tasks (``pool`` + ``prefill_pool`` + ``pd``)."""
+        """Pairs and policies from run-config tasks (``engine_group`` + ``prefill_engine_group`` +
+        ``pd``); the proxy calls an engine group a pool."""
         pools: dict[str, str] = {}
         policy: dict[str, PDPolicy] = {}
         for t in tasks:
             policy[t.name] = t.pd
-            if t.prefill_pool is None or t.pool is None:
+            decode, prefill = t.engine_group, t.prefill_engine_group
+            if prefill is None or decode is None:
                 continue
-            if pools.setdefault(t.pool, t.prefill_pool) != t.prefill_pool:
+            if pools.setdefault(decode, prefill) != prefill:
                 raise ConfigError(
-                    f"task {t.name!r}: pool {t.pool!r} is paired with prefill pool "
-                    f"{pools[t.pool]!r} by another task, not {t.prefill_pool!r}"
+                    f"task {t.name!r}: engine_group {decode!r} is paired with prefill engine group "
+                    f"{pools[decode]!r} by another task, not {prefill!r}"
                 )
         return cls(pools=pools, task_policy=policy, **kw)
 

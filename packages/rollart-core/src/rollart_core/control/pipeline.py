@@ -31,9 +31,9 @@ def _pd_roles(cfg: RunConfig) -> dict[str, set[str]]:
     """Engine group → KV roles it plays for the tasks with prefill/decode disaggregation on."""
     roles: dict[str, set[str]] = {}
     for t in cfg.tasks:
-        if t.pd != "off" and t.pool is not None and t.prefill_pool is not None:
-            roles.setdefault(t.prefill_pool, set()).add("kv_producer")
-            roles.setdefault(t.pool, set()).add("kv_consumer")
+        if t.pd != "off" and t.engine_group is not None and t.prefill_engine_group is not None:
+            roles.setdefault(t.prefill_engine_group, set()).add("kv_producer")
+            roles.setdefault(t.engine_group, set()).add("kv_consumer")
     return roles
 
 
@@ -436,7 +436,7 @@ class Pipeline:
                 self.actors.append(actor)
                 members.append((name, actor, group.name))
         await asyncio.gather(*(a.start.remote() for a in self.actors))
-        task_pools = {t.name: t.pool for t in self.config.tasks if t.pool is not None}
+        task_pools = {t.name: t.engine_group for t in self.config.tasks if t.engine_group is not None}
         proxy = proxy_cls.from_ray_actors(members, task_pools=task_pools)
         if self._pd_kv_dir is not None:  # prefill/decode disaggregation: the PD router fronts the proxy
             pd_cls = resolve("proxy", "pd")

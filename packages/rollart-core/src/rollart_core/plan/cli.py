@@ -48,7 +48,8 @@ def _group_name(hw: str) -> str:
 def plan_config(cfg: RunConfig, plan: Plan) -> dict[str, Any]:
     """``cfg`` with the plan applied: one engine group per GPU class of the plan (one engine per
     device, on the pool of that class, with the first engine group's impl and options), and every
-    task routed to its classes (``pool`` = decode, ``prefill_pool`` + ``pd: on`` when disaggregated).
+    task routed to its classes (``engine_group`` = decode, ``prefill_engine_group`` + ``pd: on`` when
+    disaggregated).
     The trainer becomes a worker group of ``plan.trainer_gpus`` ranks, one GPU each, on the pool of
     its class (its impl and options kept). ``rollart train`` accepts the result; the cluster must
     offer the pools (Ray resources named after the classes)."""
@@ -73,11 +74,11 @@ def plan_config(cfg: RunConfig, plan: Plan) -> dict[str, Any]:
         tp = routes.get(task["name"])
         if tp is None:
             continue
-        task["pool"] = _group_name(tp.decode.hw)
+        task["engine_group"] = _group_name(tp.decode.hw)
         if tp.disaggregated:
-            task.update(prefill_pool=_group_name(tp.prefill.hw), pd="on")
+            task.update(prefill_engine_group=_group_name(tp.prefill.hw), pd="on")
         else:
-            task.update(prefill_pool=None, pd="off")
+            task.update(prefill_engine_group=None, pd="off")
     # the trainer: a worker group of one rank per device on its pool
     data["trainer"].update(ranks=plan.trainer_gpus, pool=plan.trainer.hw, num_gpus=1.0)
     RunConfig.model_validate(data)  # what is written must load

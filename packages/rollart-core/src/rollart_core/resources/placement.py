@@ -28,10 +28,11 @@ import logging
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
+from rollart_core.config import _Model  # forbids extra keys, refuses renamed ones
 from rollart_core.errors import ConfigError, RollartError
 from rollart_core.resources.affinity import AffinitySpec
 
@@ -69,35 +70,42 @@ class PlacementError(RollartError):
 # config models (new sections for RunConfig; see the module docstring of each) -------------------------
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-
 class TaskAffinity(_Model):
     """Where one task's generation runs: one engine group, or a prefill and a decode group (PD)."""
 
-    generation_pool: str | None = None
+    engine_group: str | None = None
     """Engine group serving the whole request (prefill and decode)."""
-    prefill_pool: str | None = None
+    prefill_engine_group: str | None = None
     """PD disaggregation: engine group that prefills the prompt (compute-bound: H800-class)."""
-    decode_pool: str | None = None
+    decode_engine_group: str | None = None
     """PD disaggregation: engine group that decodes (bandwidth-bound: H20-class)."""
+
+    _renamed: ClassVar[dict[str, str]] = {
+        "generation_pool": "engine_group",
+        "prefill_pool": "prefill_engine_group",
+        "decode_pool": "decode_engine_group",
+    }
 
     @model_validator(mode="after")
     def _check(self) -> TaskAffinity:
-        pd = (self.prefill_pool is not None, self.decode_pool is not None)
+        pd = (self.prefill_engine_group is not None, self.decode_engine_group is not None)
         if any(pd) and not all(pd):
-            raise ValueError("prefill_pool and decode_pool go together (PD disaggregation needs both)")
-        if all(pd) and self.generation_pool is not None:
-            raise ValueError("give either generation_pool or prefill_pool + decode_pool, not both")
+            raise ValueError(
+                "prefill_engine_group and decode_engine_group go together (PD disaggregation needs both)"
+            )
+        if all(pd) and self.engine_group is not None:
+            raise ValueError(
+                "give either engine_group or prefill_engine_group + decode_engine_group, not both"
+            )
         return self
 
     @property
     def disaggregated(self) -> bool:
-        return self.prefill_pool is not None
+        return self.prefill_engine_group is not None
 
-    def pools(self) -> list[str]:
-        return [p for p in (self.generation_pool, self.prefill_pool, self.decode_pool) if p is not None]
+    def engine_groups(self) -> list[str]:
+        named = (self.engine_group, self.prefill_engine_group, self.decode_engine_group)
+        return [g for g in named if g is not None]
 
 
 class ServerlessPoolConfig(_Model):
@@ -114,7 +122,7 @@ class ResourcePlanConfig(_Model):
     """The resource-plane section of a run: per-task affinity, serverless pools, placement limits."""
 
     tasks: dict[str, TaskAffinity] = Field(default_factory=dict)
-    """Task name → where its generation runs (overrides ``TaskConfig.pool``)."""
+    """Task name → where its generation runs (overrides ``TaskConfig.engine_group``)."""
     serverless: dict[str, ServerlessPoolConfig] = Field(default_factory=dict)
     placement_timeout_s: float = Field(120.0, gt=0)
     """How long :func:`place` waits for the cluster to reserve every placement group."""
@@ -517,10 +525,10 @@ class ResourceManager:
         groups = set(engine_groups)
         out = {}
         for task, aff in tasks.items():
-            for p in aff.pools():
-                if p not in groups:
-                    raise ConfigError(f"task {task!r}: pool {p!r} is not an engine group ({sorted(groups)})")
-            target = aff.decode_pool or aff.generation_pool
+            for g in aff.engine_groups():
+                if g not in groups:
+                    raise ConfigError(f"task {task!r}: {g!r} is not an engine group ({sorted(groups)})")
+            target = aff.decode_engine_group or aff.engine_group
             if target is not None:
                 out[task] = target
         return out
