@@ -166,6 +166,8 @@ async def test_redundancy_cancels_exactly_the_surplus(ray_env_pool, llm) -> None
             ]
             out = await run_group(trajs, run, group_size=G)
             assert len(out.kept) == G and all(t.fate is Fate.FINISHED for t in out.kept)
+            # env_id keeps naming the implementation; the instance a trajectory ran on is in info
+            assert all(t.env_id == "calculator" and t.info["env_instance"] in m.slots for t in out.kept)
             counts = out.fates()
             assert sum(counts.values()) == G + k
             surplus_finished = counts.get("finished", 0) - G

@@ -148,7 +148,7 @@ class Trajectory:
 
     traj_id: str
     task: str
-    env_id: str
+    env_id: str  # the environment implementation (an EnvManager's instance: ``info["env_instance"]``)
     group_id: str
     seed: int
     start_version: int

@@ -34,7 +34,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -610,8 +610,9 @@ class EnvManager:
             return traj
         finally:
             traj.add_timing("env_acquire", time.perf_counter() - t0)
-        # a ReplicatedEnv lease carries the env_id of its first replica, one of our ManagedEnvs
-        traj.env_id = cast(str, env.env_id)
+        # traj.env_id stays the implementation; the instance (a ReplicatedEnv lease carries its first
+        # replica's id, one of our ManagedEnvs) goes into info
+        traj.info["env_instance"] = str(env.env_id)
         return await run_trajectory(traj, env=env, **runner_kwargs)
 
     def snapshot(self) -> dict[str, Any]:
