@@ -42,53 +42,21 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
-from rollart_core.errors import EngineError, WeightSyncError
-from rollart_core.protocols import InferenceEngine, PauseMode, SupportsStream
+from rollart_core.errors import EngineError
+from rollart_core.protocols import InferenceEngine, SupportsStream
 from rollart_core.types import GenerateOutput, GenerateRequest
-from rollart_proxy.errors import EngineNotStartedError, ProxyOverloadedError, WorkerUnavailableError
-from rollart_proxy.metrics import WorkerMetrics
+from rollart_proxy._fleet import WorkerFleet, WorkerHandle
+from rollart_proxy.errors import ProxyOverloadedError, WorkerUnavailableError
 
 __all__ = ["LLMProxy", "WorkerHandle"]
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class WorkerHandle:
-    name: str
-    engine: InferenceEngine
-    pool: str = "default"
-    max_inflight: int = 64
-    max_queued: int = 4096
-    """Requests that may wait for one of its in-flight slots; beyond, the proxy refuses requests."""
-    inflight: int = 0
-    healthy: bool = True
-    served: int = 0
-    metrics: WorkerMetrics = field(default_factory=WorkerMetrics)
-    _slots: asyncio.Semaphore = field(init=False)
-
-    def __post_init__(self) -> None:
-        if self.max_inflight < 1:
-            raise EngineError(f"worker {self.name}: max_inflight must be >= 1")
-        if self.max_queued < 0:
-            raise EngineError(f"worker {self.name}: max_queued must be >= 0")
-        self._slots = asyncio.Semaphore(self.max_inflight)
-
-    @property
-    def outstanding(self) -> int:
-        return self.inflight + self.metrics.queued
-
-    @property
-    def full(self) -> bool:
-        """No free slot and no room in the wait queue."""
-        return self.inflight >= self.max_inflight and self.metrics.queued >= self.max_queued
-
-
-class LLMProxy:
+class LLMProxy(WorkerFleet):
     """Routes :class:`GenerateRequest` s to workers; also fans out pause/resume/weight updates."""
 
     def __init__(
@@ -389,12 +357,6 @@ class LLMProxy:
             self._session.pop(request.session_id)
         self._mark_down(w, f"request {request.request_id}: {exc!r}")
 
-    def _mark_down(self, w: WorkerHandle, why: str) -> None:
-        w.metrics.failures += 1
-        if w.healthy:
-            log.warning("worker %s marked unhealthy: %s", w.name, why)
-        w.healthy = False
-
     async def abort(self, request_id: str) -> int:
         """Abort a request by its id, or every in-flight request of a trajectory by its session id.
 
@@ -428,185 +390,6 @@ class LLMProxy:
 
     def session_worker(self, session_id: str) -> str | None:
         return self._session.get(session_id)
-
-    # fan-out ---------------------------------------------------------------------------------
-
-    def _engines_with(self, method: str) -> list[WorkerHandle]:
-        return [w for w in self.workers.values() if w.healthy and hasattr(w.engine, method)]
-
-    async def _fan_out(
-        self, ws: list[WorkerHandle], call: Callable[[WorkerHandle], Awaitable[Any]]
-    ) -> list[tuple[WorkerHandle, Any]]:
-        """``call`` on every worker of ``ws`` at once. A worker found dead is marked unhealthy and left
-        out (recovery brings it back to the current state); any other error is raised."""
-        results = await asyncio.gather(*(call(w) for w in ws), return_exceptions=True)
-        out: list[tuple[WorkerHandle, Any]] = []
-        first: BaseException | None = None
-        for w, r in zip(ws, results, strict=True):
-            if isinstance(r, WorkerUnavailableError):
-                self._mark_down(w, repr(r))
-            elif isinstance(r, BaseException):
-                first = first or r
-            else:
-                out.append((w, r))
-        if first is not None:
-            raise first
-        return out
-
-    async def _all(self, method: str, *args: object) -> list[object]:
-        ws = self._engines_with(method)
-        return [r for _, r in await self._fan_out(ws, lambda w: getattr(w.engine, method)(*args))]
-
-    async def pause(self, mode: PauseMode = "keep") -> None:
-        await self._all("pause", mode)
-        self.suspended = True
-        for w in self.workers.values():
-            w.metrics.suspend()
-
-    async def resume(self) -> None:
-        await self._all("resume")
-        self.suspended = False
-        for w in self.workers.values():
-            w.metrics.unsuspend()
-
-    async def suspend(self) -> None:
-        """Pause every worker, keeping in-flight requests (they continue after :meth:`resume`)."""
-        await self.pause("keep")
-
-    async def update_weights(self, version: int) -> dict[str, float]:
-        """Every healthy worker loads ``version``; returns each worker's generation pause in seconds.
-
-        In-flight requests are kept; their KV is recomputed under the new weights.
-        """
-        async with self._update_lock:  # a worker being recovered joins before or after, never halfway
-            ws = self._engines_with("update_weights")
-            done = await self._fan_out(ws, lambda w: w.engine.update_weights(version))  # type: ignore[attr-defined]
-            self.version = version if self.version is None else max(self.version, version)
-        out = {}
-        for w, p in done:
-            out[w.name] = float(p)
-            if not self.suspended:  # while suspended, the whole suspension is counted instead
-                w.metrics.add_suspended(float(p))
-        return out
-
-    async def prefetch_weights(self, version: int) -> None:
-        """Every healthy worker that can prepares ``version`` while it keeps generating; returns when all
-        are ready to swap it in (:meth:`update_weights` then pauses only for the swap)."""
-        await self._all("prefetch_weights", version)
-
-    async def weight_versions(self) -> dict[str, int]:
-        ws = [w for w in self.workers.values() if w.healthy]
-        done = await self._fan_out(ws, lambda w: w.engine.weight_version())
-        return {w.name: int(v) for w, v in done}
-
-    # health and recovery ---------------------------------------------------------------------
-
-    async def check_health(self, timeout: float = 10.0) -> int:
-        """Probe unhealthy workers; bring back those that answer (see the module doc: a restarted
-        engine is started and updated to the served version first). Returns how many came back."""
-        if self._health_owner is not None:
-            return await self._health_owner.check_health(timeout)
-        runs = []
-        for w in [w for w in self.workers.values() if not w.healthy]:
-            run = self._recoveries.get(w.name)
-            if run is None:  # one recovery per worker at a time, joined by every caller
-                run = self._recoveries[w.name] = asyncio.ensure_future(self._recover(w, timeout))
-            runs.append(run)
-        back = await asyncio.gather(*(asyncio.shield(r) for r in runs))  # a caller's cancel: not the run's
-        return sum(back)
-
-    async def _recover(self, w: WorkerHandle, timeout: float) -> bool:
-        try:
-            try:
-                await asyncio.wait_for(w.engine.weight_version(), timeout)
-            except EngineNotStartedError:
-                w.metrics.restarts_seen += 1
-                log.warning("worker %s was restarted (engine not started): starting it", w.name)
-                start = getattr(w.engine, "start", None)
-                if start is None:
-                    raise WorkerUnavailableError(
-                        f"{w.name}: restarted, and its engine has no start()"
-                    ) from None
-                await asyncio.wait_for(start(), self.start_timeout_s)
-            async with self._update_lock:
-                target = await self._served_version(w, timeout)
-                have = int(await asyncio.wait_for(w.engine.weight_version(), timeout))
-                if target is not None and have < target:
-                    update = getattr(w.engine, "update_weights", None)
-                    if update is None:
-                        raise WeightSyncError(
-                            f"{w.name} serves version {have}, not {target}, and cannot update"
-                        )
-                    log.info("worker %s: bringing it from version %d to %d", w.name, have, target)
-                    await asyncio.wait_for(update(target), self.update_timeout_s)
-                    have = int(await asyncio.wait_for(w.engine.weight_version(), timeout))
-                    if have != target:
-                        raise WeightSyncError(f"{w.name} reports version {have} after updating to {target}")
-                if self.suspended and hasattr(w.engine, "pause"):
-                    await asyncio.wait_for(w.engine.pause("keep"), timeout)
-                    w.metrics.suspend()
-                w.healthy = True
-        except Exception as exc:
-            log.info("worker %s not recovered yet: %r", w.name, exc)
-            return False
-        finally:
-            self._recoveries.pop(w.name, None)
-        w.metrics.recovered += 1
-        log.warning("worker %s recovered (version %s)", w.name, have)
-        return True
-
-    async def _served_version(self, exclude: WorkerHandle, timeout: float) -> int | None:
-        """What a recovering worker must serve: the proxy's version, or the newest a healthy worker reports."""
-        others = [w for w in self.workers.values() if w.healthy and w is not exclude]
-        vs = await asyncio.gather(
-            *(asyncio.wait_for(w.engine.weight_version(), timeout) for w in others), return_exceptions=True
-        )
-        known = [int(v) for v in vs if not isinstance(v, BaseException)]
-        if self.version is not None:
-            known.append(self.version)
-        return max(known, default=None)
-
-    async def probe(self, timeout: float | None = None) -> int:
-        """Ask every healthy worker for its version; mark the dead (or restarted) ones unhealthy.
-        Returns how many were marked. A slow answer is not a death: only logged."""
-        t = self.probe_timeout_s if timeout is None else timeout
-        ws = [w for w in self.workers.values() if w.healthy and w.name not in self._recoveries]
-        rs = await asyncio.gather(
-            *(asyncio.wait_for(w.engine.weight_version(), t) for w in ws), return_exceptions=True
-        )
-        n = 0
-        for w, r in zip(ws, rs, strict=True):
-            if isinstance(r, WorkerUnavailableError):
-                self._mark_down(w, f"health probe: {r!r}")
-                n += 1
-            elif isinstance(r, BaseException):
-                log.warning("health probe of %s: %r", w.name, r)
-        return n
-
-    def start_health_loop(self, period_s: float | None = None) -> None:
-        """Every ``period_s`` (default ``health_period_s``): :meth:`probe`, then :meth:`check_health`.
-        Needs a running event loop; stop it with :meth:`stop_health_loop`."""
-        if self._health_task is not None and not self._health_task.done():
-            return
-        period = self.health_period_s if period_s is None else period_s
-        if period <= 0:
-            raise EngineError(f"health loop period must be > 0, got {period}")
-        self._health_task = asyncio.create_task(self._health_loop(period), name="llmproxy-health")
-
-    async def stop_health_loop(self) -> None:
-        task, self._health_task = self._health_task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-
-    async def _health_loop(self, period_s: float) -> None:
-        while True:
-            try:
-                await self.probe()
-                await self.check_health(self.probe_timeout_s)
-            except Exception:  # the loop must outlive any one round
-                log.exception("health loop round failed")
-            await asyncio.sleep(period_s)  # the period between rounds, not a wait for a condition
 
     async def metrics(self, engine_stats: bool = True, timeout: float = 5.0) -> dict[str, dict[str, Any]]:
         """Per worker: pool, health, queue depth, tokens/s, prefill/decode tokens, time suspended."""

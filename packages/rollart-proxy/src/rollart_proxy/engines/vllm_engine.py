@@ -8,6 +8,8 @@ weights in place, re-prefill running requests under them, and resume: no request
 With ``lora`` set, a version is a LoRA adapter instead (:mod:`rollart_proxy.engines.vllm_lora`): it is
 written as a PEFT directory and loaded into vLLM before the update, and the update only switches the
 adapter that new requests carry; running requests finish under the adapter they started with.
+
+The weight-update path is in :mod:`._vllm_updates`, the configuration in :mod:`.vllm_config`.
 """
 
 from __future__ import annotations
@@ -19,17 +21,17 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-from rollart_core.errors import EngineError, WeightSyncError
+from rollart_core.errors import EngineError
 from rollart_core.extras import require
-from rollart_core.protocols import PauseMode, WeightStore
+from rollart_core.protocols import WeightStore
 from rollart_core.resources import affinity
 from rollart_core.types import GenerateOutput, GenerateRequest
-from rollart_proxy.engines._common import check_stop_strings, count_update, engine_stats
-from rollart_proxy.engines.vllm_lora import AdapterVersions, VllmLoraConfig, is_adapter
+from rollart_proxy.engines._common import check_stop_strings, engine_stats
+from rollart_proxy.engines._vllm_updates import VllmWeightUpdates
+from rollart_proxy.engines.vllm_config import VllmEngineConfig
+from rollart_proxy.engines.vllm_lora import AdapterVersions, VllmLoraConfig
 from rollart_proxy.errors import EngineNotStartedError, WorkerUnavailableError
 from rollart_proxy.metrics import WorkerMetrics
 
@@ -121,41 +123,8 @@ def _build_engine(cls: Any, args: Any) -> Any:
         return cls.from_engine_args(args)
 
 
-class VllmEngineConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-    max_model_len: int = Field(2048, ge=16)
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    max_num_seqs: int = Field(64, ge=1)
-    kv_cache_gib: float = Field(1.0, gt=0)
-    """KV cache size on CPU (``VLLM_CPU_KVCACHE_SPACE``); ignored on GPU."""
-    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
-    """Fraction of GPU memory (on vLLM's CPU build: of host memory) to reserve; None = vLLM's default."""
-    enforce_eager: bool = True
-    seed: int = 0
-    engine_args: dict[str, Any] = Field(default_factory=dict)
-    """Extra ``AsyncEngineArgs`` fields, passed through."""
-    weight_update: Literal["staged", "in_place"] = "staged"
-    """``staged``: load and post-process the next weights into a shadow copy of the model while
-    generation goes on, then swap them in during a short pause (one extra copy of the weights; needs
-    ``enforce_eager``). ``in_place``: vLLM's ``reload_weights`` runs inside the pause."""
-    lora: VllmLoraConfig | None = None
-    """Serve LoRA adapters (vLLM ``enable_lora``): every pushed version must then be an adapter in
-    PEFT naming, which new requests get from the update on; version 0 is the base model. None: every
-    version is full weights."""
-
-    @model_validator(mode="after")
-    def _staged_needs_eager(self) -> VllmEngineConfig:
-        if self.weight_update == "staged" and not self.enforce_eager:
-            raise ValueError(
-                "weight_update='staged' needs enforce_eager=True (a captured graph keeps the old "
-                "weights); use weight_update='in_place' with graphs"
-            )
-        return self
-
-
 @affinity(pool=None, num_cpus=1)
-class VllmEngine:
+class VllmEngine(VllmWeightUpdates):
     """One vLLM engine replica. Call :meth:`start` once (async) before generating.
 
     Until then every call raises :class:`EngineNotStartedError` (how the proxy tells an actor that
@@ -450,183 +419,9 @@ class VllmEngine:
             return
         await engine.abort(request_id)
 
-    async def _unfreeze(self) -> None:
-        """Resume vLLM's scheduler, then deliver the aborts that arrived while it was paused."""
-        engine = self._require_started()
-        await engine.resume_generation()
-        self._frozen = False
-        rids, self._deferred_aborts = sorted(self._deferred_aborts), set()
-        if rids:
-            await engine.abort(rids)
-
     async def weight_version(self) -> int:
         self._require_started()
         return self._version
-
-    # suspend / update / resume ---------------------------------------------------------------
-
-    async def pause(self, mode: PauseMode = "keep") -> None:
-        self._frozen = True
-        await self._require_started().pause_generation(mode=mode, clear_cache=False)
-        self._paused = True
-        self._metrics.suspend()
-
-    async def resume(self) -> None:
-        await self._unfreeze()
-        self._paused = False
-        self._metrics.unsuspend()
-
-    def prefetch(self, version: int) -> None:
-        """Start pulling ``version`` from the weight store in the background (no pause)."""
-        if self._store is None:
-            raise WeightSyncError(f"{self.name}: no weight store configured")
-        pulled = self._prefetch.get(version)
-        if pulled is not None and not (pulled.done() and pulled.exception() is not None):
-            return  # pulling or pulled; a failed pull is retried, not kept
-        fut: Future[dict[str, Any]] = Future()
-        store = self._store
-
-        def pull() -> None:
-            try:
-                fut.set_result(store.pull(version))
-            except BaseException as exc:  # delivered to the waiter, not lost
-                fut.set_exception(exc)
-
-        threading.Thread(target=pull, name=f"prefetch-v{version}", daemon=True).start()
-        self._prefetch[version] = fut
-
-    async def prefetch_weights(self, version: int) -> None:
-        """Prepare ``version`` while generation goes on; returns when it is ready to swap in: pull it
-        from the weight store and, with ``weight_update='staged'``, load it into the shadow model.
-        :meth:`update_weights` then only swaps it in. Run it as a background task."""
-        self._require_started()
-        if version <= self._version:
-            return
-        staging = self._stage(version)
-        if staging[0] == version:
-            await asyncio.shield(staging[1])
-
-    def _stage(self, version: int) -> tuple[int, asyncio.Task[tuple[list[Any], bool]]]:
-        """The preparation in flight, started for ``version`` unless a newer one already is."""
-        failed = (
-            self._staging is not None
-            and self._staging[1].done()
-            and (self._staging[1].cancelled() or self._staging[1].exception() is not None)
-        )
-        if self._staging is None or self._staging[0] < version or failed:  # a failed preparation is redone
-            self._staging = (
-                version,
-                asyncio.create_task(self._prepare(version), name=f"{self.name}-stage-v{version}"),
-            )
-        return self._staging
-
-    async def _prepare(self, version: int, stage: bool = True) -> tuple[list[Any], bool]:
-        """Pull and pack ``version``; stage it in the worker(s). Returns the packed tensors and whether
-        they are staged (False: not asked to, in-place mode, or staging failed and was logged)."""
-        from rollart_proxy.engines.vllm_worker import pack_tensors
-
-        self.prefetch(version)
-        tensors = await asyncio.wrap_future(self._prefetch[version])
-        if self.config.lora is not None or is_adapter(tensors):
-            return [await self._prepare_adapter(version, tensors)], True
-        named = await asyncio.to_thread(pack_tensors, tensors.items())
-        if not stage or self.config.weight_update != "staged":
-            return named, False
-        engine = self._require_started()
-        try:
-            # The worker loads in a thread of its own; each RPC here returns at once, so the engine
-            # loop keeps stepping between the polls.
-            await engine.collective_rpc("rollart_stage_weights", args=(named, version))
-            while not all(await engine.collective_rpc("rollart_staged_ready", args=(version,))):
-                await asyncio.sleep(0.005)
-        except Exception as exc:
-            log.warning("%s: staging v%d failed, it will load in place: %r", self.name, version, exc)
-            self.stats["staging_fallbacks"] += 1
-            return named, False
-        return named, True
-
-    async def _prepare_adapter(self, version: int, tensors: dict[str, Any]) -> Any:
-        """Write ``version``'s adapter directory and load it into vLLM's adapter cache while
-        generation goes on; returns its ``LoRARequest``."""
-        if self._adapters is None:
-            raise WeightSyncError(
-                f"{self.name}: version {version} is a LoRA adapter but the engine serves full "
-                "weights: set the engine's lora option (and lora.max_lora_rank >= the trainer's rank)"
-            )
-        if not is_adapter(tensors):
-            raise WeightSyncError(
-                f"{self.name}: version {version} holds full weights but the engine serves LoRA "
-                "adapters (its lora option is set): train with the trainer's lora, or drop the engine's"
-            )
-        lora_request = await asyncio.to_thread(self._adapters.write, version, tensors)
-        await self._require_started().add_lora(lora_request)
-        return lora_request
-
-    async def _serve_adapter(self, version: int) -> None:
-        """New requests carry ``version``'s adapter from now on; drop the older adapters no running
-        request uses any more (their cache slots and directories)."""
-        assert self._adapters is not None
-        self._adapters.serve(version)
-        engine = self._require_started()
-        for old in self._adapters.unused():
-            try:
-                await engine.remove_lora(old)
-            except Exception as exc:  # evicted already: only its directory is left
-                log.debug("%s: remove_lora(%d): %r", self.name, old, exc)
-            self._adapters.drop(old)
-
-    async def update_weights(self, version: int) -> float:
-        """Load ``version``: prepare it (usually already done by :meth:`prefetch_weights`), then
-        pause-keep → swap in (or load in place) → re-prefill running requests → resume.
-
-        Returns the seconds generation was paused.
-        """
-        engine = self._require_started()
-        async with self._lock:
-            if version <= self._version:
-                return 0.0
-            staged_version, task = self._stage(version)
-            if staged_version != version:  # a newer version is being staged: load this one in place
-                task = asyncio.create_task(self._prepare(version, stage=False))
-            named, staged = await task
-            if self._staging is not None and self._staging[0] == version:
-                self._staging = None
-            for v in [v for v in self._prefetch if v <= version]:
-                self._prefetch.pop(v)
-            t0 = time.perf_counter()
-            if self._adapters is not None:
-                # switching the adapter of new requests needs no pause: running ones keep theirs
-                await self._serve_adapter(version)
-                await engine.update_weight_version(str(version))
-                self._version = version
-                return count_update(self.stats, self._metrics, t0, own_pause=False)
-            # Already suspended by the caller (suspend → update → resume): stay suspended.
-            own_pause = not self._paused
-            if own_pause:
-                self._frozen = True
-                await engine.pause_generation(mode="keep", clear_cache=False)
-            try:
-                if staged:
-                    try:
-                        stage_s = await engine.collective_rpc("rollart_commit_staged", args=(version,))
-                        self.stats["staged_updates"] += 1
-                        self.stats["stage_s"] += max(stage_s)
-                    except Exception as exc:  # e.g. superseded by a newer staging: load this one in place
-                        log.warning(
-                            "%s: swapping in staged v%d failed, loading in place: %r", self.name, version, exc
-                        )
-                        self.stats["staging_fallbacks"] += 1
-                        staged = False
-                if not staged:
-                    await engine.collective_rpc("rollart_load_weights", args=(named,))
-                # KV of running requests was computed by the old weights: recompute it.
-                await engine.reset_prefix_cache(reset_running_requests=True)
-                await engine.update_weight_version(str(version))
-                self._version = version
-            finally:
-                if own_pause:
-                    await self._unfreeze()
-            return count_update(self.stats, self._metrics, t0, own_pause)
 
     # introspection ---------------------------------------------------------------------------
 

@@ -56,12 +56,13 @@ Closed by default:
   worker threads (a typical turn's stay on the loop: the tokenizer holds the GIL, so a thread only
   adds its hop; see ``responses.INLINE_CHARS``).
 
-Modules: :mod:`.app` (:class:`OpenAIServer`: the routes, access checks, serving), :mod:`.models`
-(request bodies), :mod:`.responses` (JSON and server-sent-event answers), :mod:`.sessions`
-(:class:`SessionRecorder`), :mod:`.guard` (the ASGI guard, error bodies), and the helpers only the
-server uses: :mod:`.chat_template`, :mod:`.chat_tokens` (token-exact multi-turn prompts),
-:mod:`.tools` (tool calls), :mod:`.forced_call` (enforced calls over ``enum`` arguments); the
-dialects :mod:`.responses_api` and :mod:`.messages_api` over :mod:`.dialect`.
+Modules: :mod:`.app` (:class:`OpenAIServer`: the routes, serving), :mod:`.calls` (the call path),
+:mod:`.admission` (a call's checks), :mod:`.models` (request bodies), :mod:`.responses` (JSON and
+server-sent-event answers), :mod:`.sessions` (:class:`SessionRecorder`), :mod:`.guard` (access
+checks, the ASGI guard, error bodies), and the helpers only the server uses: :mod:`.chat_template`,
+:mod:`.chat_tokens` (token-exact multi-turn prompts), :mod:`.tools` (tool calls), :mod:`.forced_call`
+(enforced calls over ``enum`` arguments); the dialects :mod:`.responses_api` and :mod:`.messages_api`
+over :mod:`.dialect`.
 """
 
 from rollart_core.extras import require

@@ -1,10 +1,10 @@
-"""The OpenAI-compatible server: :class:`OpenAIServer` (its routes, access checks, and serving in the
-running event loop). What the endpoints do and how access is closed by default: :mod:`rollart_proxy.server`."""
+"""The OpenAI-compatible server: :class:`OpenAIServer` (its routes, session-bound tokens, and serving
+in the running event loop; the call path in :mod:`.calls`, request checks in :mod:`.admission`, access
+in :mod:`.guard`). What the endpoints do and how access is closed by default: :mod:`rollart_proxy.server`."""
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import os
 import socket
@@ -15,48 +15,29 @@ from typing import Any, cast
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import ValidationError
+from fastapi.responses import JSONResponse
 
 from rollart_core.errors import ConfigError, EngineError
-from rollart_core.serving import INT64_MAX, ApiKeys, bearer_token, is_loopback
-from rollart_core.types import GenerateOutput, GenerateRequest, SamplingParams
+from rollart_core.serving import ApiKeys, is_loopback
 from rollart_proxy.errors import ProxyOverloadedError, WorkerUnavailableError
 from rollart_proxy.proxy import LLMProxy
+from rollart_proxy.server.calls import Calls
 from rollart_proxy.server.chat_template import ChatTemplate
-from rollart_proxy.server.chat_tokens import GeneratedMessages, message_key, splice_encode
-from rollart_proxy.server.forced_call import CallPlan, generate_call, plan_call
-from rollart_proxy.server.guard import _ApiError, _error, _Guard
+from rollart_proxy.server.chat_tokens import GeneratedMessages
+from rollart_proxy.server.guard import ADMIN_KEY_ENV, API_KEY_ENV, _ApiError, _error, _Guard
 from rollart_proxy.server.messages_api import add_messages_routes
-from rollart_proxy.server.models import (
-    ChatBody,
-    CompletionBody,
-    ReleaseBody,
-    UpdateWeightsBody,
-    _Common,
-    _message_dict,
-)
-from rollart_proxy.server.responses import INLINE_CHARS, INLINE_TOKENS, Responses, off_loop
+from rollart_proxy.server.models import ChatBody, CompletionBody, ReleaseBody, UpdateWeightsBody
+from rollart_proxy.server.responses import INLINE_CHARS, off_loop
 from rollart_proxy.server.responses_api import add_responses_routes
-from rollart_proxy.server.sessions import _ADMIN, _BOUND, SessionRecorder, SessionTableFull
-from rollart_proxy.server.tools import (
-    ToolCallParser,
-    ToolsError,
-    check_tool_choice,
-    check_tools,
-    template_messages,
-    tojson,
-)
+from rollart_proxy.server.sessions import _BOUND, SessionRecorder, SessionTableFull
+from rollart_proxy.server.tools import ToolCallParser, tojson
 
 __all__ = ["API_KEY_ENV", "ADMIN_KEY_ENV", "OpenAIServer"]
 
 log = logging.getLogger(__name__)
 
-API_KEY_ENV = "ROLLART_PROXY_API_KEY"
-ADMIN_KEY_ENV = "ROLLART_PROXY_ADMIN_KEY"
 
-
-class OpenAIServer(Responses):
+class OpenAIServer(Calls):
     """``OpenAIServer(proxy, model_path).app`` is the FastAPI app; :meth:`start` serves it in the
     running event loop (same loop as the proxy's engines)."""
 
@@ -387,358 +368,3 @@ class OpenAIServer(Responses):
             return await self.proxy.metrics()
 
         return app
-
-    # access ---------------------------------------------------------------------------------------
-
-    def _authorize(self, path: str, authorization: str | None) -> tuple[str | None, tuple[int, str] | None]:
-        """``(principal, None)`` or ``(None, (status, message))`` for a request to ``path``."""
-        token = bearer_token(authorization)
-        is_admin = (
-            token is not None and self._admin_key is not None and hmac.compare_digest(token, self._admin_key)
-        )
-        if path == "/admin" or path.startswith("/admin/"):
-            if self._admin_key is not None:
-                if is_admin:
-                    return _ADMIN, None
-                return None, (
-                    401 if token is None else 403,
-                    "admin endpoints need the admin token (Authorization: Bearer <admin key>)",
-                )
-            if not self.enable_admin:
-                return None, (
-                    403,
-                    f"admin endpoints are disabled: start the server with an admin key (--admin-key "
-                    f"or {ADMIN_KEY_ENV}), or with --enable-admin on a loopback address",
-                )
-        if is_admin:
-            return _ADMIN, None
-        if token is not None and token in self._bound:
-            return _BOUND + self._bound[token], None
-        principal, denied = self._api_keys.check(token)
-        return (principal, None) if denied is None else (None, (401, denied))
-
-    @staticmethod
-    def _principal(request: Request) -> str | None:
-        return getattr(request.state, "rollart_principal", None)
-
-    def _check_owner(self, session_id: str, request: Request) -> None:
-        if not self.recorder.may_access(session_id, self._principal(request)):
-            raise _ApiError(403, f"session {session_id!r} belongs to another API key", "permission_denied")
-
-    def _check_group(self, group_id: str, request: Request) -> list[str]:
-        members = self.recorder.group(group_id)
-        if members is None:
-            raise _ApiError(404, f"no group {group_id!r} (unknown, drained or dropped)", param="group_id")
-        if not all(self.recorder.may_access(m, self._principal(request)) for m in members):
-            raise _ApiError(403, f"group {group_id!r} belongs to another API key", "permission_denied")
-        return members
-
-    async def _check_tools(self, body: ChatBody) -> None:
-        try:
-            if body.tools:
-                check_tools(body.tools, body.tools_key())
-            check_tool_choice(body.tool_choice, body.tools)
-            if body.tools_active():
-                if self.tool_parser is None:
-                    raise ToolsError(
-                        "this server has no tool parser (tool_parser=None): tools are not served", "tools"
-                    )
-                if not self.tool_parser.loaded:  # the first tools request imports vLLM: seconds
-                    await asyncio.to_thread(self.tool_parser.load)
-        except ToolsError as e:
-            raise _ApiError(400, str(e), param=e.param) from None
-
-    def _check_model(self, model: str) -> None:
-        if model not in self._model_aliases:
-            raise _ApiError(
-                404,
-                f"The model {model!r} does not exist (served: {self.model_name!r})",
-                "model_not_found",
-                "model",
-            )
-
-    async def _serve(
-        self, endpoint: str, body: _Common, prompt_ids: list[int], max_tokens: int | None, request: Request
-    ) -> Any:
-        sampling, session = self._admit(body, prompt_ids, max_tokens, request)
-        if body.n > 1:
-            return await self._serve_group(endpoint, body, prompt_ids, sampling, request)
-        rid = f"{session or 'anon'}-{uuid.uuid4().hex[:12]}"
-        req = GenerateRequest(
-            rid, prompt_ids, sampling, session_id=session, task=request.headers.get(self.task_header) or None
-        )
-        if body.stream:
-            # Validate and route before the 200 goes out: errors up to the first token stay 4xx/503.
-            parts = self.proxy.generate_stream(req)
-            try:
-                first = await anext(parts)
-            except BaseException:
-                await parts.aclose()  # type: ignore[attr-defined]
-                raise
-            return StreamingResponse(
-                self._sse(endpoint, body, first, parts, prompt_ids, session, sampling),
-                media_type="text/event-stream",
-            )
-        out = await self.proxy.generate(req)
-        self._record(session, endpoint, prompt_ids, out, sampling)
-        reply = await off_loop(  # detokenises
-            len(out.token_ids), INLINE_TOKENS, self._response, endpoint, body, out, prompt_ids
-        )
-        if endpoint == "chat":
-            message = reply["choices"][0]["message"]
-            self._remember(session, message.get("content"), message.get("tool_calls"), out)
-        return reply
-
-    async def _serve_call(
-        self, body: ChatBody, plan: CallPlan, prompt_ids: list[int], request: Request
-    ) -> Any:
-        """An enforced tool call (:mod:`.forced_call`): one engine call per undecided token."""
-        if body.n > 1:
-            raise _ApiError(400, "n > 1 cannot be combined with an enforced tool_choice", param="n")
-        if body.allowed_token_ids is not None:
-            raise _ApiError(
-                400, "allowed_token_ids cannot be combined with an enforced tool_choice", param="tool_choice"
-            )
-        limit = body.max_completion_tokens or body.max_tokens
-        if limit is not None and limit < plan.max_tokens:
-            raise _ApiError(
-                400,
-                f"max_tokens {limit} is too small for the enforced call of {plan.function!r} "
-                f"(up to {plan.max_tokens} tokens)",
-                param="max_tokens",
-            )
-        sampling, session = self._admit(body, prompt_ids, plan.max_tokens, request)
-        task = request.headers.get(self.task_header) or None
-
-        async def generate(ids: list[int], step: SamplingParams) -> GenerateOutput:
-            rid = f"{session or 'anon'}-{uuid.uuid4().hex[:12]}"
-            out = await self.proxy.generate(GenerateRequest(rid, ids, step, session_id=session, task=task))
-            self._record(session, "chat", ids, out, step)
-            return out
-
-        call = await generate_call(plan, prompt_ids, sampling, generate)
-        reply = self._call_response(body, plan, call, prompt_ids)
-        message = reply["choices"][0]["message"]
-        if session:
-            self.generated.remember(
-                session, message_key(message["content"], message["tool_calls"]), call.token_ids
-            )
-        if body.stream:
-            return StreamingResponse(self._call_sse(body, reply), media_type="text/event-stream")
-        return reply
-
-    async def _chat(self, body: ChatBody, request: Request) -> Any:
-        """One chat call (the Responses and Messages dialects come here too, translated): the reply
-        as a dict, or a ``StreamingResponse`` of chat chunks."""
-        self._check_model(body.model)
-        try:
-            msgs = [_message_dict(m) for m in body.messages]
-        except ValueError as e:
-            raise _ApiError(400, str(e), param="messages") from None
-        await self._check_tools(body)
-        session = request.headers.get(self.session_header) or None
-        splices: dict[int, list[int]] = {}
-        if session is not None:
-            for i, m in enumerate(msgs):
-                if m["role"] == "assistant":
-                    ids = self.generated.lookup(session, message_key(m["content"], m.get("tool_calls")))
-                    if ids is not None:
-                        splices[i] = ids
-        kwargs: dict[str, Any] = {"tools": body.tools} if body.tools and body.tool_choice != "none" else {}
-        size = sum(len(m["content"]) for m in msgs) + (len(body.tools_key()) if kwargs else 0)
-        try:
-            prompt_ids, _ = await off_loop(
-                size,
-                INLINE_CHARS,
-                splice_encode,
-                lambda ms: self.template.render(template_messages(ms), **kwargs),
-                self.template.encode,
-                msgs,
-                splices,
-                self._eot,
-            )
-        except Exception as e:  # the model's template refused these messages (raise_exception, bad roles)
-            raise _ApiError(400, f"chat template: {e}", param="messages") from None
-        if body.tools_active():
-            try:
-                plan = await off_loop(
-                    size,
-                    INLINE_CHARS,
-                    plan_call,
-                    self.template.render,
-                    self.template.encode,
-                    self._eot[1] if self._eot else None,
-                    msgs,
-                    body.tools,
-                    body.tool_choice,
-                )
-            except ToolsError as e:
-                raise _ApiError(400, str(e), param=e.param) from None
-            if plan is not None:
-                return await self._serve_call(body, plan, prompt_ids, request)
-        return await self._serve(
-            "chat", body, prompt_ids, body.max_completion_tokens or body.max_tokens, request
-        )
-
-    def _admit(
-        self, body: _Common, prompt_ids: list[int], max_tokens: int | None, request: Request
-    ) -> tuple[SamplingParams, str | None]:
-        """Check a request's prompt, sampling and session: ``(sampling, session)`` or an _ApiError."""
-        if not prompt_ids:
-            raise _ApiError(400, "empty prompt", param="prompt")
-        if self.max_model_len is not None and len(prompt_ids) >= self.max_model_len:
-            raise _ApiError(
-                400,
-                f"prompt of {len(prompt_ids)} tokens exceeds the context of {self.max_model_len}",
-                "context_length_exceeded",
-                "prompt",
-            )
-        self._check_token_ids(body, prompt_ids)
-        request.state.rollart_prompt_tokens = len(prompt_ids)  # for a dialect's stream head
-        if max_tokens is None:
-            room = (self.max_model_len - len(prompt_ids)) if self.max_model_len else self.default_max_tokens
-            max_tokens = max(1, min(self.default_max_tokens, room))
-        elif self.max_model_len is not None:
-            if max_tokens > self.max_model_len:
-                raise _ApiError(
-                    400,
-                    f"max_tokens {max_tokens} exceeds the context of {self.max_model_len} tokens",
-                    "context_length_exceeded",
-                    "max_tokens",
-                )
-            # the engine stops at the context anyway: say so in the request, not only in the result
-            max_tokens = min(max_tokens, self.max_model_len - len(prompt_ids))
-        try:
-            sampling = SamplingParams(
-                max_tokens=max_tokens,
-                temperature=body.temperature,
-                top_p=body.top_p,
-                top_k=body.top_k,
-                stop=body.stops(),
-                stop_token_ids=tuple(body.stop_token_ids or ()),
-                allowed_token_ids=tuple(body.allowed_token_ids)
-                if body.allowed_token_ids is not None
-                else None,
-                seed=body.seed,
-            )
-        except ValidationError as e:
-            raise _ApiError(400, f"invalid sampling parameters: {e.errors()[0].get('msg')}") from None
-        session = request.headers.get(self.session_header) or None
-        principal = self._principal(request)
-        if principal is not None and principal.startswith(_BOUND) and session != principal[len(_BOUND) :]:
-            bound = principal[len(_BOUND) :]
-            self.refused[bound] = self.refused.get(bound, 0) + 1
-            raise _ApiError(
-                403,
-                f"this client is bound to session {bound!r}; it may not call session {session!r}",
-                "permission_denied",
-            )
-        if body.n > 1:
-            self._check_n(body, session)
-        is_bound = principal is not None and principal.startswith(_BOUND)  # to this session (checked above)
-        if session is not None and not is_bound and not self.recorder.claim(session, principal):
-            raise _ApiError(403, f"session {session!r} belongs to another API key", "permission_denied")
-        return sampling, session
-
-    def _check_token_ids(self, body: _Common, prompt_ids: list[int]) -> None:
-        """Every token id of a request (prompt, ``stop_token_ids``, ``allowed_token_ids``) is in the
-        vocabulary: an id beyond it would reach the engine (400 naming the field otherwise)."""
-        vocab = self.template.vocab_size
-        for field, ids in (
-            ("prompt", prompt_ids),
-            ("stop_token_ids", body.stop_token_ids or ()),
-            ("allowed_token_ids", body.allowed_token_ids or ()),
-        ):
-            bad = next((t for t in ids if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise _ApiError(
-                    400, f"{field}: token id {bad} is outside the vocabulary (0 to {vocab - 1})", param=field
-                )
-
-    def _check_n(self, body: _Common, session: str | None) -> None:
-        if session is not None:
-            raise _ApiError(
-                400,
-                f"n > 1 is not supported with a session ({self.session_header}): one call is one turn of "
-                "one trajectory; without the header, n > 1 samples n sibling trajectories of one group",
-                param="n",
-            )
-        if body.n > self.max_n:
-            raise _ApiError(400, f"n = {body.n} exceeds this server's maximum of {self.max_n}", param="n")
-        if body.stream:
-            raise _ApiError(400, "n > 1 is not supported with stream: true", param="n")
-        if body.seed is not None and body.seed + body.n - 1 > INT64_MAX:
-            raise _ApiError(400, "seed + n - 1 must fit in 64 bits (the choices use seed + i)", param="seed")
-        if not self.recorder.has_room(body.n):
-            raise SessionTableFull(
-                f"no room for {body.n} new sessions (max_sessions={self.recorder.max_sessions}): end "
-                "sessions (DELETE /v1/sessions/{id}) or retry later"
-            )
-
-    async def _serve_group(
-        self, endpoint: str, body: _Common, prompt_ids: list[int], sampling: SamplingParams, request: Request
-    ) -> dict[str, Any]:
-        """``n`` samples of one prompt as ``n`` sibling trajectories of one group: each choice is
-        generated as its own request (a client's seed becomes ``seed + i``: vLLM's CPU engine fails on a
-        seeded ``n > 1`` request), recorded under its own session ``<group_id>-<i>`` (which the
-        client may continue) and listed in the group (``GET /v1/groups/{group_id}``). Recorded only
-        when all ``n`` succeeded: a failed one aborts the others and nothing is kept."""
-        n = body.n
-        group_id = f"group-{uuid.uuid4().hex[:16]}"
-        members = [f"{group_id}-{i}" for i in range(n)]
-        task = request.headers.get(self.task_header) or None
-        samplings = [
-            sampling if sampling.seed is None else sampling.model_copy(update={"seed": sampling.seed + i})
-            for i in range(n)
-        ]
-        jobs = [
-            asyncio.ensure_future(
-                self.proxy.generate(
-                    GenerateRequest(f"{m}-{uuid.uuid4().hex[:12]}", prompt_ids, sp, session_id=m, task=task)
-                )
-            )
-            for m, sp in zip(members, samplings, strict=True)
-        ]
-        try:
-            outs = await asyncio.gather(*jobs)
-        except BaseException:
-            for job in jobs:  # a cancelled generate aborts its request on the engine
-                job.cancel()
-            await asyncio.gather(*jobs, return_exceptions=True)
-            for m in members:
-                self.proxy.end_session(m)
-            raise
-        principal = self._principal(request)
-        for i, (m, out, sp) in enumerate(zip(members, outs, samplings, strict=True)):
-            self.recorder.claim(m, principal)
-            self.recorder.record(m, endpoint, prompt_ids, out, sp, group=(group_id, i, n))
-        self.recorder.add_group(group_id, members)
-        replies = [
-            await off_loop(len(out.token_ids), INLINE_TOKENS, self._response, endpoint, body, out, prompt_ids)
-            for out in outs
-        ]
-        choices = []
-        for i, (m, out, reply) in enumerate(zip(members, outs, replies, strict=True)):
-            choice = {**reply["choices"][0], "index": i}
-            choices.append(choice)
-            if endpoint == "chat":
-                self._remember(m, choice["message"].get("content"), choice["message"].get("tool_calls"), out)
-        completion = sum(len(out.token_ids) for out in outs)
-        return {
-            **replies[0],
-            "id": group_id,
-            "choices": choices,
-            "usage": {
-                "prompt_tokens": len(prompt_ids),
-                "completion_tokens": completion,
-                "total_tokens": len(prompt_ids) + completion,
-            },
-            "rollart": {
-                "group_id": group_id,
-                "sessions": members,
-                "prompt_token_ids": prompt_ids,
-                "choices": [
-                    {k: v for k, v in r["rollart"].items() if k != "prompt_token_ids"} for r in replies
-                ],
-            },
-        }

@@ -1,17 +1,23 @@
-"""Access and errors: the ASGI guard (authorisation before any body is read, then the body-size
+"""Access and errors: the server's access checks (:class:`Access`: a token's principal, who owns a
+session or group), the ASGI guard (authorisation before any body is read, then the body-size
 limit and the time to receive the body) and the error bodies that it and the handlers send, in the
 shape of the request's dialect (OpenAI's; Anthropic's under ``/v1/messages``)."""
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from fastapi import Request
 from fastapi.responses import JSONResponse
 
-if TYPE_CHECKING:
-    from rollart_proxy.server.app import OpenAIServer
+from rollart_core.serving import ApiKeys, bearer_token
+from rollart_proxy.server.sessions import _ADMIN, _BOUND, SessionRecorder
+
+API_KEY_ENV = "ROLLART_PROXY_API_KEY"
+ADMIN_KEY_ENV = "ROLLART_PROXY_ADMIN_KEY"
 
 
 class _ApiError(Exception):
@@ -22,11 +28,67 @@ class _ApiError(Exception):
         self.status, self.message, self.code, self.param = status, message, code, param
 
 
+class Access:
+    """Who may call what, for :class:`~rollart_proxy.server.app.OpenAIServer`, which inherits it and
+    sets these attributes (the guard reads ``max_body_bytes`` and ``body_timeout_s`` too)."""
+
+    _api_keys: ApiKeys
+    _admin_key: bytes | None
+    enable_admin: bool
+    _bound: dict[bytes, str]
+    recorder: SessionRecorder
+    max_body_bytes: int
+    body_timeout_s: float
+
+    def _authorize(self, path: str, authorization: str | None) -> tuple[str | None, tuple[int, str] | None]:
+        """``(principal, None)`` or ``(None, (status, message))`` for a request to ``path``."""
+        token = bearer_token(authorization)
+        is_admin = (
+            token is not None and self._admin_key is not None and hmac.compare_digest(token, self._admin_key)
+        )
+        if path == "/admin" or path.startswith("/admin/"):
+            if self._admin_key is not None:
+                if is_admin:
+                    return _ADMIN, None
+                return None, (
+                    401 if token is None else 403,
+                    "admin endpoints need the admin token (Authorization: Bearer <admin key>)",
+                )
+            if not self.enable_admin:
+                return None, (
+                    403,
+                    f"admin endpoints are disabled: start the server with an admin key (--admin-key "
+                    f"or {ADMIN_KEY_ENV}), or with --enable-admin on a loopback address",
+                )
+        if is_admin:
+            return _ADMIN, None
+        if token is not None and token in self._bound:
+            return _BOUND + self._bound[token], None
+        principal, denied = self._api_keys.check(token)
+        return (principal, None) if denied is None else (None, (401, denied))
+
+    @staticmethod
+    def _principal(request: Request) -> str | None:
+        return getattr(request.state, "rollart_principal", None)
+
+    def _check_owner(self, session_id: str, request: Request) -> None:
+        if not self.recorder.may_access(session_id, self._principal(request)):
+            raise _ApiError(403, f"session {session_id!r} belongs to another API key", "permission_denied")
+
+    def _check_group(self, group_id: str, request: Request) -> list[str]:
+        members = self.recorder.group(group_id)
+        if members is None:
+            raise _ApiError(404, f"no group {group_id!r} (unknown, drained or dropped)", param="group_id")
+        if not all(self.recorder.may_access(m, self._principal(request)) for m in members):
+            raise _ApiError(403, f"group {group_id!r} belongs to another API key", "permission_denied")
+        return members
+
+
 class _Guard:
     """ASGI middleware: authorisation (before any body is read), then the body-size limit. The body
     is read up to the limit and replayed to the app; a longer one gets 413 without being read on."""
 
-    def __init__(self, app: Any, server: OpenAIServer) -> None:
+    def __init__(self, app: Any, server: Access) -> None:
         self.app = app
         self.server = server
 
