@@ -43,7 +43,7 @@ BASE: dict[str, Any] = {
             "group_size": 4,
             "groups_per_step": 2,
             "max_turns": 6,
-            "pool": "gen",
+            "engine_group": "gen",
         }
     ],
     "trainer": {"impl": "torch", "ranks": 1, "pool": "H800", "options": {"lr": 0.01}},

@@ -80,7 +80,7 @@ def _run_config(trainer: dict[str, Any]) -> RunConfig:
                     "name": "t",
                     "env": {"impl": "frozenlake"},
                     "reward": {"impl": "success"},
-                    "pool": "gen",
+                    "engine_group": "gen",
                 }
             ],
             "trainer": trainer,

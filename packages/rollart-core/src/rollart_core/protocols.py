@@ -24,6 +24,10 @@ Primitives and who calls them:
     prefetch_weights(version) every engine pulls and stages ``version`` while generating
     end_session(session_id)  forget a finished trajectory's routing state
     metrics()                per-engine health, queue depth, throughput, time suspended
+``SupportsEndSession`` (what the trajectory runner needs of its generator, a proxy or a bare engine)
+    end_session(session_id)  forget a finished trajectory's routing state, if the generator keeps any
+``SupportsHealthLoop`` (optional proxy capability, started and stopped by the pipeline)
+    start_health_loop() / stop_health_loop()  probe engines, bring restarted ones to the served weights
 ``Environment`` (rollart-env, called by the trajectory runner)
     reset(seed) / step(action_text) / close(); ``action_vocabulary`` and ``system_prompt``
 ``SupportsConfigCheck`` (optional capability of an environment's class, called by the pipeline and
@@ -52,6 +56,11 @@ Primitives and who calls them:
 ``WeightStore`` (rollart-weightsync; trainer pushes, inference workers pull)
     push(version, tensors) / latest_version() / pull(version, into) / wait_for(version) /
     subscribe(callback); retention (keep the last N versions) is each back-end's config
+``SupportsClose`` / ``SupportsAclose`` (optional capability of a trainer, a weight store or a reward
+executor, called by the pipeline's teardown)
+    close() / aclose()       stop what the component started (rank processes, a function runtime)
+``SupportsRestarts`` (optional trainer capability, read into the run's summary)
+    restarts                 how many times the trainer's ranks were rebuilt after a failure
 ``ChatFormat`` (token-level chat formatting, called by the trajectory runner)
     first_turn(system, user) / next_turn(user, previous_output) / action_token_ids(actions) / decode(ids)
 """
@@ -86,11 +95,16 @@ __all__ = [
     "Proxy",
     "RewardExecutor",
     "RewardFunction",
+    "SupportsAclose",
     "SupportsAgentEpisode",
     "SupportsBatchScore",
+    "SupportsClose",
     "SupportsConfigCheck",
+    "SupportsEndSession",
     "SupportsFreshStats",
+    "SupportsHealthLoop",
     "SupportsPause",
+    "SupportsRestarts",
     "SupportsResume",
     "SupportsStream",
     "SupportsWeightPrefetch",
@@ -189,6 +203,25 @@ class Proxy(Protocol):
 
     async def metrics(self, engine_stats: bool = True, timeout: float = 5.0) -> dict[str, dict[str, Any]]:
         """Per engine: pool, health, queue depth, tokens/s, time suspended (and the engine's own stats)."""
+        ...
+
+
+@runtime_checkable
+class SupportsEndSession(Protocol):
+    def end_session(self, session_id: str) -> None:
+        """Forget the routing state of a session whose trajectory ended."""
+        ...
+
+
+@runtime_checkable
+class SupportsHealthLoop(Protocol):
+    def start_health_loop(self, period_s: float | None = None) -> None:
+        """Start probing the engines in the background (restarted ones come back on the served
+        weights); ``period_s`` None: the proxy's configured period."""
+        ...
+
+    async def stop_health_loop(self) -> None:
+        """Stop the probing and wait for it to end."""
         ...
 
 
@@ -393,6 +426,26 @@ class WeightStore(Protocol):
         """Call ``callback(version)`` (on a store thread) for newly committed versions; a slow
         subscriber is handed only the newest version. Returns a function that unsubscribes."""
         ...
+
+
+@runtime_checkable
+class SupportsClose(Protocol):
+    def close(self) -> None:
+        """Stop what this component started (rank processes, a holder process); idempotent."""
+        ...
+
+
+@runtime_checkable
+class SupportsAclose(Protocol):
+    async def aclose(self) -> None:
+        """Stop what this component started (e.g. a reward function runtime); idempotent."""
+        ...
+
+
+@runtime_checkable
+class SupportsRestarts(Protocol):
+    restarts: int
+    """How many times the trainer's ranks were rebuilt after a failure."""
 
 
 @runtime_checkable

@@ -61,7 +61,7 @@ from rollart_core.bench.workload import (
 from rollart_core.config import RunConfig
 from rollart_core.errors import ConfigError
 from rollart_core.metrics import MemorySink
-from rollart_core.protocols import SupportsFreshStats
+from rollart_core.protocols import SupportsAclose, SupportsFreshStats
 from rollart_core.registry import build
 from rollart_core.timeline import CpuMeter, Timeline, bottleneck_bound
 
@@ -110,10 +110,9 @@ class RewardExecutors:
     async def aclose(self) -> None:
         errors = []
         for ex in self._built.values():
-            aclose = getattr(ex, "aclose", None)  # a runtime the executor started: stop it
-            if aclose is not None:
+            if isinstance(ex, SupportsAclose):  # a runtime the executor started: stop it
                 try:
-                    await aclose()
+                    await ex.aclose()
                 except Exception as exc:  # stop the others first, then say so
                     errors.append(exc)
         if errors:

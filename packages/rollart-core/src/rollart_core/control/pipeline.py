@@ -20,7 +20,16 @@ from typing import Any, Generic, TypeVar, overload
 
 from rollart_core.config import RunConfig, TaskConfig, file_sha256
 from rollart_core.errors import ConfigError, RegistryError, RollartError
-from rollart_core.protocols import ChatFormat, Proxy, RewardExecutor, Trainer, WeightStore
+from rollart_core.protocols import (
+    ChatFormat,
+    Proxy,
+    RewardExecutor,
+    SupportsAclose,
+    SupportsClose,
+    SupportsHealthLoop,
+    Trainer,
+    WeightStore,
+)
 from rollart_core.registry import build, check, resolve, validate_options
 from rollart_core.resources import RayCluster, get_affinity
 
@@ -446,9 +455,8 @@ class Pipeline:
                 f"proxy {type(proxy).__name__} does not implement rollart_core.protocols.Proxy"
             )
         self._proxy = proxy
-        start_health = getattr(proxy, "start_health_loop", None)
-        if start_health is not None:  # restarted engines come back on the served weights
-            start_health()
+        if isinstance(proxy, SupportsHealthLoop):  # restarted engines come back on the served weights
+            proxy.start_health_loop()
 
     def _pd_engine_args(self, cfg: RunConfig) -> dict[str, dict[str, Any]]:
         """KV-connector engine args per engine group for tasks with ``pd`` on/auto: prefill groups
@@ -513,9 +521,8 @@ class Pipeline:
             except Exception as e:
                 log.warning("env manager shutdown failed: %r", e)
         proxy = self._proxy
-        stop_health = getattr(proxy, "stop_health_loop", None)
-        if stop_health is not None:
-            await stop_health()
+        if isinstance(proxy, SupportsHealthLoop):
+            await proxy.stop_health_loop()
         if self.actors:
             import ray
         for a in self.actors:
@@ -529,19 +536,18 @@ class Pipeline:
             self.placement = None
             placement.remove()
         trainer = self._trainer
-        if trainer is not None and hasattr(trainer, "close"):  # e.g. spawned trainer ranks, a worker group
+        if isinstance(trainer, SupportsClose):  # e.g. spawned trainer ranks, a worker group
             try:
                 await asyncio.to_thread(trainer.close)
             except Exception as e:
                 log.warning("trainer close failed: %r", e)
         for name, executor in self.rewards.items():  # e.g. a reward runtime it started
-            aclose = getattr(executor, "aclose", None)
-            if aclose is not None:
+            if isinstance(executor, SupportsAclose):
                 try:
-                    await aclose()
+                    await executor.aclose()
                 except Exception as e:
                     log.warning("reward executor of task %s failed to close: %r", name, e)
         store = self._store
-        if store is not None and hasattr(store, "close"):
+        if isinstance(store, SupportsClose):
             store.close()
         await self._stack.aclose()

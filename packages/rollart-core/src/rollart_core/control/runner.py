@@ -23,7 +23,14 @@ from rollart_core.errors import (
     InvalidActionError,
     MissingExtraError,
 )
-from rollart_core.protocols import AgentCall, AgentSession, ChatFormat, Environment, SupportsAgentEpisode
+from rollart_core.protocols import (
+    AgentCall,
+    AgentSession,
+    ChatFormat,
+    Environment,
+    SupportsAgentEpisode,
+    SupportsEndSession,
+)
 from rollart_core.timeline import record
 from rollart_core.types import (
     Fate,
@@ -344,10 +351,9 @@ def _timed(traj: Trajectory, stage: str, t0: float) -> None:
 def _end_session(generator: Any, traj: Trajectory) -> None:
     """The proxy forgets the trajectory's routing state, whatever its fate: also when it is cancelled
     (redundant, stale, at the run's stop), or the proxy's session table grows by one per cancellation."""
-    end_session = getattr(generator, "end_session", None)
-    if end_session is None:
+    if not isinstance(generator, SupportsEndSession):
         return
     try:
-        end_session(traj.traj_id)
+        generator.end_session(traj.traj_id)
     except Exception as exc:  # never mask the trajectory's own outcome
         log.warning("trajectory %s: end_session failed: %r", traj.traj_id, exc)

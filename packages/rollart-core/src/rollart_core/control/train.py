@@ -27,6 +27,7 @@ from rollart_core.control.steps import Run, StepRecord, step_metrics
 from rollart_core.control.sync import run_sync
 from rollart_core.errors import RollartError
 from rollart_core.metrics import MetricsSink, default_sinks, since_process_start
+from rollart_core.protocols import SupportsRestarts
 from rollart_core.trajectories import TrajectoryLog
 from rollart_core.types import Fate, Trajectory
 
@@ -136,7 +137,7 @@ def _summary(p: Pipeline, run: Run, history: list[dict[str, Any]], completed: bo
         "wall_s": time.perf_counter() - run.t_start,
         "dropped_groups": sorted(run.state.buffer.dropped_groups),
         "relaunched_groups": run.relaunches,
-        "trainer_restarts": getattr(p.trainer, "restarts", 0),
+        "trainer_restarts": p.trainer.restarts if isinstance(p.trainer, SupportsRestarts) else 0,
         "history": history,
         **p.timings,
     }
