@@ -22,6 +22,8 @@ per-episode timeout raises :class:`~rollart_core.errors.EnvTimeoutError` (fate `
 actor that dies fails every environment on it. In each case the slot is retired (its hung call is
 cancelled inside the actor) and a replacement is started in the background; starts run
 concurrently, so slow start-ups delay nobody else. Needs Ray (``pip install 'rollart-env[ray]'``).
+
+The actor is :mod:`rollart_env.worker`; the configuration is :mod:`rollart_env.manager_config`.
 """
 
 from __future__ import annotations
@@ -34,185 +36,21 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
-
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from typing import Any
 
 from rollart_core.errors import ConfigError, EnvError, EnvTimeoutError, InvalidActionError
 from rollart_core.extras import require
 from rollart_core.registry import resolve, validate_options
-from rollart_core.resources import affinity, get_affinity, ray_actor_options
+from rollart_core.resources import get_affinity, ray_actor_options
 from rollart_core.types import Fate, StepResult, Trajectory
-from rollart_env.faults import FaultSpec
+from rollart_env.manager_config import EnvGroupConfig, EnvManagerConfig
 from rollart_env.replicas import ReplicatedEnv
+from rollart_env.worker import EnvWorker
 
 __all__ = ["EnvGroupConfig", "EnvManager", "EnvManagerConfig", "EnvWorker", "ManagedEnv"]
 
 log = logging.getLogger(__name__)
 _INSTALL = "pip install 'rollart-env[ray]'"
-
-
-class EnvGroupConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-    impl: str
-    """Registered env name (``rollart.env`` entry point) or ``package.module:Class``."""
-    options: dict[str, Any] = Field(default_factory=dict)
-    """Validated by the env's own ``Config`` inside the actor."""
-    num_envs: int = Field(8, ge=1)
-    """Environments kept alive for this task (replacements restore the count)."""
-    faults: FaultSpec | None = None
-    """Wrap every instance in :class:`~rollart_env.faults.FaultyEnv` (tests, benchmarks)."""
-    replicas: int | None = Field(None, ge=1)
-    """Environments per trajectory (:class:`~rollart_env.replicas.ReplicatedEnv`): every call goes to
-    each, the first answer wins, so one replica's straggling step, crash or hang is masked without
-    more generation. Only for environments deterministic given seed and actions. Extra replicas are
-    taken from idle ready environments no waiting trajectory needs (size ``num_envs`` for
-    ``replicas`` x concurrent trajectories); 1 disables; None: the manager's ``replicas``."""
-    replica_scope: Literal["actors", "actor"] = "actors"
-    """``actors``: a trajectory's replicas are other ready environments of the group, on other actors
-    first (an actor's death is masked too; every env call is ``replicas`` Ray calls from the caller).
-    ``actor``: every environment of the group is itself ``replicas`` instances in one actor, hedged
-    on the actor's event loop: one Ray call per env call (for callers whose CPU is the limit), a
-    replica dropped in an episode is rebuilt at the next reset, and an actor's death takes all the
-    replicas (the trajectory fails as env_failed; ``num_envs`` counts the hedged environments)."""
-
-
-class EnvManagerConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-    groups: dict[str, EnvGroupConfig] = Field(min_length=1)
-    """Task name → its environments."""
-    envs_per_actor: int = Field(16, ge=1)
-    num_cpus_per_actor: float = Field(0.25, ge=0)
-    pool: str | None = "env"
-    """Ray custom resource of the CPU pool (one unit per actor); None = any node."""
-    start_timeout_s: float = Field(300.0, gt=0)
-    """Creating + starting one environment (image pulls can be slow)."""
-    reset_timeout_s: float = Field(60.0, gt=0)
-    step_timeout_s: float = Field(60.0, gt=0)
-    episode_timeout_s: float | None = Field(None, gt=0)
-    """Wall clock from reset; a call after it (or running past it) raises EnvTimeoutError."""
-    acquire_timeout_s: float | None = Field(600.0, gt=0)
-    """Waiting for a ready environment."""
-    reuse: bool = True
-    """Reuse a healthy environment for the next episode (False: a fresh one per episode)."""
-    max_start_failures: int = Field(5, ge=1)
-    """Consecutive failed starts of a group after which acquiring from it raises EnvError."""
-    replicas: int = Field(1, ge=1)
-    """Default environment replicas per trajectory for groups that do not set ``replicas`` (a run
-    config reaches it as ``env_manager.options.replicas``); 1 = no replication."""
-
-    @model_validator(mode="after")
-    def _check(self) -> EnvManagerConfig:
-        for name, g in self.groups.items():
-            if g.impl == "faulty" and g.faults is not None:
-                raise ValueError(f"groups.{name}: use either impl 'faulty' or 'faults', not both")
-        return self
-
-
-@affinity(pool="env", num_cpus=0.25)
-class EnvWorker:
-    """Ray actor hosting many environments; every method is a coroutine on one event loop."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.envs: dict[str, Any] = {}
-        self._running: dict[str, set[asyncio.Task[Any]]] = {}
-        self.calls: Counter[str] = Counter()
-        self.replica_stats: Counter[str] = Counter()
-        """Hedging counters of the in-actor replicated environments (``replica_scope: actor``)."""
-
-    async def _tracked(self, env_id: str, coro: Any) -> Any:
-        task = asyncio.current_task()
-        assert task is not None  # always inside a task on the actor's loop
-        self._running.setdefault(env_id, set()).add(task)
-        try:
-            return await coro
-        finally:
-            self._running.get(env_id, set()).discard(task)
-
-    def _env(self, env_id: str) -> Any:
-        env = self.envs.get(env_id)
-        if env is None:
-            raise EnvError(f"{self.name}: no environment {env_id!r}")
-        return env
-
-    async def create(
-        self,
-        env_id: str,
-        impl: str,
-        options: dict[str, Any],
-        faults: dict[str, Any] | None,
-        instance: int,
-        replicas: int = 1,
-    ) -> dict[str, Any]:
-        """Build (and start) environment ``env_id``; ``replicas > 1``: a :class:`ReplicatedEnv` of
-        that many instances (fault-injection instances ``instance * replicas + i``: independent; a
-        respawned replica is a new incarnation, with fresh faults)."""
-        from rollart_core.registry import build
-
-        rebuilt = itertools.count(1)
-
-        def make(i: int, incarnation: int = 0) -> Any:
-            env = build("env", impl, options, f"{env_id}.options")
-            if faults is not None:
-                from rollart_env.faults import FaultyEnv
-
-                env = FaultyEnv(
-                    inner=env,
-                    spec=FaultSpec(**faults),
-                    instance=instance * replicas + i,
-                    incarnation=incarnation,
-                )
-            return env
-
-        async def start(env: Any) -> Any:
-            fn = getattr(env, "start", None)
-            if callable(fn):
-                await fn()
-            return env
-
-        parts = [make(i) for i in range(replicas)]
-        env: Any = (
-            parts[0]
-            if replicas == 1
-            else ReplicatedEnv(
-                parts, stats=self.replica_stats, respawn=lambda i: start(make(i, next(rebuilt)))
-            )
-        )
-        self.envs[env_id] = env  # registered before its start: destroy() during a slow start closes it
-        await self._tracked(env_id, asyncio.gather(*(start(e) for e in parts)))
-        vocab = env.action_vocabulary
-        return {"action_vocabulary": tuple(vocab) if vocab else None, "system_prompt": env.system_prompt}
-
-    async def reset(self, env_id: str, seed: int) -> tuple[str, dict[str, Any]]:
-        self.calls["reset"] += 1
-        return await self._tracked(env_id, self._env(env_id).reset(seed))
-
-    async def step(self, env_id: str, action_text: str) -> StepResult:
-        self.calls["step"] += 1
-        return await self._tracked(env_id, self._env(env_id).step(action_text))
-
-    async def destroy(self, env_id: str) -> None:
-        """Cancel the env's running calls (a hang), close it best-effort and forget it."""
-        for task in list(self._running.pop(env_id, ())):
-            task.cancel()
-        env = self.envs.pop(env_id, None)
-        if env is not None:
-            try:
-                await asyncio.wait_for(env.close(), timeout=5.0)
-            except Exception as exc:  # a broken env must not take the actor with it
-                log.warning("%s: closing %s failed: %r", self.name, env_id, exc)
-
-    async def info(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "envs": len(self.envs),
-            "running": sum(map(len, self._running.values())),
-            "calls": dict(self.calls),
-            "replicas": dict(self.replica_stats),
-        }
 
 
 @dataclass(eq=False)

@@ -12,7 +12,8 @@ Three roles, each its own process; only the worker ever runs solution code:
   carrying the nonce follows on the report pipe, which no other process holds.
 - ``worker`` (``python _harness.py worker FD SOLUTION``): a fresh interpreter that imports the solution
   as module ``solution`` and answers requests (JSON lines on stdin, replies on fd FD). It never sees an
-  expected value, a nonce, or a verdict pipe: whatever it writes is a value to be judged.
+  expected value, a nonce, or a verdict pipe: whatever it writes is a value to be judged. Its loop is
+  ``_solution_worker.py``, loaded by path in that process only.
 - ``tester`` (``_tester.py``): runs a script case's test code with the solution's names bound to proxies
   of a worker, and writes the verdict with the nonce to a pipe only it and the harness hold. It is
   non-dumpable and ready before any worker exists.
@@ -37,41 +38,9 @@ TYPE_CHECKING = False  # typing.TYPE_CHECKING, without importing typing into the
 if TYPE_CHECKING:
     import types
     from collections.abc import Callable
-    from typing import IO, Any, NotRequired, Required, TypedDict
+    from typing import IO, Any
 
-    Tagged = list[Any]  # a value as tagged data (_codec)
-
-    class Case(TypedDict, total=False):
-        """A test case as the host sends it: ``kind`` says which of the other keys it has."""
-
-        kind: Required[str]  # "call" (call, args, kwargs, expected), "script" (script), "io" (stdin, stdout)
-        call: str
-        args: Tagged
-        kwargs: Tagged
-        expected: Tagged
-        script: str
-        stdin: str
-        stdout: str
-
-    class Config(TypedDict):
-        """The run as the host sends it on stdin (plus ``audit_hook``, which the harness sets)."""
-
-        nonce: str
-        cases: list[Case]
-        limits: dict[str, list[int]]  # resource.RLIMIT_* name -> [soft, hard]
-        timeout_s: float
-        max_output: int
-        solution: str
-        workdir: str
-        env: dict[str, str]
-        report_fd: int
-        audit_hook: NotRequired[bool]
-
-    class Result(TypedDict, total=False):
-        """One case's entry in the report."""
-
-        passed: Required[bool]
-        why: str
+    from rollart_reward._harness_types import Case, Config, Result, Tagged
 
 
 def _sibling(name: str) -> types.ModuleType:
@@ -527,7 +496,7 @@ def harness() -> None:
     os.close(report_fd)
 
 
-# ---------------------------------------------------------------- worker
+# ---------------------------------------------------------------- worker (its loop: _solution_worker.py)
 
 # Fallback when no network namespace exists: refuse socket use from Python code (native code gets past).
 _GUARD = r"""
@@ -543,104 +512,8 @@ exec(compile(open(path).read(), path, "exec"), {"__name__": "__main__", "__file_
 """
 
 
-def _names(module: types.ModuleType, wrap: Callable[[object], Tagged]) -> dict[str, Tagged]:
-    """The solution's top-level names as the tester binds them: data by value, a standard module by
-    name, anything else as a handle."""
-    import types
-
-    out: dict[str, Tagged] = {}
-    for name, value in list(vars(module).items()):
-        if name.startswith("__"):
-            continue
-        if isinstance(value, types.ModuleType):
-            out[name] = ["m", str(value.__name__)]
-            continue
-        try:
-            out[name] = wrap(value)
-        except (_Unsupported, RecursionError):
-            out[name] = ["h", _handle(value)]
-    return out
-
-
-_HANDLES: list[object] = []  # the solution objects handed out, by handle number
-
-
-def _handle(obj: object) -> int:
-    if len(_HANDLES) >= MAX_ITEMS:
-        raise _Unsupported("too many solution objects")
-    _HANDLES.append(obj)
-    return len(_HANDLES) - 1
-
-
-def worker(resp_fd: int, solution: str) -> None:
-    """Serves one solution: ``import``, then ``call`` (by name, values only: the harness compares) or
-    ``invoke`` / ``attr`` on handles (a tester's proxies). Never sees an expected value or a nonce."""
-    out = os.fdopen(resp_fd, "w", buffering=1)
-    stdin = sys.stdin
-    sys.stdin = open(os.devnull)
-    try:  # the first process the OOM killer takes is the solution's, never the harness
-        with open("/proc/self/oom_score_adj", "w") as f:
-            f.write("1000")
-    except OSError:
-        pass
-
-    def reply(**msg: object) -> None:
-        for stream in (sys.stdout, sys.stderr):  # the harness stops the worker once it has the reply
-            try:
-                stream.flush()
-            except Exception:
-                pass
-        out.write(json.dumps(msg) + "\n")
-        out.flush()
-
-    def error(exc: BaseException) -> str:
-        return f"{type(exc).__name__}: {exc}"[:2000]
-
-    def wrap(value: object) -> Tagged:
-        return encode(value, hook=lambda obj: ["h", _handle(obj)])
-
-    def resolve(ref: int) -> Any:  # a solution object: what it can do is up to it (a failure is its error)
-        return _HANDLES[ref]
-
-    module: types.ModuleType | None = None
-    for line in stdin:
-        msg = json.loads(line)
-        i, op = msg.get("i"), msg["op"]
-        if op == "import":
-            import importlib.util
-
-            try:
-                spec = importlib.util.spec_from_file_location("solution", solution)
-                assert spec is not None and spec.loader is not None  # solution is a .py path
-                module = importlib.util.module_from_spec(spec)
-                sys.modules["solution"] = module
-                spec.loader.exec_module(module)
-                names = _names(module, wrap) if msg.get("names") else None
-            except BaseException as exc:
-                reply(i=i, ok=False, error=error(exc), type=type(exc).__name__)
-                return
-            reply(i=i, ok=True, names=names)
-            continue
-        try:
-            if op == "call":
-                value = getattr(module, msg["call"])(*decode(msg["args"]), **decode(msg["kwargs"]))
-            elif op == "invoke":
-                fn = resolve(msg["ref"])
-                value = fn(*decode(msg["args"], handle=resolve), **decode(msg["kwargs"], handle=resolve))
-            else:  # attr
-                value = getattr(resolve(msg["ref"]), msg["name"])
-        except BaseException as exc:
-            reply(i=i, ok=False, error=error(exc), type=type(exc).__name__)
-            continue
-        try:
-            tagged = encode(value) if op == "call" else wrap(value)
-        except (_Unsupported, RecursionError) as exc:
-            tagged = ["?", str(exc)]
-        reply(i=i, ok=True, value=tagged)
-
-
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "worker":
-        worker(int(sys.argv[2]), sys.argv[3])
+        _sibling("_solution_worker").worker(int(sys.argv[2]), sys.argv[3])
     else:
         harness()

@@ -29,7 +29,9 @@ loopback bind to an open runtime only (with an ``api_key`` or beyond loopback: a
 asking for an admin key). A request body not received within ``body_timeout_s`` gets 408.
 
 The worker pool (forking, autoscaling, keep-alive) is :mod:`rollart_reward.pool`; this module is the
-HTTP front, the idempotency cache and the invocation shapes.
+HTTP front, the idempotency cache and the invocation shapes. Its configuration is
+:mod:`rollart_reward.runtime_config`; the access and request checks are
+:mod:`rollart_reward.runtime_requests`.
 
 Fault injection (tests): with a seeded RNG, a request gets 503 before running, 503 after running
 (the result is cached, the response lost), a delay before responding, or a malformed JSON body.
@@ -39,113 +41,37 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import hashlib
-import hmac
 import json
 import logging
 import math
 import random
 import time
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-from rollart_core.errors import RewardError
-from rollart_core.serving import ApiKeys, bearer_token, is_loopback
+from rollart_core.serving import is_loopback
 from rollart_reward.metrics import UtilisationMeter
 from rollart_reward.pool import Overloaded, WorkerPool
-from rollart_reward.wire import trajectory_from_dict
+from rollart_reward.runtime_config import (
+    ADMIN_KEY_ENV,
+    API_KEY_ENV,
+    FaultConfig,
+    RuntimeConfig,
+    ScalingConfig,
+)
+from rollart_reward.runtime_requests import (
+    _MAX_KEY,
+    BadRequest,
+    KeyConflict,
+    _kind,
+    access_guard,
+    body_digest,
+    parse_call,
+    read_json,
+)
 
 __all__ = ["ADMIN_KEY_ENV", "API_KEY_ENV", "FaultConfig", "FunctionRuntime", "RuntimeConfig", "ScalingConfig"]
 
 log = logging.getLogger(__name__)
-
-API_KEY_ENV = "ROLLART_REWARD_API_KEY"
-"""Environment variable ``rollart-reward serve`` reads its bearer token from (keeps it out of ``ps``)."""
-ADMIN_KEY_ENV = "ROLLART_REWARD_ADMIN_KEY"
-"""Environment variable ``rollart-reward serve`` reads its admin token from."""
-
-
-class FaultConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-    seed: int = 0
-    error_before: float = Field(0.0, ge=0, le=1)
-    """Rate of 503 answers before the function runs."""
-    error_after: float = Field(0.0, ge=0, le=1)
-    """Rate of 503 answers after the function ran (its result is cached): tests idempotency."""
-    delay: float = Field(0.0, ge=0, le=1)
-    """Rate of responses held back by ``delay_s`` (client timeouts)."""
-    delay_s: float = Field(2.0, ge=0)
-    malformed: float = Field(0.0, ge=0, le=1)
-    """Rate of 200 answers whose body is not JSON."""
-
-
-class ScalingConfig(BaseModel):
-    """How the runtime scales and what it accepts: the part of :class:`RuntimeConfig` a caller that
-    starts the runtime itself (the ``serverless`` reward executor) sets."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-    min_workers: int = Field(0, ge=0)
-    max_workers: int = Field(8, ge=1)
-    idle_timeout_s: float = Field(2.0, gt=0)
-    """Keep-alive of an idle worker before it is stopped (down to ``min_workers``); see ``idle_policy``."""
-    idle_policy: Literal["fixed", "ski_rental", "learned"] = "learned"
-    """``fixed``: exactly ``idle_timeout_s``. ``ski_rental``: at least as long as a cold start currently
-    costs (moving average), so stopping never costs more than twice the best choice in hindsight.
-    ``learned``: at most the ski-rental keep-alive, chosen from the last idle periods (how long idle
-    workers waited for their next call, or that they never got one) to minimise provisioned time
-    (idle keep-alive plus the cold starts it causes), as in "Serverless in the Wild" (ATC'20); one
-    idle period in eight still uses the ski-rental keep-alive, so longer gaps stay observable."""
-    call_timeout_s: float = Field(60.0, gt=0)
-    """A call running longer kills its worker and fails (504)."""
-    max_queue: int = Field(10_000, ge=1)
-    """More waiting calls than this are refused with 429."""
-    cache_size: int = Field(100_000, ge=0)
-    """Idempotency cache entries (results and execution counts by key)."""
-    max_body_bytes: int = Field(16 << 20, ge=1024)
-    """Larger request bodies are refused with 413."""
-    body_timeout_s: float = Field(30.0, gt=0)
-    """A request body not received within this is refused with 408 (a client that declares a body
-    and never sends it holds no handler)."""
-    max_batch: int = Field(1024, ge=1)
-    """Most items in one ``{"items": [...]}`` request (more: 413)."""
-    max_async_tasks: int = Field(10_000, ge=1)
-    """Async (Event / FC Async) calls held at once, running or finished and not yet forgotten; a new
-    one beyond this is refused with 429. Finished ones are forgotten oldest first."""
-    faults: FaultConfig = FaultConfig()
-    """Fault injection (tests, chaos runs): seeded 503s before/after running, held-back responses
-    (client timeouts), malformed bodies. All rates 0 by default: no faults."""
-
-
-class RuntimeConfig(ScalingConfig):
-    function: str = "success"
-    """Reward function name (``rollart.reward`` entry point) or ``package.module:Class``."""
-    options: dict[str, Any] = Field(default_factory=dict)
-    """The function's own config."""
-    host: str = "127.0.0.1"
-    port: int = Field(0, ge=0, le=65535)
-    """0 picks a free port."""
-    api_key: str | None = Field(None, repr=False, min_length=1)
-    """Bearer token every request except ``GET /healthz`` must carry (``Authorization: Bearer ...``);
-    None = no token (a warning when bound beyond loopback)."""
-    admin: bool = False
-    """Enable ``/admin/*`` (fault knobs, stats reset) without an admin key: for tests only, on a
-    loopback bind without ``api_key`` (otherwise set ``admin_key``)."""
-    admin_key: str | None = Field(None, repr=False, min_length=1)
-    """Bearer token of ``/admin/*``, apart from ``api_key`` (which never opens them); setting it
-    enables them. Must differ from ``api_key``."""
-
-    @model_validator(mode="after")
-    def _admin_apart(self) -> RuntimeConfig:
-        if self.admin_key is not None and self.admin_key == self.api_key:
-            raise ValueError("admin_key must differ from api_key (an invoke key never opens /admin/*)")
-        return self
-
-    @property
-    def admin_enabled(self) -> bool:
-        return self.admin or self.admin_key is not None
 
 
 class _FunctionError(Exception):
@@ -198,7 +124,7 @@ class FunctionRuntime:
                 c.host,
                 API_KEY_ENV,
             )
-        app = web.Application(client_max_size=c.max_body_bytes, middlewares=[self._guard()])
+        app = web.Application(client_max_size=c.max_body_bytes, middlewares=[access_guard(c, self.counters)])
         r = app.router
         r.add_post("/invoke", self._h_invoke)
         r.add_post("/2015-03-31/functions/{name}/invocations", self._h_lambda)
@@ -230,40 +156,6 @@ class FunctionRuntime:
             await self._runner.cleanup()
             self._runner = None
         await self.pool.stop()
-
-    def _guard(self) -> Any:
-        """Middleware: the bearer token checks (admin endpoints: the admin key only; the rest: the
-        API key), and :class:`BadRequest` as a JSON 4xx with its message."""
-        from aiohttp import web
-
-        c = self.config
-        invoke_keys = ApiKeys([c.api_key] if c.api_key else [], API_KEY_ENV)
-        admin_key = c.admin_key.encode() if c.admin_key else None
-
-        def refuse(status: int, message: str) -> Any:
-            self.counters["unauthorized"] += 1
-            headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-            return web.json_response({"error": message}, status=status, headers=headers)
-
-        @web.middleware
-        async def guard(request: Any, handler: Any) -> Any:
-            token = bearer_token(request.headers.get("Authorization"))
-            is_admin_path = request.path == "/admin" or request.path.startswith("/admin/")
-            if is_admin_path and admin_key is not None:
-                if token is None or not hmac.compare_digest(token, admin_key):
-                    return refuse(
-                        401 if token is None else 403,
-                        "admin endpoints need the admin key (Authorization: Bearer <admin key>)",
-                    )
-            elif request.path != "/healthz" and invoke_keys.check(token)[1] is not None:
-                return refuse(401, "missing or wrong bearer token (Authorization: Bearer ...)")
-            try:
-                return await handler(request)
-            except BadRequest as exc:
-                self.counters[f"rejected_{exc.status}"] += 1
-                return web.json_response({"error": exc.message}, status=exc.status)
-
-        return guard
 
     # ---------------------------------------------------------------- execution
     async def execute(
@@ -363,56 +255,6 @@ class FunctionRuntime:
             x -= rate
         return None
 
-    # ---------------------------------------------------------------- request checks
-    async def _read_json(self, request: Any) -> Any:
-        """The request body as JSON; :class:`BadRequest` (413 too large, 400 not JSON) otherwise."""
-        from aiohttp import web
-
-        limit = self.config.max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
-            raise BadRequest(
-                413, f"request body of {request.content_length} bytes exceeds the limit of {limit}"
-            )
-        try:
-            async with asyncio.timeout(self.config.body_timeout_s):
-                raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise BadRequest(413, f"request body exceeds the limit of {limit} bytes") from None
-        except TimeoutError:
-            raise BadRequest(408, f"request body not received within {self.config.body_timeout_s}s") from None
-        try:
-            return json.loads(raw)
-        except (ValueError, RecursionError) as exc:
-            raise BadRequest(400, f"request body is not JSON: {str(exc)[:200]}") from None
-
-    def _call(
-        self, body: Any, request: Any, where: str = "request body"
-    ) -> tuple[str | None, dict[str, Any], str]:
-        """``(key, trajectory, digest)`` of one call ``{"key"?, "trajectory"}``, or :class:`BadRequest`."""
-        if not isinstance(body, dict):
-            raise BadRequest(
-                400, f"{where}: expected a JSON object {{'key', 'trajectory'}}, got {_kind(body)}"
-            )
-        if "trajectory" not in body:
-            raise BadRequest(400, f"{where}: missing 'trajectory'")
-        key = body.get("key")
-        if key is None or key == "":
-            key = request.headers.get("Idempotency-Key") or None
-        if key is not None and (not isinstance(key, str) or len(key) > _MAX_KEY):
-            raise BadRequest(
-                400, f"{where}: 'key' must be a string of at most {_MAX_KEY} characters, got {_kind(key)}"
-            )
-        trajectory = body["trajectory"]
-        try:
-            trajectory_from_dict(trajectory)
-        except RewardError as exc:
-            raise BadRequest(400, f"{where}: {exc}") from None
-        try:
-            digest = body_digest(trajectory)
-        except (ValueError, TypeError, RecursionError) as exc:
-            raise BadRequest(400, f"{where}: trajectory is not serialisable: {str(exc)[:200]}") from None
-        return key, trajectory, digest
-
     # ---------------------------------------------------------------- handlers
     async def _invoke_one(
         self, key: str | None, traj: Any, digest: str | None = None
@@ -465,17 +307,17 @@ class FunctionRuntime:
         from aiohttp import web
 
         self.counters["requests"] += 1
-        body = await self._read_json(request)
+        body = await read_json(request, self.config)
         if isinstance(body, dict) and "items" in body:
             items = body["items"]
             if not isinstance(items, list):
                 raise BadRequest(400, f"'items' must be a list, got {_kind(items)}")
             if len(items) > self.config.max_batch:
                 raise BadRequest(413, f"{len(items)} items exceed the batch limit of {self.config.max_batch}")
-            calls = [self._call(item, request, f"items[{i}]") for i, item in enumerate(items)]
+            calls = [parse_call(item, request, f"items[{i}]") for i, item in enumerate(items)]
         else:
             calls = None
-            key, trajectory, digest = self._call(body, request)
+            key, trajectory, digest = parse_call(body, request)
         fault = self._draw()
         if fault == "error_before":
             return web.json_response({"error": "injected fault"}, status=503)
@@ -489,7 +331,7 @@ class FunctionRuntime:
         from aiohttp import web
 
         self.counters["requests"] += 1
-        key, trajectory, digest = self._call(await self._read_json(request), request)
+        key, trajectory, digest = parse_call(await read_json(request, self.config), request)
         invocation = request.headers.get("X-Amz-Invocation-Type", "RequestResponse")
         if invocation not in ("RequestResponse", "Event"):
             raise BadRequest(
@@ -524,7 +366,7 @@ class FunctionRuntime:
         from aiohttp import web
 
         self.counters["requests"] += 1
-        key, trajectory, digest = self._call(await self._read_json(request), request)
+        key, trajectory, digest = parse_call(await read_json(request, self.config), request)
         invocation = request.headers.get("x-fc-invocation-type", "Sync")
         if invocation not in ("Sync", "Async"):
             raise BadRequest(400, f"x-fc-invocation-type must be Sync or Async, got {invocation!r}")
@@ -651,7 +493,7 @@ class FunctionRuntime:
         from pydantic import ValidationError
 
         try:
-            self.faults = FaultConfig.model_validate(await self._read_json(request))
+            self.faults = FaultConfig.model_validate(await read_json(request, self.config))
         except ValidationError as exc:
             raise BadRequest(400, f"fault config: {exc}") from None
         self._rng = random.Random(self.faults.seed)
@@ -668,30 +510,8 @@ class FunctionRuntime:
         return web.json_response({"ok": True})
 
 
-class KeyConflict(Exception):
-    """An idempotency key already names a call with a different trajectory (409)."""
-
-
-class BadRequest(Exception):
-    """A request the runtime refuses (4xx) with a message for the caller."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status, self.message = status, message
-
-
-_MAX_KEY = 256
 _ASYNC_REFUSED = {409: "task id already used with a different trajectory", 429: "too many async tasks held"}
-
-
-def body_digest(trajectory: Any) -> str:
-    """Hash of a trajectory's canonical JSON: what an idempotency key's cached result is bound to."""
-    return hashlib.sha256(json.dumps(trajectory, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def _status_headers(status: int) -> dict[str, str]:
     return {"Retry-After": "1"} if status in (429, 503) else {}
-
-
-def _kind(x: Any) -> str:
-    return "null" if x is None else type(x).__name__

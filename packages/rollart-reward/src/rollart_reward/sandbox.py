@@ -81,7 +81,7 @@ _UID_SPAN = 30_000
 _uid_counter = itertools.count()
 _SANDBOX_SOURCES = tuple(
     os.path.join(os.path.dirname(_harness.__file__), name)
-    for name in ("_codec.py", "_harness.py", "_tester.py")
+    for name in ("_codec.py", "_harness.py", "_solution_worker.py", "_tester.py")
 )
 
 
@@ -502,7 +502,7 @@ async def run_python_async(
             shutil.copyfile(src, os.path.join(rundir, os.path.basename(src)))
         with open(os.path.join(rundir, "solution.py"), "w", encoding="utf-8", errors="surrogatepass") as f:
             f.write(code)
-        for name in ("_codec.py", "_harness.py", "_tester.py", "solution.py"):
+        for name in ("_codec.py", "_harness.py", "_solution_worker.py", "_tester.py", "solution.py"):
             os.chmod(os.path.join(rundir, name), 0o644)
         if level == "bwrap":
             inner_solution, inner_workdir = "/sandbox/solution.py", "/tmp"
