@@ -228,3 +228,49 @@ def test_config_rejects_bad_input(bad) -> None:
 
     with pytest.raises(ValidationError):
         TorchTrainerConfig(**bad)
+
+
+@pytest.mark.parametrize("loss", ["ppo_clip", "decoupled_ppo"])
+@pytest.mark.parametrize(("entropy_coef", "kl_coef"), [(0.0, 0.0), (0.05, 0.1)])
+def test_policy_loss_assembles_ppo_entropy_and_kl_token_by_token(
+    loss: str, entropy_coef: float, kl_coef: float
+) -> None:
+    """policy_loss (both trainers' micro-batch loss) against the terms written out here: tokens of the
+    trainer's own version take their behaviour logprob as proximal, the rest the recomputed one."""
+    from rollart_train.losses import policy_loss
+
+    logp, prox, blp, adv, mask = inputs(7)
+    g = torch.Generator().manual_seed(8)
+    logits = torch.randn((*logp.shape, 6), generator=g, dtype=torch.float64)
+    ref = blp - 0.3
+    versions = torch.randint(0, 2, logp.shape, generator=g)  # version 1 = the trainer's own
+    n = float(mask.sum()) + 3.0  # a global count larger than this micro-batch's
+    decoupled = loss == "decoupled_ppo"
+    cfg = TorchTrainerConfig(
+        loss=loss, clip_eps=0.2, clip_eps_high=0.28, tis_cap=2.0 if decoupled else None, kl_coef=kl_coef
+    )
+    # the trainers recompute proximal logprobs only for decoupled PPO
+    got, stats = policy_loss(
+        logp, logits, blp, adv, mask, cfg, n=n, entropy_coef=entropy_coef,
+        proximal_logp=prox if decoupled else None, versions=versions, version=1, ref_logp=ref,
+    )  # fmt: skip
+    total, ent_sum, kl_sum = 0.0, 0.0, 0.0
+    for i, j in zip(*torch.nonzero(mask, as_tuple=True), strict=True):
+        own = int(versions[i, j]) == 1 or not decoupled
+        p = float(blp[i, j]) if own else float(prox[i, j])
+        w = min(math.exp(p - float(blp[i, j])), 2.0)
+        r = math.exp(float(logp[i, j]) - p)
+        a = float(adv[i, j])
+        total += -w * min(r * a, min(max(r, 0.8), 1.28) * a)
+        probs = torch.softmax(logits[i, j], -1)
+        ent_sum += float(-(probs * torch.log(probs)).sum())
+        d = float(ref[i, j]) - float(logp[i, j])
+        kl_sum += math.exp(d) - d - 1.0  # k3
+    want = total / n - entropy_coef * ent_sum / n + kl_coef * kl_sum / n
+    # entropy is computed in float32 (entropy_from_logits), the rest in float64
+    assert float(got) == pytest.approx(want, rel=1e-6, abs=1e-9)
+    assert float(stats["pg_loss"]) == pytest.approx(total / n, rel=1e-9, abs=1e-12)
+    assert float(stats["entropy"]) == pytest.approx(ent_sum / n, rel=1e-6)
+    assert float(stats["kl"]) == pytest.approx(kl_sum / n if kl_coef else 0.0, rel=1e-9, abs=1e-12)
+    with pytest.raises(ValueError, match="versions"):
+        policy_loss(logp, logits, blp, adv, mask, cfg, n=n, entropy_coef=0.0, proximal_logp=prox)

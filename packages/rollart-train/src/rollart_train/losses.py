@@ -10,13 +10,15 @@ sampled the token (recorded per token in the trajectory); ``ref_logp`` — a fro
 - :func:`kl_penalty` — k1/k2/k3 estimators of KL(π‖π_ref) per token.
 - :func:`entropy_from_logits` — per-token entropy (works on restricted, ``-inf``-masked logits).
 - :func:`masked_mean` and :func:`lag_stats` — aggregation and per-batch policy-lag reporting.
+- :func:`policy_loss` — one micro-batch's whole loss as both trainers assemble it (decoupled PPO,
+  entropy bonus, KL penalty) with its statistics.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 
@@ -31,6 +33,7 @@ __all__ = [
     "kl_penalty",
     "lag_stats",
     "masked_mean",
+    "policy_loss",
     "ppo_clip_loss",
     "step_advantages",
     "token_logprobs",
@@ -263,3 +266,79 @@ def lag_stats(token_versions: torch.Tensor, mask: torch.Tensor, version: int) ->
         "token_lag_max": float(lag.max()),
         "stale_token_frac": float((lag > 0).double().mean()),
     }
+
+
+class LossSettings(Protocol):
+    """The loss fields both trainers' configs have (read only)."""
+
+    @property
+    def loss(self) -> str: ...
+    @property
+    def clip_eps(self) -> float: ...
+    @property
+    def clip_eps_high(self) -> float | None: ...
+    @property
+    def tis_cap(self) -> float | None: ...
+    @property
+    def tis_mode(self) -> TisMode: ...
+    @property
+    def kl_coef(self) -> float: ...
+    @property
+    def kl_estimator(self) -> KlEstimator: ...
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    logits: torch.Tensor,
+    behaviour_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    settings: LossSettings,
+    *,
+    n: torch.Tensor | float,
+    entropy_coef: float,
+    proximal_logp: torch.Tensor | None = None,
+    versions: torch.Tensor | None = None,
+    version: int = 0,
+    ref_logp: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One micro-batch's loss: :func:`decoupled_ppo_loss` (truncated importance weights only when
+    ``settings.loss`` is ``decoupled_ppo``), minus ``entropy_coef`` × the mean entropy, plus
+    ``kl_coef`` × the KL penalty against ``ref_logp`` (default: the behaviour policy). Tokens whose
+    ``versions`` equal the trainer's ``version`` use their behaviour logprob as the proximal one (the
+    current weights sampled them). Returns the loss and its statistics (``pg_loss``, ``entropy``,
+    ``kl``, ``loss`` and :func:`decoupled_ppo_loss`'s), each a mean over ``n`` tokens."""
+    proximal = behaviour_logp
+    if proximal_logp is not None:
+        if versions is None:
+            raise ValueError("proximal_logp needs the tokens' versions")
+        proximal = torch.where(versions == version, behaviour_logp, proximal_logp)
+    pg, stats = decoupled_ppo_loss(
+        logp,
+        proximal,
+        behaviour_logp,
+        advantages,
+        mask,
+        clip_eps=settings.clip_eps,
+        clip_eps_high=settings.clip_eps_high,
+        tis_cap=settings.tis_cap if settings.loss == "decoupled_ppo" else None,
+        tis_mode=settings.tis_mode,
+        n=n,
+    )
+    loss = pg
+    stats["pg_loss"] = pg.detach()
+    if entropy_coef > 0:
+        entropy = entropy_from_logits(logits)
+        loss = loss - entropy_coef * masked_mean(entropy, mask, n)
+    else:
+        with torch.no_grad():
+            entropy = entropy_from_logits(logits)
+    stats["entropy"] = masked_mean(entropy.detach(), mask, n)
+    if settings.kl_coef > 0:
+        kl = kl_penalty(logp, behaviour_logp if ref_logp is None else ref_logp, settings.kl_estimator)
+        loss = loss + settings.kl_coef * masked_mean(kl, mask, n)
+        stats["kl"] = masked_mean(kl.detach(), mask, n)
+    else:
+        stats["kl"] = torch.zeros(())
+    stats["loss"] = loss.detach()
+    return loss, stats

@@ -45,10 +45,7 @@ from rollart_train._megatron_cpu import (
 from rollart_train._packing import SeqData, seq_data, split_sequences, trajectory_weights
 from rollart_train.losses import (
     batch_advantages,
-    decoupled_ppo_loss,
-    entropy_from_logits,
-    kl_penalty,
-    masked_mean,
+    policy_loss,
 )
 from rollart_train.megatron_config import MegatronTrainerConfig
 from rollart_train.megatron_convert import hf_to_megatron, megatron_to_hf, merge_tp_shards
@@ -307,29 +304,21 @@ class MegatronTrainer:
                 logp, logits = self._token_logprobs(o, mb)
                 mask, beh = (mb[k][:, 1:].to(self.device) for k in ("mask", "beh"))
                 ver, a = (mb[k][:, 1:].to(self.device) for k in ("ver", "adv"))
-                p = beh if not prox else torch.where(ver == self.version, beh, prox[k])
-                loss, st = decoupled_ppo_loss(
+                loss, st = policy_loss(
                     logp,
-                    p,
+                    logits,
                     beh,
                     a,
                     mask,
-                    clip_eps=c.clip_eps,
-                    clip_eps_high=c.clip_eps_high,
-                    tis_cap=c.tis_cap if c.loss == "decoupled_ppo" else None,
-                    tis_mode=c.tis_mode,
+                    c,
                     n=n_tokens,
+                    entropy_coef=c.entropy_coef,
+                    proximal_logp=prox[k] if prox else None,
+                    versions=ver,
+                    version=self.version,
                 )
-                ent = entropy_from_logits(logits) if c.entropy_coef > 0 else None
-                if ent is not None:
-                    loss = loss - c.entropy_coef * masked_mean(ent, mask, n_tokens)
-                if c.kl_coef > 0:
-                    loss = loss + c.kl_coef * masked_mean(
-                        kl_penalty(logp, beh, c.kl_estimator), mask, n_tokens
-                    )
                 for key, v in st.items():
                     stats[key] = stats.get(key, 0.0) + float(v)
-                stats["loss"] = stats.get("loss", 0.0) + float(loss.detach())
                 # the schedule divides by the number of micro-batches and DDP averages over data-parallel
                 # ranks; the loss is already a mean over the global batch's tokens
                 return loss * len(micros) * self.dp_size, {}
