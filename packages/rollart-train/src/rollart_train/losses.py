@@ -301,13 +301,16 @@ def policy_loss(
     versions: torch.Tensor | None = None,
     version: int = 0,
     ref_logp: torch.Tensor | None = None,
+    entropy_stats: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One micro-batch's loss: :func:`decoupled_ppo_loss` (truncated importance weights only when
     ``settings.loss`` is ``decoupled_ppo``), minus ``entropy_coef`` × the mean entropy, plus
     ``kl_coef`` × the KL penalty against ``ref_logp`` (default: the behaviour policy). Tokens whose
     ``versions`` equal the trainer's ``version`` use their behaviour logprob as the proximal one (the
     current weights sampled them). Returns the loss and its statistics (``pg_loss``, ``entropy``,
-    ``kl``, ``loss`` and :func:`decoupled_ppo_loss`'s), each a mean over ``n`` tokens."""
+    ``kl``, ``loss`` and :func:`decoupled_ppo_loss`'s), each a mean over ``n`` tokens.
+    ``entropy_stats`` False: no entropy statistic without an entropy bonus (it costs a float32 copy
+    of the logits, large for big vocabularies)."""
     proximal = behaviour_logp
     if proximal_logp is not None:
         if versions is None:
@@ -330,10 +333,10 @@ def policy_loss(
     if entropy_coef > 0:
         entropy = entropy_from_logits(logits)
         loss = loss - entropy_coef * masked_mean(entropy, mask, n)
-    else:
+        stats["entropy"] = masked_mean(entropy.detach(), mask, n)
+    elif entropy_stats:
         with torch.no_grad():
-            entropy = entropy_from_logits(logits)
-    stats["entropy"] = masked_mean(entropy.detach(), mask, n)
+            stats["entropy"] = masked_mean(entropy_from_logits(logits), mask, n)
     if settings.kl_coef > 0:
         kl = kl_penalty(logp, behaviour_logp if ref_logp is None else ref_logp, settings.kl_estimator)
         loss = loss + settings.kl_coef * masked_mean(kl, mask, n)

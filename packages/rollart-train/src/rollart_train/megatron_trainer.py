@@ -316,6 +316,7 @@ class MegatronTrainer:
                     proximal_logp=prox[k] if prox else None,
                     versions=ver,
                     version=self.version,
+                    entropy_stats=False,  # as before: no [tokens, vocab] float32 copy without a bonus
                 )
                 for key, v in st.items():
                     stats[key] = stats.get(key, 0.0) + float(v)
