@@ -514,6 +514,6 @@ exec(compile(open(path).read(), path, "exec"), {"__name__": "__main__", "__file_
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "worker":
-        _sibling("_solution_worker").worker(int(sys.argv[2]), sys.argv[3])
+        _sibling("_solution_worker").worker(int(sys.argv[2]), sys.argv[3], _codec)
     else:
         harness()

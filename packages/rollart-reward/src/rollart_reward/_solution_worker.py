@@ -4,7 +4,6 @@ runs :func:`worker` for ``python _harness.py worker FD SOLUTION``): the one proc
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
@@ -18,25 +17,12 @@ if TYPE_CHECKING:
     from rollart_reward._harness_types import Tagged
 
 
-def _sibling(name: str) -> types.ModuleType:
-    """A module copied next to this file, loaded by path (inside the sandbox ``-I`` keeps the script's
-    own directory off ``sys.path``)."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), name + ".py")
-    spec = importlib.util.spec_from_file_location(f"_rollart_sandbox_{name}", path)
-    assert spec is not None and spec.loader is not None  # a .py path always gets a spec with a loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_codec = _sibling("_codec")
-# _codec is loaded by path, so mypy cannot see its types: the names this module uses, declared
+# The codec the harness loaded (passed to :func:`worker`, so this process runs it once); declared for
+# mypy, which cannot see the types of a module loaded by path.
 MAX_ITEMS: int
 _Unsupported: type[Exception]
 encode: Callable[..., Tagged]
 decode: Callable[..., Any]
-MAX_ITEMS = _codec.MAX_ITEMS
-_Unsupported, encode, decode = _codec._Unsupported, _codec.encode, _codec.decode
 
 
 def _names(module: types.ModuleType, wrap: Callable[[object], Tagged]) -> dict[str, Tagged]:
@@ -68,9 +54,12 @@ def _handle(obj: object) -> int:
     return len(_HANDLES) - 1
 
 
-def worker(resp_fd: int, solution: str) -> None:
+def worker(resp_fd: int, solution: str, codec: types.ModuleType) -> None:
     """Serves one solution: ``import``, then ``call`` (by name, values only: the harness compares) or
-    ``invoke`` / ``attr`` on handles (a tester's proxies). Never sees an expected value or a nonce."""
+    ``invoke`` / ``attr`` on handles (a tester's proxies). Never sees an expected value or a nonce.
+    ``codec`` is the harness's :mod:`_codec`, already loaded."""
+    global MAX_ITEMS, _Unsupported, encode, decode
+    MAX_ITEMS, _Unsupported, encode, decode = codec.MAX_ITEMS, codec._Unsupported, codec.encode, codec.decode
     out = os.fdopen(resp_fd, "w", buffering=1)
     stdin = sys.stdin
     sys.stdin = open(os.devnull)
