@@ -1,10 +1,20 @@
 """The proxy's workers (:class:`WorkerHandle`) and what it does to all of them at once
-(:class:`WorkerFleet`): pause/resume and weight updates fanned out, health probes and recovery."""
+(:class:`WorkerFleet`): pause/resume and weight updates fanned out, health probes and recovery, and
+workers added and removed while it serves.
+
+Elastic workers. :meth:`WorkerFleet.add_worker` brings a new engine up the way recovery brings back a
+restarted one (started if it is not, updated to the served version, paused if the proxy is suspended)
+and only then lets it take requests; it joins a weight update before or after, never halfway.
+:meth:`WorkerFleet.remove_worker` stops routing to a worker, waits up to ``drain_timeout_s`` for its
+requests to finish, then hands the rest back: each is aborted there and continues on another worker of
+its pool from the tokens it already has (prompt + those tokens, the rest of its ``max_tokens``; the
+logprobs and per-token versions of both parts are kept). The last worker of a pool is never removed."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,8 +41,12 @@ class WorkerHandle:
     inflight: int = 0
     healthy: bool = True
     served: int = 0
+    draining: bool = False
+    """Being removed (:meth:`WorkerFleet.remove_worker`): it takes no new request."""
     metrics: WorkerMetrics = field(default_factory=WorkerMetrics)
     _slots: asyncio.Semaphore = field(init=False)
+    _idle: asyncio.Event = field(init=False, default_factory=asyncio.Event)
+    """Set when a draining worker has nothing in flight or queued."""
 
     def __post_init__(self) -> None:
         if self.max_inflight < 1:
@@ -64,8 +78,18 @@ class WorkerFleet:
     update_timeout_s: float
     _update_lock: asyncio.Lock
     _recoveries: dict[str, asyncio.Future[bool]]
+    _request_worker: dict[str, str]
+    _session: OrderedDict[str, str]
+    _handed_back: set[str]
+    elastic: dict[str, int]
     _health_task: asyncio.Task[None] | None
     _health_owner: WorkerFleet | None
+
+    async def _abort_on(self, w: WorkerHandle, request_id: str) -> None:
+        try:
+            await w.engine.abort(request_id)
+        except Exception as exc:  # it may have finished meanwhile, or the worker is gone
+            log.debug("abort of %s on %s failed: %r", request_id, w.name, exc)
 
     def _mark_down(self, w: WorkerHandle, why: str) -> None:
         w.metrics.failures += 1
@@ -161,35 +185,7 @@ class WorkerFleet:
 
     async def _recover(self, w: WorkerHandle, timeout: float) -> bool:
         try:
-            try:
-                await asyncio.wait_for(w.engine.weight_version(), timeout)
-            except EngineNotStartedError:
-                w.metrics.restarts_seen += 1
-                log.warning("worker %s was restarted (engine not started): starting it", w.name)
-                start = getattr(w.engine, "start", None)
-                if start is None:
-                    raise WorkerUnavailableError(
-                        f"{w.name}: restarted, and its engine has no start()"
-                    ) from None
-                await asyncio.wait_for(start(), self.start_timeout_s)
-            async with self._update_lock:
-                target = await self._served_version(w, timeout)
-                have = int(await asyncio.wait_for(w.engine.weight_version(), timeout))
-                if target is not None and have < target:
-                    update = getattr(w.engine, "update_weights", None)
-                    if update is None:
-                        raise WeightSyncError(
-                            f"{w.name} serves version {have}, not {target}, and cannot update"
-                        )
-                    log.info("worker %s: bringing it from version %d to %d", w.name, have, target)
-                    await asyncio.wait_for(update(target), self.update_timeout_s)
-                    have = int(await asyncio.wait_for(w.engine.weight_version(), timeout))
-                    if have != target:
-                        raise WeightSyncError(f"{w.name} reports version {have} after updating to {target}")
-                if self.suspended and hasattr(w.engine, "pause"):
-                    await asyncio.wait_for(w.engine.pause("keep"), timeout)
-                    w.metrics.suspend()
-                w.healthy = True
+            have = await self._bring_up(w, timeout, restarted=True)
         except Exception as exc:
             log.info("worker %s not recovered yet: %r", w.name, exc)
             return False
@@ -198,6 +194,115 @@ class WorkerFleet:
         w.metrics.recovered += 1
         log.warning("worker %s recovered (version %s)", w.name, have)
         return True
+
+    async def _bring_up(self, w: WorkerHandle, timeout: float, *, restarted: bool) -> int:
+        """Start ``w``'s engine if it is not, bring it to the served version, pause it if the proxy is
+        suspended, then mark it healthy. Returns the version it serves; raises naming the stage."""
+        try:
+            await asyncio.wait_for(w.engine.weight_version(), timeout)
+        except EngineNotStartedError:
+            if restarted:
+                w.metrics.restarts_seen += 1
+                log.warning("worker %s was restarted (engine not started): starting it", w.name)
+            start = getattr(w.engine, "start", None)
+            if start is None:
+                raise WorkerUnavailableError(f"{w.name}: engine not started, and it has no start()") from None
+            await asyncio.wait_for(start(), self.start_timeout_s)
+        async with self._update_lock:
+            target = await self._served_version(w, timeout)
+            have = int(await asyncio.wait_for(w.engine.weight_version(), timeout))
+            if target is not None and have < target:
+                update = getattr(w.engine, "update_weights", None)
+                if update is None:
+                    raise WeightSyncError(f"{w.name} serves version {have}, not {target}, and cannot update")
+                log.info("worker %s: bringing it from version %d to %d", w.name, have, target)
+                try:
+                    await asyncio.wait_for(update(target), self.update_timeout_s)
+                except TimeoutError:
+                    raise WeightSyncError(
+                        f"{w.name}: update to version {target} took over update_timeout_s={self.update_timeout_s:g}"
+                    ) from None
+                have = int(await asyncio.wait_for(w.engine.weight_version(), timeout))
+                if have != target:
+                    raise WeightSyncError(f"{w.name} reports version {have} after updating to {target}")
+            if self.suspended and hasattr(w.engine, "pause"):
+                await asyncio.wait_for(w.engine.pause("keep"), timeout)
+                w.metrics.suspend()
+            w.healthy = True
+        return have
+
+    # elastic workers ---------------------------------------------------------------------------
+
+    async def add_worker(self, worker: WorkerHandle, timeout: float | None = None) -> int:
+        """Add ``worker`` while the proxy serves: it takes requests only once it is started and serves
+        the proxy's version (see the module doc). Returns that version. On any failure the worker is
+        not added and the error names it and the stage."""
+        if worker.name in self.workers:
+            raise EngineError(f"a worker named {worker.name!r} exists already")
+        t = self.probe_timeout_s if timeout is None else timeout
+        worker.healthy, worker.draining = False, False
+        try:
+            have = await self._bring_up(worker, t, restarted=False)
+        except TimeoutError:
+            raise EngineError(f"adding worker {worker.name}: no answer within {t:g}s") from None
+        except EngineError:
+            raise
+        except Exception as exc:
+            raise EngineError(f"adding worker {worker.name}: {exc!r}") from exc
+        self.workers[worker.name] = worker  # after the bring-up: no request, update or probe saw it half-way
+        self.elastic["added"] += 1
+        log.warning("worker %s added to pool %r (version %s)", worker.name, worker.pool, have)
+        return have
+
+    async def remove_worker(self, name: str, drain_timeout_s: float = 60.0) -> dict[str, int]:
+        """Stop routing to worker ``name``; wait up to ``drain_timeout_s`` for its requests, hand the
+        rest back (they continue elsewhere, see the module doc); then forget it. Returns
+        ``{"drained": finished there meanwhile, "handed_back": continued elsewhere}``."""
+        if drain_timeout_s < 0:
+            raise EngineError(f"drain_timeout_s must be >= 0, got {drain_timeout_s}")
+        w = self.workers.get(name)
+        if w is None:
+            raise EngineError(f"no worker {name!r} (workers: {', '.join(sorted(self.workers))})")
+        if w.draining:
+            raise EngineError(f"worker {name!r} is being removed already")
+        if w.healthy and not [
+            x
+            for x in self.workers.values()
+            if x.pool == w.pool and x.healthy and x is not w and not x.draining
+        ]:
+            raise EngineError(
+                f"worker {name!r} is the last healthy worker of pool {w.pool!r}: add another one first"
+            )
+        w.draining = True
+        served0, handed0 = w.served, self.elastic["handed_back"]
+        run = self._recoveries.pop(name, None)
+        if run is not None:
+            run.cancel()
+        if w.outstanding:
+            w._idle.clear()
+            try:
+                await asyncio.wait_for(w._idle.wait(), drain_timeout_s)
+            except TimeoutError:
+                ids = [rid for rid, n in self._request_worker.items() if n == name]
+                log.warning(
+                    "worker %s: %d requests left after %gs: handing them back",
+                    name,
+                    len(ids),
+                    drain_timeout_s,
+                )
+                self._handed_back.update(ids)
+                await asyncio.gather(*(self._abort_on(w, rid) for rid in ids))
+                try:  # their abort returns the tokens so far, which continue elsewhere
+                    await asyncio.wait_for(w._idle.wait(), self.probe_timeout_s)
+                except TimeoutError:
+                    log.warning("worker %s: %d requests still running after their abort", name, w.outstanding)
+        del self.workers[name]
+        for sid in [s for s, n in self._session.items() if n == name]:
+            del self._session[sid]
+        self.elastic["removed"] += 1
+        out = {"drained": w.served - served0, "handed_back": self.elastic["handed_back"] - handed0}
+        log.warning("worker %s removed from pool %r (%s)", name, w.pool, out)
+        return out
 
     async def _served_version(self, exclude: WorkerHandle, timeout: float) -> int | None:
         """What a recovering worker must serve: the proxy's version, or the newest a healthy worker reports."""

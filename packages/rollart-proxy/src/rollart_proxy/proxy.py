@@ -114,6 +114,9 @@ class LLMProxy(WorkerFleet):
         self._session_requests: dict[str, set[str]] = {}
         """Session → its requests in flight; an entry lives only while the set is not empty."""
         self._aborted: set[str] = set()
+        self._handed_back: set[str] = set()
+        """Requests a removed worker hands back: they continue on another worker."""
+        self.elastic = {"added": 0, "removed": 0, "handed_back": 0}
         self.suspended = False
         self.version: int | None = None
         """The weight version the proxy serves: the last :meth:`update_weights` (None: never updated)."""
@@ -152,7 +155,11 @@ class LLMProxy(WorkerFleet):
 
     def _candidates(self, task: str | None) -> list[WorkerHandle]:
         pool = self.pool_of(task)
-        ws = [w for w in self.workers.values() if w.healthy and (pool is None or w.pool == pool)]
+        ws = [
+            w
+            for w in self.workers.values()
+            if w.healthy and not w.draining and (pool is None or w.pool == pool)
+        ]
         if not ws:
             raise WorkerUnavailableError(f"no healthy worker for task {task!r} (pool {pool!r})")
         return ws
@@ -209,15 +216,17 @@ class LLMProxy(WorkerFleet):
         self, request: GenerateRequest, on_delta: Callable[[GenerateOutput], None] | None
     ) -> GenerateOutput:
         tried: set[str] = set()
-        sid = request.session_id
+        sid, rid = request.session_id, request.request_id
         if sid:
-            self._session_requests.setdefault(sid, set()).add(request.request_id)  # for abort by session
+            self._session_requests.setdefault(sid, set()).add(rid)  # for abort by session
+        attempt = request  # after a hand-back: the prompt plus the tokens so far
+        done: GenerateOutput | None = None  # those tokens
         try:
             while True:
-                w = await self._pick_or_wait(request, tried)
+                w = await self._pick_or_wait(attempt, tried)
                 streamed: list[int] = []
                 try:
-                    out = await self._run_on(w, request, on_delta, streamed)
+                    out = await self._run_on(w, attempt, on_delta, streamed)
                 except WorkerUnavailableError as exc:
                     self._worker_failed(w, request, exc)
                     if streamed:
@@ -229,17 +238,28 @@ class LLMProxy(WorkerFleet):
                     if streamed:
                         raise WorkerUnavailableError(f"{w.name} failed mid-stream: {exc!r}") from exc
                 else:
+                    if out.finish_reason == "abort" and rid in self._handed_back and rid not in self._aborted:
+                        self._handed_back.discard(rid)  # its worker was removed: go on elsewhere
+                        self.elastic["handed_back"] += 1
+                        done = _joined(done, out, len(request.prompt_ids))
+                        left = request.sampling.max_tokens - len(done.token_ids)
+                        if left < 1:
+                            done.finish_reason = "length"
+                            return done
+                        attempt = _continuation(request, done.token_ids, left)
+                        continue  # not a failure: no try is counted
                     w.served += 1
-                    if sid:
+                    if sid and not w.draining:
                         self._remember(sid, w.name)
-                    return out
+                    return out if done is None else _joined(done, out, len(request.prompt_ids))
                 tried.add(w.name)
                 if len(tried) > self.max_retries:
                     raise WorkerUnavailableError(
                         f"request {request.request_id} failed on {sorted(tried)} (max_retries={self.max_retries})"
                     )
         finally:
-            self._aborted.discard(request.request_id)
+            self._aborted.discard(rid)
+            self._handed_back.discard(rid)
             pending = self._session_requests.get(sid) if sid else None
             if pending is not None:
                 pending.discard(request.request_id)
@@ -301,13 +321,14 @@ class LLMProxy(WorkerFleet):
         try:
             await w._slots.acquire()
         except BaseException:
-            self._request_worker.pop(request.request_id, None)
-            raise
-        finally:
             w.metrics.queued -= 1
+            self._request_worker.pop(request.request_id, None)
+            _note_idle(w)
+            raise
+        w.metrics.queued -= 1
         w.inflight += 1
         try:
-            if request.request_id in self._aborted:  # aborted while it waited for a slot
+            if request.request_id in self._aborted or request.request_id in self._handed_back:  # while queued
                 out = GenerateOutput(request.request_id, [], [], [], "abort", w.name)
             else:
                 try:
@@ -326,6 +347,7 @@ class LLMProxy(WorkerFleet):
             w.inflight -= 1
             w._slots.release()
             self._request_worker.pop(request.request_id, None)
+            _note_idle(w)
 
     @staticmethod
     async def _stream_from(
@@ -346,12 +368,6 @@ class LLMProxy(WorkerFleet):
             await it.aclose()  # type: ignore[attr-defined]
         raise WorkerUnavailableError(f"request {request.request_id}: stream ended without a complete output")
 
-    async def _abort_on(self, w: WorkerHandle, request_id: str) -> None:
-        try:
-            await w.engine.abort(request_id)
-        except Exception as exc:  # it may have finished meanwhile, or the worker is gone
-            log.debug("abort of %s on %s failed: %r", request_id, w.name, exc)
-
     def _worker_failed(self, w: WorkerHandle, request: GenerateRequest, exc: BaseException) -> None:
         if request.session_id and self._session.get(request.session_id) == w.name:
             self._session.pop(request.session_id)
@@ -370,9 +386,9 @@ class LLMProxy(WorkerFleet):
         )
         for rid in ids:
             self._aborted.add(rid)
-            name = self._request_worker.get(rid)
-            if name is not None:
-                await self.workers[name].engine.abort(rid)
+            w = self.workers.get(self._request_worker.get(rid, ""))
+            if w is not None:
+                await w.engine.abort(rid)
         return len(ids)
 
     def end_session(self, session_id: str) -> None:
@@ -391,6 +407,15 @@ class LLMProxy(WorkerFleet):
     def session_worker(self, session_id: str) -> str | None:
         return self._session.get(session_id)
 
+    async def add_actor_worker(self, name: str, actor: Any, pool: str) -> int:
+        """:meth:`add_worker` for an engine in a Ray actor (as :meth:`from_ray_actors` makes them), with
+        the in-flight and queue limits of the pool's other workers."""
+        from rollart_proxy.engines.ray_engine import RayActorEngine
+
+        peer = next((w for w in self.workers.values() if w.pool == pool), None)
+        limits = (peer.max_inflight, peer.max_queued) if peer is not None else (64, 4096)
+        return await self.add_worker(WorkerHandle(name, RayActorEngine(actor, name), pool, *limits))
+
     async def metrics(self, engine_stats: bool = True, timeout: float = 5.0) -> dict[str, dict[str, Any]]:
         """Per worker: pool, health, queue depth, tokens/s, prefill/decode tokens, time suspended."""
         out: dict[str, dict[str, Any]] = {}
@@ -398,6 +423,7 @@ class LLMProxy(WorkerFleet):
             m = {
                 "pool": w.pool,
                 "healthy": w.healthy,
+                "draining": w.draining,
                 "max_inflight": w.max_inflight,
                 "max_queued": w.max_queued,
                 **w.metrics.snapshot(w.inflight),
@@ -413,3 +439,41 @@ class LLMProxy(WorkerFleet):
         for m in out.values():
             m["at"] = out_time
         return out
+
+
+def _note_idle(w: WorkerHandle) -> None:
+    if w.draining and w.outstanding == 0:
+        w._idle.set()  # remove_worker waits for this
+
+
+def _joined(first: GenerateOutput | None, rest: GenerateOutput, prompt_len: int) -> GenerateOutput:
+    """One output from a request's tokens before a hand-back and its continuation's."""
+    if first is None:
+        return rest
+    return GenerateOutput(
+        rest.request_id,
+        first.token_ids + rest.token_ids,
+        first.logprobs + rest.logprobs,
+        first.versions + rest.versions,
+        rest.finish_reason,
+        rest.worker,
+        first.prompt_logprobs
+        if first.prompt_logprobs is not None
+        else _head(rest.prompt_logprobs, prompt_len),
+    )
+
+
+def _head(logprobs: list[float | None] | None, n: int) -> list[float | None] | None:
+    return None if logprobs is None else logprobs[:n]
+
+
+def _continuation(request: GenerateRequest, tokens: list[int], left: int) -> GenerateRequest:
+    """The rest of ``request`` after ``tokens``: its prompt plus them, ``left`` tokens to go."""
+    return GenerateRequest(
+        request.request_id,
+        request.prompt_ids + tokens,
+        request.sampling.model_copy(update={"max_tokens": left}),
+        request.session_id,
+        request.task,
+        request.prompt_logprobs,
+    )
