@@ -1,5 +1,6 @@
 """``rollart`` command line: ``rollart train <config.yaml>``, ``report RUN_DIR``, ``export CKPT --hf DIR``,
-``export --trajectories RUN_DIR``, ``plan``, ``bench``, ``check-config``; no arguments prints help.
+``export --trajectories RUN_DIR``, ``engines RUN_DIR list|add|remove``, ``plan``, ``bench``,
+``check-config``; no arguments prints help.
 
 A user's mistake (a config file that does not exist, bad YAML, an unknown field, a model directory
 without weights, a port in use) is one line on stderr naming the file / field / port, exit code 2;
@@ -45,6 +46,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     c.add_argument("config")
     c.add_argument("-v", "--verbose", action="store_true", help="show tracebacks")
+    g = sub.add_parser(
+        "engines",
+        help="list, add or remove the engines of a run going on in RUN_DIR (its admin endpoint)",
+    )
+    g.add_argument("run_dir")
+    g.add_argument("action", choices=["list", "add", "remove"])
+    g.add_argument("target", nargs="?", help="add: the engine group; remove: the engine's name")
+    g.add_argument("--drain-timeout", type=float, default=60.0, help="remove: seconds to let requests finish")
+    g.add_argument("--place-timeout", type=float, default=120.0, help="add: seconds to wait for room")
+    g.add_argument("-v", "--verbose", action="store_true", help="show tracebacks")
     r = sub.add_parser(
         "report", help="(re)build RUN_DIR/report.html from its metrics.jsonl (and timeline.json)"
     )
@@ -211,6 +222,8 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.command == "export":
         return _export(args)
+    if args.command == "engines":
+        return _engines(args)
     from rollart_core.config import load_config
 
     cfg = load_config(args.config)
@@ -231,6 +244,31 @@ def _run(args: argparse.Namespace) -> int:
         cfg = cfg.model_copy(update={"output_dir": Path(args.output_dir).resolve()})
     _preflight(cfg)
     return _train(cfg, verbose=args.verbose)
+
+
+def _engines(args: argparse.Namespace) -> int:
+    from urllib.parse import quote
+
+    from rollart_core.control.admin import admin_call
+
+    if args.action == "list":
+        if args.target is not None:
+            raise ConfigError("engines list takes no target")
+        answer = admin_call(args.run_dir, "GET", "/engines")
+    elif args.target is None:
+        raise ConfigError(f"engines {args.action} needs a target (add: an engine group; remove: an engine)")
+    elif args.action == "add":
+        answer = admin_call(
+            args.run_dir, "POST", "/engines", {"group": args.target, "place_timeout_s": args.place_timeout}
+        )
+    else:
+        answer = admin_call(
+            args.run_dir,
+            "DELETE",
+            f"/engines/{quote(args.target, safe='')}?drain_timeout_s={args.drain_timeout:g}",
+        )
+    print(json.dumps(answer, indent=2))
+    return 0
 
 
 def _export(args: argparse.Namespace) -> int:

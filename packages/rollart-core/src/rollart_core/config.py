@@ -152,6 +152,34 @@ def file_sha256(path: Path) -> str:
 _DIGESTS: dict[tuple[str, int, int], str] = {}
 
 
+class ElasticConfig(_Model):
+    """An engine group that follows the cluster: grown while its pool has room when a node joins (up
+    to ``max_count``), and its engines on a node that left removed (then grown back to ``min_count``
+    where there is room). See :mod:`rollart_core.control.elastic`."""
+
+    min_count: int = Field(1, ge=1)
+    max_count: int = Field(ge=1)
+    check_period_s: float = Field(5.0, gt=0)
+    """How often the cluster's alive nodes are compared with the last ones seen."""
+    place_timeout_s: float = Field(10.0, gt=0)
+    """How long an automatic add waits for its placement before it takes the pool as full."""
+    drain_timeout_s: float = Field(30.0, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> ElasticConfig:
+        if self.min_count > self.max_count:
+            raise ValueError(f"min_count {self.min_count} > max_count {self.max_count}")
+        return self
+
+
+class AdminConfig(_Model):
+    enabled: bool = True
+    """Serve the run's admin endpoint on 127.0.0.1 (address and token in ``<output_dir>/admin.json``;
+    ``rollart engines RUN_DIR ...`` adds and removes engines through it)."""
+    port: int = Field(0, ge=0, le=65535)
+    """0: a free port."""
+
+
 class EngineGroupConfig(_Model):
     name: str
     impl: str = "vllm"
@@ -164,6 +192,17 @@ class EngineGroupConfig(_Model):
     """Ray restarts of each engine actor that dies; the proxy's health loop brings a restarted
     engine to the served weights before it takes requests again."""
     options: dict[str, Any] = Field(default_factory=dict)
+    elastic: ElasticConfig | None = None
+    """Follow the cluster's nodes automatically (None: engines change only when asked)."""
+
+    @model_validator(mode="after")
+    def _check_elastic(self) -> EngineGroupConfig:
+        e = self.elastic
+        if e is not None and not e.min_count <= self.count <= e.max_count:
+            raise ValueError(
+                f"count {self.count} must be within elastic min_count..max_count ({e.min_count}..{e.max_count})"
+            )
+        return self
 
 
 class TrainerSection(_Model):
@@ -362,6 +401,7 @@ class RunConfig(_Model):
     """None: environments live in the driver's event loop."""
     logging: LoggingConfig = LoggingConfig()
     """Metrics back-ends: TensorBoard, Weights & Biases, MLflow (docs/logging.md)."""
+    admin: AdminConfig = AdminConfig()
 
     @model_validator(mode="after")
     def _cross_check(self) -> RunConfig:

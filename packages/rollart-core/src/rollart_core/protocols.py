@@ -28,6 +28,9 @@ Primitives and who calls them:
     end_session(session_id)  forget a finished trajectory's routing state, if the generator keeps any
 ``SupportsHealthLoop`` (optional proxy capability, started and stopped by the pipeline)
     start_health_loop() / stop_health_loop()  probe engines, bring restarted ones to the served weights
+``SupportsElasticWorkers`` (optional proxy capability, called by the pipeline's elastic rollout pool)
+    add_actor_worker(name, actor, pool)  a started engine actor joins once it serves the served version
+    remove_worker(name, drain_timeout_s) stop routing to it, drain, hand the rest back; then forget it
 ``Environment`` (rollart-env, called by the trajectory runner)
     reset(seed) / step(action_text) / close(); ``action_vocabulary`` and ``system_prompt``
 ``SupportsConfigCheck`` (optional capability of an environment's class, called by the pipeline and
@@ -102,6 +105,7 @@ __all__ = [
     "SupportsConfigCheck",
     "SupportsEndSession",
     "SupportsFreshStats",
+    "SupportsElasticWorkers",
     "SupportsHealthLoop",
     "SupportsPause",
     "SupportsRestarts",
@@ -222,6 +226,20 @@ class SupportsHealthLoop(Protocol):
 
     async def stop_health_loop(self) -> None:
         """Stop the probing and wait for it to end."""
+        ...
+
+
+@runtime_checkable
+class SupportsElasticWorkers(Protocol):
+    async def add_actor_worker(self, name: str, actor: Any, pool: str) -> int:
+        """Route to the engine in Ray actor ``actor`` (engine group ``pool``) once it is started and
+        serves the proxy's weight version; returns that version. Raises naming the stage that failed."""
+        ...
+
+    async def remove_worker(self, name: str, drain_timeout_s: float = 60.0) -> dict[str, int]:
+        """Stop routing to ``name``; wait up to ``drain_timeout_s`` for its requests, then continue the
+        rest on other engines of its group from the tokens they have. Returns
+        ``{"drained": n, "handed_back": n}``. The last healthy engine of a group is never removed."""
         ...
 
 

@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar, overload
 
 from rollart_core.config import RunConfig, TaskConfig, file_sha256
+from rollart_core.control.admin import AdminServer
+from rollart_core.control.elastic import ElasticEngines, engine_actor
 from rollart_core.errors import ConfigError, RegistryError, RollartError
 from rollart_core.protocols import (
     ChatFormat,
@@ -139,7 +141,6 @@ def overlap_warning(cfg: RunConfig) -> str | None:
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
-_ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
 TRAINER_GROUP = "rollart_train.ray_group:RayTrainerGroup"
 
 
@@ -237,6 +238,8 @@ class Pipeline:
         self.env_manager: Any | None = None  # environment workers (config ``env_manager``)
         self.resources: Any | None = None  # the cluster's ResourceManager
         self.placement: Any | None = None  # the engines' placement groups
+        self.elastic: ElasticEngines | None = None  # engines added and removed while the run goes on
+        self.admin: AdminServer | None = None  # the run's admin endpoint (admin.json in output_dir)
         self._pd_kv_dir: Path | None = None
         self._trainer: Trainer | None = None
         self._store: WeightStore | None = None
@@ -418,8 +421,6 @@ class Pipeline:
         self.timings["model_s"] = time.perf_counter() - t0  # start-up phases (the run summary)
 
     async def _start_engines(self, engine_cfgs: list[Any]) -> None:
-        import ray
-
         from rollart_core.resources import ResourceManager
 
         proxy_cls = resolve("proxy", "default")
@@ -427,22 +428,15 @@ class Pipeline:
         self.resources = resources = ResourceManager.from_ray()
         self.placement = placement = await asyncio.to_thread(resources.place, self._engine_decls())
         members: list[tuple[str, Any, str]] = []
+        self.elastic = elastic = ElasticEngines(
+            self, {g.name: c for g, c in zip(self.config.engines, engine_cfgs, strict=True)}
+        )
         for group, ecfg, cls in zip(self.config.engines, engine_cfgs, classes, strict=True):
             for r in range(group.count):
                 name = f"{group.name}-{r}"
-                actor = (
-                    ray.remote(cls)
-                    .options(
-                        **placement.actor_options(group.name, r),
-                        name=f"rollart-{name}",
-                        max_concurrency=1024,
-                        runtime_env={"env_vars": _ENGINE_ENV},
-                        max_restarts=group.max_restarts,
-                        max_task_retries=0,
-                    )
-                    .remote(ecfg, model_path=str(self.config.model.path), weight_store=self.store, name=name)
-                )
+                actor = engine_actor(cls, group, ecfg, name, placement.actor_options(group.name, r), self)
                 self.actors.append(actor)
+                elastic.started(name, group.name, actor, (placement, group.name, r))
                 members.append((name, actor, group.name))
         await asyncio.gather(*(a.start.remote() for a in self.actors))
         task_pools = {t.name: t.engine_group for t in self.config.tasks if t.engine_group is not None}
@@ -457,6 +451,10 @@ class Pipeline:
         self._proxy = proxy
         if isinstance(proxy, SupportsHealthLoop):  # restarted engines come back on the served weights
             proxy.start_health_loop()
+        if self.config.admin.enabled:  # `rollart engines RUN_DIR ...` adds and removes engines
+            self.admin = AdminServer(self)
+            await self.admin.start(self.config.admin.port)
+        elastic.start_watch()
 
     def _pd_engine_args(self, cfg: RunConfig) -> dict[str, dict[str, Any]]:
         """KV-connector engine args per engine group for tasks with ``pd`` on/auto: prefill groups
@@ -520,6 +518,12 @@ class Pipeline:
                 await manager.shutdown()
             except Exception as e:
                 log.warning("env manager shutdown failed: %r", e)
+        if (admin := self.admin) is not None:
+            self.admin = None
+            await admin.close()
+        elastic = self.elastic
+        if elastic is not None:
+            await elastic.stop_watch()
         proxy = self._proxy
         if isinstance(proxy, SupportsHealthLoop):
             await proxy.stop_health_loop()
@@ -532,6 +536,8 @@ class Pipeline:
                 log.warning("engine shutdown failed: %r", e)
             ray.kill(a)
         self.actors.clear()
+        if elastic is not None:
+            elastic.release_all()
         if (placement := self.placement) is not None:
             self.placement = None
             placement.remove()
