@@ -181,7 +181,9 @@ class ElasticEngines:
             )
             return out
 
-    async def remove(self, name: str, *, drain_timeout_s: float = 60.0, why: str = "asked") -> dict[str, Any]:
+    async def remove(
+        self, name: str, *, drain_timeout_s: float = 60.0, why: str = "asked", stop_timeout_s: float = 30.0
+    ) -> dict[str, Any]:
         """Drain engine ``name`` (its requests finish, or continue on another engine after
         ``drain_timeout_s``), then stop its actor; its bundle stays reserved for its group."""
         proxy = self._proxy()
@@ -197,7 +199,7 @@ class ElasticEngines:
             del self.engines[name]
             if e.actor in self.pipeline.actors:
                 self.pipeline.actors.remove(e.actor)
-            await _stop(e.actor, name)
+            await _stop(e.actor, name, stop_timeout_s)
             self._release(e.group, e.slot, e.own_placement)
             seconds = time.perf_counter() - t0
             out = {"op": "remove", "group": e.group, "name": name, **counts, "seconds": seconds, "why": why}
@@ -289,7 +291,9 @@ class ElasticEngines:
             if e.node in nodes and e.group in elastic:
                 drain = elastic[e.group].elastic.drain_timeout_s  # type: ignore[union-attr]
                 try:
-                    await self.remove(name, drain_timeout_s=drain, why=f"node {e.node[:12]} left")
+                    await self.remove(
+                        name, drain_timeout_s=drain, why=f"node {e.node[:12]} left", stop_timeout_s=2.0
+                    )
                 except RollartError as exc:  # e.g. the group's last engine: it waits for Ray's restart
                     log.warning("engine %s on a node that left stays: %s", name, exc)
 
@@ -320,11 +324,11 @@ class ElasticEngines:
         self.free_slots.clear()
 
 
-async def _stop(actor: Any, name: str) -> None:
+async def _stop(actor: Any, name: str, timeout_s: float = 30.0) -> None:
     import ray
 
     try:
-        await asyncio.wait_for(actor.shutdown.remote(), timeout=30)
+        await asyncio.wait_for(actor.shutdown.remote(), timeout=timeout_s)
     except Exception as exc:  # dead already, or stuck: it is killed regardless
         log.warning("engine %s shutdown failed: %r", name, exc)
     ray.kill(actor)
