@@ -22,14 +22,17 @@ Faults, on a schedule drawn from ``--seed`` (each fires when the trainer reaches
   (``delay_s`` > ``cold_start_timeout_s``), for the whole run: 20% of calls fail, by 503 or by a
   client timeout, and are retried;
 - ``trainer``: one trainer rank is SIGKILLed once, at a drawn version >= 2 (the group comes back
-  from the newest checkpoint).
+  from the newest checkpoint);
+- ``elastic``: an engine is added through the run's admin endpoint at a drawn version, then one of the
+  first engines is removed with a one-second drain (``chaos_elastic.py``).
 
 Checked afterwards (the table, and ``--out`` as JSON): steps done / asked; launched vs the sum of
 fates; trajectories trained twice (from the step rows' ``batch_traj_ids``); trajectories trained with
 lag > alpha (``batch_start_versions`` against the step's version); the killed engine back and serving
 before the run ended; seconds lost per fault (the steps around it against the median step); and
 processes left behind: every process seen descending from this one during the run (sampled every
-0.2 s), not alive before, still alive 15 s after the pipeline closed. Wall time is split into the
+0.2 s), not alive before, still alive 15 s after the pipeline closed (but the driver's own watchdog,
+which lives as long as the driver does). Wall time is split into the
 pipeline's build (with its phases) and the run.
 
 ``--driver-kill`` then runs the driver's own death (``chaos_driver.py``): the same config as a
@@ -321,11 +324,15 @@ async def inject(p: Any, fault: dict[str, Any]) -> dict[str, Any]:
 
 
 async def chaos(quick: bool, seed: int, root: Path) -> dict[str, Any]:
+    from chaos_elastic import ElasticPhase
+
     from rollart_core.control.pipeline import Pipeline
     from rollart_core.control.train import train
     from rollart_core.metrics import MemorySink
+    from rollart_core.watchdog import watchdog_pid
 
     cfg = chaos_config(root, quick=quick, seed=seed)
+    phase = ElasticPhase(seed)
     before = own_processes()
     fired: list[dict[str, Any]] = []
     t_wall = time.perf_counter()
@@ -338,7 +345,8 @@ async def chaos(quick: bool, seed: int, root: Path) -> dict[str, Any]:
             run = asyncio.create_task(train(cfg, sink=MemorySink(), pipeline=p))
             pending = list(plan)
             engine: dict[str, Any] = {}  # the killed engine: when it was back, and on which version
-            while (pending or (engine and "back_at_version" not in engine)) and not run.done():
+            while not run.done():  # faults, the killed engine's return, the elastic change, the rates
+                await phase.tick(p, t0, engine.get("worker"))
                 started = any(w.inflight or w.served for w in p.proxy.workers.values())
                 due = [
                     f
@@ -387,12 +395,14 @@ async def chaos(quick: bool, seed: int, root: Path) -> dict[str, Any]:
                     p.proxy.workers[engine["worker"]].served - engine["served_at_back"]
                 )
             session_tables = p.proxy.session_counts()
+            elastic = phase.result(p)
             build_phases = {k: v for k, v in p.timings.items() if k.endswith("start_s") or k == "model_s"}
         t_closed = time.perf_counter()
         deadline = time.monotonic() + 15
         while watch.alive(before) and time.monotonic() < deadline:
             await asyncio.sleep(0.5)
     leftover = watch.alive(before)
+    leftover.pop(watchdog_pid() or -1, None)  # the driver's own watchdog lives as long as the driver
     return report(
         cfg,
         summary,
@@ -408,6 +418,7 @@ async def chaos(quick: bool, seed: int, root: Path) -> dict[str, Any]:
         engine,
         session_tables,
         build_phases,
+        elastic,
     )
 
 
@@ -426,6 +437,7 @@ def report(
     engine: dict[str, Any],
     session_tables: dict[str, int],
     build_phases: dict[str, float],
+    elastic: dict[str, Any],
 ) -> dict[str, Any]:
     hist = summary.get("history", [])
     alpha = cfg.train.alpha
@@ -496,6 +508,7 @@ def report(
         "final_version": summary.get("final_version"),
         "served_version": summary.get("served_version"),
         "build_phases": build_phases,
+        "elastic": elastic,
         **times,
     }
 
@@ -521,10 +534,14 @@ def invariants(r: dict[str, Any]) -> list[str]:
         bad.append(f"the killed engine {r['engine_killed']} was not back before the run ended")
     elif r["engine_killed"] and not r["engine_served_after_back"]:
         bad.append(f"the killed engine {r['engine_killed']} came back but served no request")
-    return bad
+    from chaos_elastic import violations
+
+    return bad + violations(r["elastic"])
 
 
 def table(r: dict[str, Any]) -> str:
+    from chaos_elastic import rows as elastic_rows
+
     rows = [
         ("steps done / asked", f"{r['steps']} / {r['steps_asked']}"),
         ("launched / sum of fates", f"{r['launched']} / {r['fates_total']}  {r['fates']}"),
@@ -544,6 +561,7 @@ def table(r: dict[str, Any]) -> str:
             "the kill), "
             f"versions then {r['engine_versions_at_back']}, {r['engine_served_after_back']} requests after",
         ),
+        *elastic_rows(r["elastic"]),
         ("proxy session tables", r["proxy_session_tables"]),
         ("env manager", r["env_manager"]),
         ("median step", f"{r['median_step_s']:.2f} s"),

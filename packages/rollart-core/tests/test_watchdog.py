@@ -41,6 +41,7 @@ middle.wait()
 pids = [ignores_term.pid, own_session.pid, orphan]
 print(json.dumps({"watchdog": watchdog, "pids": pids}), flush=True)
 if end == "exit":
+    sys.stdin.readline()  # once the test has noted what runs (a loaded host is slow to look)
     os._exit(0)  # a driver that ends without stopping what it started
 time.sleep(300)
 """
@@ -77,7 +78,11 @@ def test_everything_the_driver_started_dies_with_it(tmp_path: Path, interval: fl
     script.write_text(DRIVER)
     env = {**os.environ, RUN_MARK_ENV: "someone-else"}
     driver = subprocess.Popen(
-        [sys.executable, str(script), str(interval), end], stdout=subprocess.PIPE, env=env, text=True
+        [sys.executable, str(script), str(interval), end],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=env,
+        text=True,
     )
     # a stranger: started beside the run, with another run's mark; it must outlive the driver
     stranger = subprocess.Popen(["sleep", "300"], env=env)
@@ -94,6 +99,10 @@ def test_everything_the_driver_started_dies_with_it(tmp_path: Path, interval: fl
         if end == "sigkill":
             assert info["watchdog"] in descendants({driver.pid}, process_table())
             driver.send_signal(signal.SIGKILL)
+        else:
+            assert driver.stdin is not None
+            driver.stdin.write("exit now\n")
+            driver.stdin.flush()
         driver.wait(timeout=30)
         took = _wait_gone(started, timeout=10)  # the watchdog included: it exits after its sweep
         assert took < 10

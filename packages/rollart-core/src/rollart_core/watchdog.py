@@ -46,7 +46,7 @@ import signal
 import sys
 import time
 
-__all__ = ["RUN_MARK_ENV", "descendants", "guard_driver", "process_table", "start_time"]
+__all__ = ["RUN_MARK_ENV", "descendants", "guard_driver", "process_table", "start_time", "watchdog_pid"]
 
 RUN_MARK_ENV = "ROLLART_RUN_MARK"
 """The environment variable that marks the processes of one driver's run."""
@@ -301,6 +301,13 @@ def guard_driver(grace_s: float = 2.0, interval_s: float = 0.5, ready_timeout_s:
     os.environ[RUN_MARK_ENV] = mark  # after its start: the watchdog itself carries no mark
     _guard = (me, pid)
     return pid
+
+
+def watchdog_pid() -> int | None:
+    """The PID of this process's running watchdog (it lives as long as the driver does), or None."""
+    if _guard is not None and _guard[0] == os.getpid() and _running_child(_guard[1]):
+        return _guard[1]
+    return None
 
 
 if __name__ == "__main__":
