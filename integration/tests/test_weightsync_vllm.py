@@ -121,3 +121,44 @@ async def test_receiver_behind_skips_to_newest(engine: Any, store: Any, model_di
         atol=2e-3,
         rtol=0,
     )
+
+
+async def test_a_pull_that_hangs_fails_the_update_naming_the_stage(
+    engine: Any, store: Any, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store that never answers one pull: the update fails within the engine's stage bound naming the
+    engine and the stage, the engine keeps serving what it had, and a later try pulls anew."""
+    import threading
+
+    from rollart_core.errors import WeightSyncError
+
+    release = threading.Event()
+
+    class Stuck:
+        """The module's store, except that the pull of version 4 waits until released."""
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(store, name)
+
+        def pull(self, version: int, *args: Any, **kw: Any) -> Any:
+            if version == 4 and not release.is_set():
+                release.wait(60)  # the stuck pull (a thread of the engine's) ends with the test
+                raise TimeoutError("the stuck pull was let go")
+            return store.pull(version, *args, **kw)
+
+    store.push(4, modified(model_dir, seed=4)).result(TIMEOUT)
+    monkeypatch.setattr(engine, "_store", Stuck())
+    monkeypatch.setattr(engine.config, "update_stage_timeout_s", 1.0)
+    try:
+        with pytest.raises(
+            WeightSyncError, match=r"ws: pulling version 4 took over update_stage_timeout_s=1"
+        ):
+            await engine.update_weights(4)
+        assert await engine.weight_version() == 3
+        out = await engine.generate(GenerateRequest("still", PROMPT, SamplingParams(max_tokens=2)))
+        assert out.versions == [3, 3]
+        release.set()  # the store answers again: the next update pulls anew and loads
+        await engine.update_weights(4)
+        assert await engine.weight_version() == 4
+    finally:
+        release.set()

@@ -37,6 +37,8 @@ class Script:
     trainer_version: int = 0
     engine_down: bool = False
     fail_push_at: int | None = None
+    hang_push_at: int | None = None
+    """The store never finishes writing this version."""
     step_delay_s: float = 0.001
     envs_made: list[tuple[str, bool]] = field(default_factory=list)
     """(task, held_out) of every environment the pipeline built."""
@@ -131,6 +133,8 @@ class MemoryStore:
         fut: Future[None] = Future()
         if version == self.s.fail_push_at:
             fut.set_exception(WeightSyncError(f"fake store refused version {version}"))
+        elif version == self.s.hang_push_at:
+            pass  # a store that hangs: the future never completes
         else:
             self.versions[version] = dict(tensors)
             fut.set_result(None)

@@ -148,6 +148,18 @@ async def test_failed_push_stops_the_loop_while_it_waits(fakes: ModuleType, tmp_
         await _train(fakes, tmp_path, fakes.Script(fail_push_at=2), mode="async", alpha=0, steps=5)
 
 
+async def test_a_push_that_hangs_stops_the_run_naming_the_version_and_the_store(
+    fakes: ModuleType, tmp_path: Path
+) -> None:
+    with pytest.raises(
+        RollartError,
+        match=r"weight push of version 2: writing it to the weight store .*weight_push_timeout_s=0.3",
+    ):
+        await _train(
+            fakes, tmp_path, fakes.Script(hang_push_at=2), mode="async", steps=5, weight_push_timeout_s=0.3
+        )
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 async def test_waiting_for_a_batch_looks_again_only_when_the_run_state_changed(
     fakes: ModuleType, tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPatch

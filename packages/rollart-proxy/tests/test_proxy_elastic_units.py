@@ -1,4 +1,5 @@
-"""Workers added to and removed from a serving LLMProxy (``add_worker`` / ``remove_worker``).
+"""Workers joining and leaving a serving LLMProxy: added and removed (``add_worker`` /
+``remove_worker``), and taken out when they fail a weight update while the others make it.
 
 The engines are in-process stand-ins (the routing logic under test does not depend on the engine; a
 real vLLM engine's hand-back is in ``integration/tests/test_elastic.py``). ``HeldEngine`` keeps a
@@ -11,7 +12,7 @@ import asyncio
 
 import pytest
 
-from rollart_core.errors import EngineError
+from rollart_core.errors import EngineError, WeightSyncError
 from rollart_core.types import GenerateOutput, GenerateRequest, SamplingParams
 from rollart_proxy import LLMProxy, WorkerHandle
 from rollart_proxy.errors import EngineNotStartedError, WorkerUnavailableError
@@ -26,6 +27,8 @@ class HeldEngine:
         self._done: dict[str, asyncio.Event] = {}
         self._aborted: set[str] = set()
         self.update_gate: asyncio.Event | None = None
+        self.update_error: Exception | None = None
+        self.restarts = 0
 
     def _live(self) -> None:
         if not self.started:
@@ -69,8 +72,19 @@ class HeldEngine:
         self._live()
         if self.update_gate is not None:
             await self.update_gate.wait()
+        if self.update_error is not None:
+            raise self.update_error
         self.version = version
         return 0.0
+
+    async def prefetch_weights(self, version: int) -> None:
+        self._live()
+        if self.update_error is not None:
+            raise self.update_error
+
+    async def restart(self) -> None:  # as Ray restarts an actor: fresh, not started, initial weights
+        self.restarts += 1
+        self.started, self.version, self.update_error = False, 0, None
 
     async def pause(self, mode: str = "keep") -> None:
         self.paused = True
@@ -240,3 +254,42 @@ async def test_a_dead_worker_mid_hand_back_fails_over() -> None:
     await proxy.remove_worker("b", drain_timeout_s=0.01)
     out = await t
     assert out.worker == "a" and out.token_ids == [7] * 5
+
+
+async def test_an_engine_that_fails_an_update_is_taken_out_and_restarted_while_the_others_go_on() -> None:
+    a, b, c = HeldEngine("a"), HeldEngine("b"), HeldEngine("c")
+    proxy = LLMProxy([WorkerHandle("a", a), WorkerHandle("b", b), WorkerHandle("c", c)])
+    b.update_error = WeightSyncError("b: pulling version 2 took over update_stage_timeout_s=300")
+    c.update_gate = asyncio.Event()  # hangs
+    proxy.update_timeout_s = 0.2
+    assert await proxy.update_weights(2) == {"a": 0.0}
+    assert proxy.version == 2 and a.version == 2
+    assert not proxy.workers["b"].healthy and not proxy.workers["c"].healthy
+    assert b.restarts == 1 and c.restarts == 1
+    assert proxy.workers["b"].metrics.update_failures == 1
+    assert {(await proxy.generate(req(f"r{i}"))).worker for i in range(4)} == {"a"}
+    c.update_gate.set()
+    assert await proxy.check_health() == 2  # both restarted, started and brought to version 2
+    assert (b.started, b.version, c.started, c.version) == (True, 2, True, 2)
+
+
+async def test_an_update_no_engine_could_make_names_each_one() -> None:
+    a, b = HeldEngine("a"), HeldEngine("b")
+    proxy = LLMProxy([WorkerHandle("a", a), WorkerHandle("b", b)])
+    a.update_error = WeightSyncError("a: loading version 3 took over update_stage_timeout_s=1")
+    b.update_gate = asyncio.Event()
+    proxy.update_timeout_s = 0.1
+    with pytest.raises(
+        WeightSyncError,
+        match=r"no engine could update to version 3: a: loading .*; b: update to version 3 took over update_timeout_s=0.1",
+    ):
+        await proxy.update_weights(3)
+    assert proxy.version is None and a.restarts == b.restarts == 0  # nothing to fall back on: the run stops
+
+
+async def test_a_failed_prefetch_takes_the_engine_out_too() -> None:
+    a, b = HeldEngine("a"), HeldEngine("b")
+    proxy = LLMProxy([WorkerHandle("a", a), WorkerHandle("b", b)])
+    b.update_error = RuntimeError("disk full")
+    await proxy.prefetch_weights(1)
+    assert proxy.workers["a"].healthy and not proxy.workers["b"].healthy and b.restarts == 1

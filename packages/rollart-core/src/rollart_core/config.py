@@ -293,6 +293,11 @@ class TrainConfig(_Model):
     stall_timeout_s: float | None = Field(600.0, gt=0)
     """Stop the run with an error naming the failing stage when no trajectory has finished for this
     long while a batch is awaited (None: wait forever)."""
+    weight_push_timeout_s: float = Field(600.0, gt=0)
+    """Bound on writing one version to the weight store (the trainer's push and its commit): a push
+    that takes longer stops the run with an error naming the version and the store. Each engine's
+    stages (pull, stage, swap) have their own bound (the engine's ``update_stage_timeout_s``), and the
+    proxy's fan-out takes out an engine that fails or hangs while the others go on."""
     max_failure_share: float = Field(0.95, gt=0, le=1)
     """Stop the run when at least this share of the last 64 trajectories (once 64 ended) failed in a
     stage (env failed or timed out, generation failed, reward failed): nothing trainable is coming."""

@@ -144,11 +144,14 @@ class WorkerFleet:
     async def update_weights(self, version: int) -> dict[str, float]:
         """Every healthy worker loads ``version``; returns each worker's generation pause in seconds.
 
-        In-flight requests are kept; their KV is recomputed under the new weights.
+        In-flight requests are kept; their KV is recomputed under the new weights. A worker whose
+        update fails or takes over ``update_timeout_s`` is taken out (and restarted where its engine
+        can be) while the others go on; recovery brings it back on the served version. When no
+        worker could update, :class:`WeightSyncError` names each one and what it failed at.
         """
         async with self._update_lock:  # a worker being recovered joins before or after, never halfway
             ws = self._engines_with("update_weights")
-            done = await self._fan_out(ws, lambda w: w.engine.update_weights(version))  # type: ignore[attr-defined]
+            done = await self._weights_fan_out(ws, "update_weights", version)
             self.version = version if self.version is None else max(self.version, version)
         out = {}
         for w, p in done:
@@ -159,8 +162,48 @@ class WorkerFleet:
 
     async def prefetch_weights(self, version: int) -> None:
         """Every healthy worker that can prepares ``version`` while it keeps generating; returns when all
-        are ready to swap it in (:meth:`update_weights` then pauses only for the swap)."""
-        await self._all("prefetch_weights", version)
+        are ready to swap it in (:meth:`update_weights` then pauses only for the swap). A worker that
+        fails or takes over ``update_timeout_s`` is taken out as in :meth:`update_weights`."""
+        await self._weights_fan_out(self._engines_with("prefetch_weights"), "prefetch_weights", version)
+
+    async def _weights_fan_out(
+        self, ws: list[WorkerHandle], method: str, version: int
+    ) -> list[tuple[WorkerHandle, Any]]:
+        """``method(version)`` on every worker of ``ws`` at once, each within ``update_timeout_s``."""
+        stage = "update" if method == "update_weights" else "prefetch"
+
+        async def one(w: WorkerHandle) -> Any:
+            try:
+                return await asyncio.wait_for(getattr(w.engine, method)(version), self.update_timeout_s)
+            except TimeoutError:
+                raise WeightSyncError(
+                    f"{w.name}: {stage} to version {version} took over update_timeout_s={self.update_timeout_s:g}"
+                ) from None
+
+        results = await asyncio.gather(*(one(w) for w in ws), return_exceptions=True)
+        done = [(w, r) for w, r in zip(ws, results, strict=True) if not isinstance(r, BaseException)]
+        failed = [(w, r) for w, r in zip(ws, results, strict=True) if isinstance(r, BaseException)]
+        for w, exc in failed:
+            if isinstance(exc, WorkerUnavailableError):
+                self._mark_down(w, repr(exc))  # dead: recovery brings it back on the served version
+        broken = [(w, e) for w, e in failed if not isinstance(e, WorkerUnavailableError)]
+        if broken and not done:
+            raise WeightSyncError(
+                f"no engine could {stage} to version {version}: "
+                + "; ".join(
+                    str(e) if isinstance(e, WeightSyncError) else f"{w.name}: {e!r}" for w, e in broken
+                )
+            ) from broken[0][1]
+        for w, exc in broken:  # the others have it: take this one out, restart it where it can be
+            self._mark_down(w, f"{stage} to version {version} failed: {exc!r}")
+            w.metrics.update_failures += 1
+            restart = getattr(w.engine, "restart", None)
+            if restart is not None:
+                try:
+                    await restart()
+                except Exception as rexc:
+                    log.warning("worker %s: restart after a failed %s failed: %r", w.name, stage, rexc)
+        return done
 
     async def weight_versions(self) -> dict[str, int]:
         ws = [w for w in self.workers.values() if w.healthy]

@@ -27,6 +27,8 @@ class WorkerMetrics:
     """Times the worker came back restarted (its engine not started: a fresh Ray actor)."""
     recovered: int = 0
     """Times the worker was brought back to healthy (started and on the served weights)."""
+    update_failures: int = 0
+    """Weight updates (or prefetches) it failed while other workers made them: taken out each time."""
     aborted: int = 0
     prefill_tokens: int = 0
     """Prompt tokens sent to the worker (the engine may serve part of them from its prefix cache)."""
@@ -82,6 +84,7 @@ class WorkerMetrics:
             "failures": self.failures,
             "restarts_seen": self.restarts_seen,
             "recovered": self.recovered,
+            "update_failures": self.update_failures,
             "aborted": self.aborted,
             "prefill_tokens": self.prefill_tokens,
             "decode_tokens": self.decode_tokens,

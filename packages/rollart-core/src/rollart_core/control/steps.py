@@ -33,7 +33,7 @@ from rollart_core.control.clock import VersionClock
 from rollart_core.control.pipeline import Pipeline
 from rollart_core.control.rollout import Rollout
 from rollart_core.control.state import RunState
-from rollart_core.errors import RollartError
+from rollart_core.errors import RollartError, WeightSyncError
 from rollart_core.malloc import release_free_memory
 from rollart_core.protocols import SupportsWeightPrefetch, SupportsWeightPush
 from rollart_core.timeline import record
@@ -253,7 +253,14 @@ def push(run: Run, *, update: bool) -> asyncio.Task[dict[str, float]]:
 
 async def _land(run: Run, version: int, commit: Awaitable[Any], update: bool) -> dict[str, float]:
     t0 = time.perf_counter()
-    await commit
+    limit = run.cfg.train.weight_push_timeout_s
+    try:
+        await asyncio.wait_for(commit, limit)
+    except TimeoutError:
+        raise WeightSyncError(
+            f"weight push of version {version}: writing it to the weight store "
+            f"({run.cfg.weight_store.impl}) took over train.weight_push_timeout_s={limit:g}"
+        ) from None
     release_free_memory()  # the driver's snapshot of the weights, freed once written
     if isinstance(run.p.proxy, SupportsWeightPrefetch):
         await run.p.proxy.prefetch_weights(version)

@@ -87,6 +87,17 @@ class VllmWeightUpdates:
         threading.Thread(target=pull, name=f"prefetch-v{version}", daemon=True).start()
         self._prefetch[version] = fut
 
+    @property
+    def _limit(self) -> str:
+        return f"update_stage_timeout_s={self.config.update_stage_timeout_s:g}"
+
+    async def _within(self, step: Any, what: str, version: int) -> Any:
+        """``step`` (an awaitable), or :class:`WeightSyncError` naming the engine and the stage."""
+        try:
+            return await asyncio.wait_for(step, self.config.update_stage_timeout_s)
+        except TimeoutError:
+            raise WeightSyncError(f"{self.name}: {what} version {version} took over {self._limit}") from None
+
     async def prefetch_weights(self, version: int) -> None:
         """Prepare ``version`` while generation goes on; returns when it is ready to swap in: pull it
         from the weight store and, with ``weight_update='staged'``, load it into the shadow model.
@@ -118,7 +129,15 @@ class VllmWeightUpdates:
         from rollart_proxy.engines.vllm_worker import pack_tensors
 
         self.prefetch(version)
-        tensors = await asyncio.wrap_future(self._prefetch[version])
+        try:
+            tensors = await self._within(
+                asyncio.shield(asyncio.wrap_future(self._prefetch[version])), "pulling", version
+            )
+        except WeightSyncError:
+            self._prefetch.pop(
+                version, None
+            )  # a stuck pull is not waited for again: the next one starts anew
+            raise
         if self.config.lora is not None or is_adapter(tensors):
             return [await self._prepare_adapter(version, tensors)], True
         named = await asyncio.to_thread(pack_tensors, tensors.items())
@@ -128,8 +147,13 @@ class VllmWeightUpdates:
         try:
             # The worker loads in a thread of its own; each RPC here returns at once, so the engine
             # loop keeps stepping between the polls.
-            await engine.collective_rpc("rollart_stage_weights", args=(named, version))
+            await self._within(
+                engine.collective_rpc("rollart_stage_weights", args=(named, version)), "staging", version
+            )
+            deadline = time.monotonic() + self.config.update_stage_timeout_s
             while not all(await engine.collective_rpc("rollart_staged_ready", args=(version,))):
+                if time.monotonic() > deadline:
+                    raise WeightSyncError(f"{self.name}: staging version {version} took over {self._limit}")
                 await asyncio.sleep(0.005)
         except Exception as exc:
             log.warning("%s: staging v%d failed, it will load in place: %r", self.name, version, exc)
@@ -200,9 +224,15 @@ class VllmWeightUpdates:
             try:
                 if staged:
                     try:
-                        stage_s = await engine.collective_rpc("rollart_commit_staged", args=(version,))
+                        stage_s = await self._within(
+                            engine.collective_rpc("rollart_commit_staged", args=(version,)),
+                            "swapping in",
+                            version,
+                        )
                         self.stats["staged_updates"] += 1
                         self.stats["stage_s"] += max(stage_s)
+                    except WeightSyncError:
+                        raise  # stuck: the engine's state is unknown (the proxy takes it out)
                     except Exception as exc:  # e.g. superseded by a newer staging: load this one in place
                         log.warning(
                             "%s: swapping in staged v%d failed, loading in place: %r", self.name, version, exc
@@ -210,7 +240,9 @@ class VllmWeightUpdates:
                         self.stats["staging_fallbacks"] += 1
                         staged = False
                 if not staged:
-                    await engine.collective_rpc("rollart_load_weights", args=(named,))
+                    await self._within(
+                        engine.collective_rpc("rollart_load_weights", args=(named,)), "loading", version
+                    )
                 # KV of running requests was computed by the old weights: recompute it.
                 await engine.reset_prefix_cache(reset_running_requests=True)
                 await engine.update_weight_version(str(version))

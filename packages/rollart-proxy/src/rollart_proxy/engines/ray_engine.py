@@ -40,6 +40,14 @@ class RayActorEngine:
     async def pid(self) -> int:
         return await self._call("pid")
 
+    async def restart(self) -> None:
+        """Kill the actor's process so that Ray restarts it (within the actor's ``max_restarts``): the
+        proxy then starts it and brings it to the served weights. An engine whose weight update failed
+        half-way is never trusted again as it is."""
+        import ray
+
+        ray.kill(self.handle, no_restart=False)
+
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
         return await self._call("generate", request)
 

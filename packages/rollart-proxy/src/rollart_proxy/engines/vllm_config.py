@@ -29,6 +29,9 @@ class VllmEngineConfig(BaseModel):
     """``staged``: load and post-process the next weights into a shadow copy of the model while
     generation goes on, then swap them in during a short pause (one extra copy of the weights; needs
     ``enforce_eager``). ``in_place``: vLLM's ``reload_weights`` runs inside the pause."""
+    update_stage_timeout_s: float = Field(300.0, gt=0)
+    """Bound on each stage of a weight update (pulling from the store, staging, swapping in or
+    loading): a stage that takes longer fails the update with an error naming it and the engine."""
     lora: VllmLoraConfig | None = None
     """Serve LoRA adapters (vLLM ``enable_lora``): every pushed version must then be an adapter in
     PEFT naming, which new requests get from the update on; version 0 is the base model. None: every
