@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from fastapi import Request
@@ -14,6 +15,7 @@ from rollart_core.types import GenerateOutput, GenerateRequest, SamplingParams
 from rollart_proxy.proxy import LLMProxy
 from rollart_proxy.server.admission import Admission
 from rollart_proxy.server.chat_tokens import message_key, splice_encode
+from rollart_proxy.server.dialect import Turn, turn_from_reply
 from rollart_proxy.server.forced_call import CallPlan, generate_call, plan_call
 from rollart_proxy.server.guard import _ApiError
 from rollart_proxy.server.models import ChatBody, _Common, _message_dict
@@ -31,8 +33,17 @@ class Calls(Admission, Responses):
     _eot: tuple[int, str] | None
 
     async def _serve(
-        self, endpoint: str, body: _Common, prompt_ids: list[int], max_tokens: int | None, request: Request
+        self,
+        endpoint: str,
+        body: _Common,
+        prompt_ids: list[int],
+        max_tokens: int | None,
+        request: Request,
+        *,
+        turns: bool = False,
     ) -> Any:
+        """The reply as a dict, or a stream: chat or completions server-sent events, or with ``turns``
+        (a dialect's call) text deltas and the :class:`~.dialect.Turn` (:meth:`_turns`)."""
         sampling, session = self._admit(body, prompt_ids, max_tokens, request)
         if body.n > 1:
             return await self._serve_group(endpoint, body, prompt_ids, sampling, request)
@@ -48,9 +59,11 @@ class Calls(Admission, Responses):
             except BaseException:
                 await parts.aclose()  # type: ignore[attr-defined]
                 raise
+            events = self._stream(endpoint, body, first, parts, prompt_ids, session, sampling)
+            if turns:
+                return self._turns(events)
             return StreamingResponse(
-                self._sse(endpoint, body, first, parts, prompt_ids, session, sampling),
-                media_type="text/event-stream",
+                self._sse(endpoint, body, first.request_id, events), media_type="text/event-stream"
             )
         out = await self.proxy.generate(req)
         self._record(session, endpoint, prompt_ids, out, sampling)
@@ -63,7 +76,7 @@ class Calls(Admission, Responses):
         return reply
 
     async def _serve_call(
-        self, body: ChatBody, plan: CallPlan, prompt_ids: list[int], request: Request
+        self, body: ChatBody, plan: CallPlan, prompt_ids: list[int], request: Request, turns: bool = False
     ) -> Any:
         """An enforced tool call (:mod:`.forced_call`): one engine call per undecided token."""
         if body.n > 1:
@@ -97,12 +110,16 @@ class Calls(Admission, Responses):
                 session, message_key(message["content"], message["tool_calls"]), call.token_ids
             )
         if body.stream:
+            if turns:
+                return _complete(turn_from_reply(reply))
             return StreamingResponse(self._call_sse(body, reply), media_type="text/event-stream")
         return reply
 
-    async def _chat(self, body: ChatBody, request: Request) -> Any:
-        """One chat call (the Responses and Messages dialects come here too, translated): the reply
-        as a dict, or a ``StreamingResponse`` of chat chunks."""
+    async def _chat(self, body: ChatBody, request: Request, *, turns: bool = False) -> Any:
+        """One chat call (the Responses and Messages dialects come here too, translated, with
+        ``turns``): the reply as a dict, or a stream: a ``StreamingResponse`` of chat chunks, or
+        with ``turns`` an async generator of text deltas and then the complete
+        :class:`~.dialect.Turn`."""
         self._check_model(body.model)
         try:
             msgs = [_message_dict(m) for m in body.messages]
@@ -148,9 +165,9 @@ class Calls(Admission, Responses):
             except ToolsError as e:
                 raise _ApiError(400, str(e), param=e.param) from None
             if plan is not None:
-                return await self._serve_call(body, plan, prompt_ids, request)
+                return await self._serve_call(body, plan, prompt_ids, request, turns)
         return await self._serve(
-            "chat", body, prompt_ids, body.max_completion_tokens or body.max_tokens, request
+            "chat", body, prompt_ids, body.max_completion_tokens or body.max_tokens, request, turns=turns
         )
 
     async def _serve_group(
@@ -220,3 +237,8 @@ class Calls(Admission, Responses):
                 ],
             },
         }
+
+
+async def _complete(turn: Turn) -> AsyncGenerator[str | Turn, None]:
+    """A reply complete before its stream starts (an enforced call), as a dialect's stream."""
+    yield turn

@@ -1,16 +1,16 @@
 """What the Responses (:mod:`.responses_api`) and Messages (:mod:`.messages_api`) dialects share.
 
 A dialect translates its request into the internal chat request (:class:`~.models.ChatBody`: chat
-messages, function tools, sampling), lets the chat path serve it (:meth:`OpenAIServer._chat`: the
-same template rendering, splicing of earlier replies' sampled ids, admission, session, recording),
-and translates the reply back: a JSON body from a :class:`Turn`, or its own events from the chat
-stream (:func:`chat_stream`: text deltas, then the complete :class:`Turn`).
+messages, function tools, sampling), lets the chat path serve it (:meth:`OpenAIServer._chat` with
+``turns=True``: the same template rendering, splicing of earlier replies' sampled ids, admission,
+session, recording), and translates the reply back: a JSON body from a :class:`Turn`, or its own
+events from the chat path's stream (text deltas, then the complete :class:`Turn`; no chat chunk is
+written and parsed in between).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +28,6 @@ __all__ = [
     "EXTRA_SAMPLING",
     "Turn",
     "chat_body",
-    "chat_stream",
     "read_body",
     "remember_canonical",
     "sse",
@@ -75,41 +74,6 @@ def turn_from_reply(reply: dict[str, Any]) -> Turn:
         usage["completion_tokens"],
         dict(reply.get("rollart") or {}),
     )
-
-
-async def chat_stream(response: Any) -> AsyncGenerator[str | Turn, None]:
-    """The chat path's stream (a ``StreamingResponse`` of chat chunks, asked with usage) as text
-    deltas, then the complete :class:`Turn`. Closing this closes the chat stream (which aborts the
-    request on its engine, and records nothing)."""
-    chunks = response.body_iterator
-    text: list[str] = []
-    calls: list[dict[str, Any]] = []
-    finish = "stop"
-    usage: dict[str, Any] = {}
-    extra: dict[str, Any] = {}
-    try:
-        async for raw in chunks:
-            event = raw if isinstance(raw, str) else bytes(raw).decode()
-            for line in event.splitlines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[len("data: ") :])
-                extra.update(chunk.get("rollart") or {})
-                usage = chunk.get("usage") or usage
-                for choice in chunk.get("choices") or ():
-                    delta = choice.get("delta") or {}
-                    if delta.get("content"):
-                        text.append(delta["content"])
-                        yield delta["content"]
-                    for call in delta.get("tool_calls") or ():
-                        calls.append({k: v for k, v in call.items() if k != "index"})
-                    if choice.get("finish_reason"):
-                        finish = choice["finish_reason"]
-    finally:
-        await chunks.aclose()
-    if not usage:
-        raise RuntimeError("the chat stream ended without its usage")
-    yield Turn("".join(text), calls, finish, usage["prompt_tokens"], usage["completion_tokens"], extra)
 
 
 def sse(event: str, data: dict[str, Any]) -> str:

@@ -38,7 +38,6 @@ from rollart_proxy.server.dialect import (
     IMAGE_KINDS,
     Turn,
     chat_body,
-    chat_stream,
     read_body,
     remember_canonical,
     sse,
@@ -361,10 +360,10 @@ def add_messages_routes(app: FastAPI, server: OpenAIServer) -> None:
         server._check_model(body.model)
         reply = _Reply(server, body)
         session = request.headers.get(server.session_header) or None
-        result = await server._chat(chat_body(to_chat(body)), request)
-        if isinstance(result, StreamingResponse):
+        result = await server._chat(chat_body(to_chat(body)), request, turns=True)
+        if not isinstance(result, dict):  # the stream's text deltas, then its Turn
             input_tokens = int(getattr(request.state, "rollart_prompt_tokens", 0))
-            events = reply.events(chat_stream(result), input_tokens, session)
+            events = reply.events(result, input_tokens, session)
             return StreamingResponse(events, media_type="text/event-stream")
         turn = turn_from_reply(result)
         remember_canonical(server, session, turn)

@@ -1,6 +1,7 @@
-"""The answers of the endpoint: one JSON body (:meth:`Responses._response`) or server-sent events
-(:meth:`Responses._sse`), with the call recorded for the trainer and the reply's token ids kept for
-the next turn. :class:`~rollart_proxy.server.app.OpenAIServer` inherits them."""
+"""The answers of the endpoint: one JSON body (:meth:`Responses._response`) or a stream
+(:meth:`Responses._stream`) written as server-sent events (:meth:`Responses._sse`) or handed to a
+dialect (:meth:`Responses._turns`), with the call recorded for the trainer and the reply's token ids
+kept for the next turn. :class:`~rollart_proxy.server.app.OpenAIServer` inherits them."""
 
 from __future__ import annotations
 
@@ -8,18 +9,21 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from rollart_core.types import GenerateOutput, SamplingParams
 from rollart_proxy.server.chat_template import ChatTemplate
 from rollart_proxy.server.chat_tokens import GeneratedMessages, message_key
+from rollart_proxy.server.dialect import Turn
 from rollart_proxy.server.forced_call import CallPlan, ForcedCall
 from rollart_proxy.server.models import ChatBody, _Common
 from rollart_proxy.server.sessions import SessionRecorder
 from rollart_proxy.server.tools import ToolCallParser
 
-__all__ = ["INLINE_CHARS", "INLINE_TOKENS", "Responses", "off_loop"]
+__all__ = ["INLINE_CHARS", "INLINE_TOKENS", "Responses", "StreamDelta", "StreamEnd", "off_loop"]
 
 T = TypeVar("T")
 
@@ -39,6 +43,28 @@ async def off_loop(size: int, limit: int, fn: Callable[..., T], *args: Any) -> T
     if size <= limit:
         return fn(*args)
     return await asyncio.to_thread(fn, *args)
+
+
+@dataclass(slots=True)
+class StreamDelta:
+    """New text of a stream (possibly empty) and the tokens generated since the last delta."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+@dataclass(slots=True)
+class StreamEnd:
+    """The end of a stream: the text and tokens not yet sent, the tool calls (chat ``tool_calls``),
+    why a call the output seems to hold was not returned, the finish reason, usage and ``rollart``."""
+
+    rest: StreamDelta
+    calls: list[dict[str, Any]]
+    error: str | None
+    finish: str
+    usage: dict[str, int]
+    rollart: dict[str, Any]
 
 
 class Responses:
@@ -210,7 +236,7 @@ class Responses:
             yield f"data: {json.dumps({**head, 'object': 'chat.completion.chunk', **tail})}\n\n"
         yield "data: [DONE]\n\n"
 
-    async def _sse(
+    async def _stream(
         self,
         endpoint: str,
         body: _Common,
@@ -219,29 +245,91 @@ class Responses:
         prompt_ids: list[int],
         session: str | None,
         sampling: SamplingParams | None = None,
-    ) -> AsyncIterator[str]:
-        """Server-sent events: one chunk per token delta, text detokenised incrementally.
+    ) -> AsyncGenerator[StreamDelta | StreamEnd, None]:
+        """A streamed output as :class:`StreamDelta`\ s (text detokenised incrementally), then its
+        :class:`StreamEnd`; the call is recorded (and a chat reply's ids kept) before the end.
+        Chat and completions write it as their server-sent events (:meth:`_sse`), the dialects as
+        theirs (:meth:`_turns`): one pass, no chunk serialised and parsed again.
 
         Text that could still turn out to be the start of a stop string (or half a UTF-8
-        character) is held back until the next delta or the end. If the client goes away, the
-        request is aborted on its engine (closing ``parts`` cancels it).
+        character) is held back until the next delta or the end. Closing this generator (the client
+        went away) aborts the request on its engine (closing ``parts`` cancels it).
         """
         stops = body.stops()
         hold = max((len(x) for x in stops), default=1) - 1
         tools = isinstance(body, ChatBody) and body.tools_active()
-        if tools:  # a tool call is only known once the output is complete: the text comes at the end
-            hold = 1 << 62
-        head = {"id": first.request_id, "created": int(time.time()), "model": self.model_name}
+        ids: list[int] = []
+        lps: list[float] = []
+        sent_text = 0
+        sent_tokens = 0
+        started = False  # completions send a chunk for every part (its tokens), chat only with new text
+        every = endpoint != "chat"
+        try:
+            part: GenerateOutput | None = first
+            while part is not None and not part.finish_reason:
+                ids += part.token_ids
+                lps += part.logprobs
+                # a tool call is only known once the output is complete: all text comes at the end,
+                # and there is nothing to decode before it
+                text = "" if tools else await off_loop(len(ids), INLINE_TOKENS, self.template.decode, ids)
+                safe = len(text) - hold
+                while safe > sent_text and text[safe - 1] == "\ufffd":  # an incomplete UTF-8 sequence
+                    safe -= 1
+                if safe > sent_text or not started or every:
+                    yield StreamDelta(
+                        text[sent_text : max(safe, sent_text)], ids[sent_tokens:], lps[sent_tokens:]
+                    )
+                    sent_text = max(safe, sent_text)
+                    sent_tokens = len(ids)
+                    started = True
+                part = await anext(parts, None)
+        finally:
+            await parts.aclose()  # type: ignore[attr-defined]
+        if part is None:  # the proxy always ends with the complete output
+            raise RuntimeError(f"stream of {first.request_id} ended without a complete output")
+        out = part
+        self._record(session, endpoint, prompt_ids, out, sampling)
+        text, finish = await off_loop(len(out.token_ids), INLINE_TOKENS, self._text, out, stops)
+        calls: list[dict[str, Any]] = []
+        error: str | None = None
+        content: str | None = text
+        if tools:
+            assert isinstance(body, ChatBody)
+            content, calls, error = await off_loop(len(text), INLINE_CHARS, self._tool_reply, body, text)
+            text = content or ""
+        if endpoint == "chat":
+            self._remember(session, content, calls or None, out)
+        if calls:
+            finish = "tool_calls" if finish == "stop" else finish
+        usage = {
+            "prompt_tokens": len(prompt_ids),
+            "completion_tokens": len(out.token_ids),
+            "total_tokens": len(prompt_ids) + len(out.token_ids),
+        }
+        yield StreamEnd(
+            StreamDelta(text[sent_text:], out.token_ids[sent_tokens:], out.logprobs[sent_tokens:]),
+            calls,
+            error,
+            finish,
+            usage,
+            self._extra(out, prompt_ids),
+        )
+
+    async def _sse(
+        self,
+        endpoint: str,
+        body: _Common,
+        request_id: str,
+        events: AsyncGenerator[StreamDelta | StreamEnd, None],
+    ) -> AsyncIterator[str]:
+        """A stream (:meth:`_stream`) as chat or completions server-sent events: one chunk per delta."""
+        head = {"id": request_id, "created": int(time.time()), "model": self.model_name}
         obj = "chat.completion.chunk" if endpoint == "chat" else "text_completion"
         want_lp = (
             bool(getattr(body, "logprobs", False))
             if endpoint == "chat"
             else getattr(body, "logprobs", None) is not None
         )
-        ids: list[int] = []
-        lps: list[float] = []
-        sent_text = 0
-        sent_tokens = 0
         role_sent = False
 
         def chunk(text: str, new_ids: list[int], new_lps: list[float], finish: str | None) -> str:
@@ -273,52 +361,46 @@ class Responses:
                 c = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
             return f"data: {json.dumps({**head, 'object': obj, 'choices': [c]})}\n\n"
 
-        try:
-            part: GenerateOutput | None = first
-            while part is not None and not part.finish_reason:
-                ids += part.token_ids
-                lps += part.logprobs
-                text = await off_loop(len(ids), INLINE_TOKENS, self.template.decode, ids)
-                safe = len(text) - hold
-                while safe > sent_text and text[safe - 1] == "\ufffd":  # an incomplete UTF-8 sequence
-                    safe -= 1
-                if safe > sent_text or not role_sent:
-                    yield chunk(
-                        text[sent_text : max(safe, sent_text)], ids[sent_tokens:], lps[sent_tokens:], None
-                    )
-                    sent_text = max(safe, sent_text)
-                    sent_tokens = len(ids)
-                part = await anext(parts, None)
-        finally:
-            await parts.aclose()  # type: ignore[attr-defined]
-        if part is None:  # the proxy always ends with the complete output
-            raise RuntimeError(f"stream of {first.request_id} ended without a complete output")
-        out = part
-        self._record(session, endpoint, prompt_ids, out, sampling)
-        text, finish = await off_loop(len(out.token_ids), INLINE_TOKENS, self._text, out, stops)
-        calls: list[dict[str, Any]] = []
-        error: str | None = None
-        content: str | None = text
-        if tools:
-            assert isinstance(body, ChatBody)
-            content, calls, error = await off_loop(len(text), INLINE_CHARS, self._tool_reply, body, text)
-            text = content or ""
-        if endpoint == "chat":
-            self._remember(session, content, calls or None, out)
-        if text[sent_text:] or out.token_ids[sent_tokens:]:
-            yield chunk(text[sent_text:], out.token_ids[sent_tokens:], out.logprobs[sent_tokens:], None)
-        if calls:
-            deltas = [{"index": i, **c} for i, c in enumerate(calls)]
-            yield f"data: {json.dumps({**head, 'object': obj, 'choices': [{'index': 0, 'delta': {'tool_calls': deltas}, 'logprobs': None, 'finish_reason': None}]})}\n\n"
-            finish = "tool_calls" if finish == "stop" else finish
-        if error:
-            yield f"data: {json.dumps({**head, 'object': obj, 'choices': [], 'rollart': {'tool_call_error': error}})}\n\n"
-        yield chunk("", [], [], finish)
-        if (body.stream_options or {}).get("include_usage"):
-            usage = {
-                "prompt_tokens": len(prompt_ids),
-                "completion_tokens": len(out.token_ids),
-                "total_tokens": len(prompt_ids) + len(out.token_ids),
-            }
-            yield f"data: {json.dumps({**head, 'object': obj, 'choices': [], 'usage': usage, 'rollart': self._extra(out, prompt_ids)})}\n\n"
+        async with aclosing(events):
+            async for event in events:
+                if isinstance(event, StreamDelta):
+                    yield chunk(event.text, event.token_ids, event.logprobs, None)
+                    continue
+                rest = event.rest
+                if rest.text or rest.token_ids:
+                    yield chunk(rest.text, rest.token_ids, rest.logprobs, None)
+                if event.calls:
+                    deltas = [{"index": i, **c} for i, c in enumerate(event.calls)]
+                    yield f"data: {json.dumps({**head, 'object': obj, 'choices': [{'index': 0, 'delta': {'tool_calls': deltas}, 'logprobs': None, 'finish_reason': None}]})}\n\n"
+                if event.error:
+                    yield f"data: {json.dumps({**head, 'object': obj, 'choices': [], 'rollart': {'tool_call_error': event.error}})}\n\n"
+                yield chunk("", [], [], event.finish)
+                if (body.stream_options or {}).get("include_usage"):
+                    yield f"data: {json.dumps({**head, 'object': obj, 'choices': [], 'usage': event.usage, 'rollart': event.rollart})}\n\n"
         yield "data: [DONE]\n\n"
+
+    @staticmethod
+    async def _turns(
+        events: AsyncGenerator[StreamDelta | StreamEnd, None],
+    ) -> AsyncGenerator[str | Turn, None]:
+        """A chat stream (:meth:`_stream`) as the dialects take it: its text deltas, then the
+        complete :class:`~.dialect.Turn`. Closing this closes the stream (which aborts the request
+        on its engine, and records nothing)."""
+        text: list[str] = []
+        async with aclosing(events):
+            async for event in events:
+                delta = event if isinstance(event, StreamDelta) else event.rest
+                if delta.text:
+                    text.append(delta.text)
+                    yield delta.text
+                if isinstance(event, StreamEnd):
+                    rollart = {"tool_call_error": event.error} if event.error else {}
+                    usage = event.usage
+                    yield Turn(
+                        "".join(text),
+                        event.calls,
+                        event.finish,
+                        usage["prompt_tokens"],
+                        usage["completion_tokens"],
+                        {**rollart, **event.rollart},
+                    )

@@ -40,7 +40,6 @@ from rollart_proxy.server.dialect import (
     EXTRA_SAMPLING,
     Turn,
     chat_body,
-    chat_stream,
     read_body,
     sse,
     text_of,
@@ -344,9 +343,10 @@ class _Reply:
         return reply
 
     async def events(
-        self, stream: AsyncGenerator[str | Turn, None], done: Callable[[Turn], None]
+        self, stream: AsyncGenerator[str | Turn, None], done: Callable[[Turn, dict[str, Any]], None]
     ) -> AsyncIterator[str]:
-        """The Responses stream of the chat stream; ``done(turn)`` runs once the turn is complete."""
+        """The Responses stream of the chat stream; ``done(turn, response)`` runs once the turn is
+        complete, with the final Response object."""
         seq = 0
 
         def event(kind: str, **data: Any) -> str:
@@ -377,8 +377,9 @@ class _Reply:
                         yield event("response.output_text.delta", **part, delta=piece, logprobs=[])
                         continue
                     turn = piece
-                    done(turn)
-                    items = self.output(turn)
+                    final = self.response(turn)
+                    done(turn, final)
+                    items = final["output"]
                     if text:
                         full = items[0]
                         yield event("response.output_text.done", **part, text=turn.text, logprobs=[])
@@ -399,7 +400,6 @@ class _Reply:
                             arguments=item["arguments"],
                         )
                         yield event("response.output_item.done", output_index=k, item=item)
-                    final = self.response(turn)
                     kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
                     yield event(kind, response=final)
         except Exception as e:  # after the 200: the dialect's failure event, not a cut connection
@@ -492,14 +492,14 @@ def add_responses_routes(app: FastAPI, server: OpenAIServer) -> None:
         fields, conversation = to_chat(body, history)
         reply = _Reply(server, body)
 
-        def done(turn: Turn) -> None:
-            if body.store is not False:
-                stored = _Stored(principal, [*conversation, turn.history_message()], reply.response(turn))
-                store.put(reply.id, stored)
+        def done(turn: Turn, response: dict[str, Any]) -> None:
+            if body.store is not False:  # the object returned, built once
+                store.put(reply.id, _Stored(principal, [*conversation, turn.history_message()], response))
 
-        result = await server._chat(chat_body(fields), request)
-        if isinstance(result, StreamingResponse):
-            return StreamingResponse(reply.events(chat_stream(result), done), media_type="text/event-stream")
+        result = await server._chat(chat_body(fields), request, turns=True)
+        if not isinstance(result, dict):  # the stream's text deltas, then its Turn
+            return StreamingResponse(reply.events(result, done), media_type="text/event-stream")
         turn = turn_from_reply(result)
-        done(turn)
-        return reply.response(turn)
+        response = reply.response(turn)
+        done(turn, response)
+        return response
