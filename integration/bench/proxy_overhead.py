@@ -16,15 +16,24 @@ rollart vs vLLM's server (``--no-vllm-server`` skips it): vLLM's own OpenAI serv
 a process of its own, same tiny model, same engine settings) and rollart's endpoint
 (:class:`rollart_proxy.server.OpenAIServer` over the LLMProxy, hermes parser) get the same chat
 requests with ``tools`` (tool_choice auto, one session per request), from a client in a process of its
-own (a client in this process would share rollart's GIL and event loop, not vLLM's). Reported:
+own (``load_client.py``: a client in this process would share rollart's GIL and event loop, not vLLM's). Reported:
 rollart/vLLM for the round's wall time (1/throughput) and for the per-request latency, paired per
 round. Goal: ≤ 1.1.
 
 Dialects (``--no-dialects`` skips them): the same chat-with-tools requests written as OpenAI Responses
 (``/v1/responses``: ``instructions``, ``input``, function tools) and as Anthropic Messages
 (``/v1/messages``: ``system``, ``messages``, ``input_schema`` tools) to rollart's endpoint, from the
-same client process; they render the same prompt. Reported: each dialect / Chat Completions for the
-round's wall time and the per-request latency, paired per round. Goal: ≤ 1.1. Writes JSON to ``--out``.
+same client process, in a block of their own after the rounds above: ``--dialect-rounds`` rounds of
+Chat Completions, Responses and Messages back to back, the order rotated every round (a multiple of
+3 rounds: each dialect first, second and third equally often), nothing else running between them.
+Checked: every dialect's requests have the same prompt and completion token counts as the chat ones
+(the same rendered prompt). ``--stream`` streams them (each dialect's own events, read to the end).
+Reported: each dialect / Chat Completions for the round's wall time and the per-request latency,
+paired per round. Goal: ≤ 1.1.
+
+Every variant's garbage-collector pauses in this process (full collections of a heap that holds vLLM
+and torch take ~0.5 s on 2 cores) are reported beside it: one landing in a round explains an outlier.
+Writes JSON to ``--out``.
 """
 
 from __future__ import annotations
@@ -32,8 +41,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
+import gc
 import json
-import multiprocessing
 import os
 import shutil
 import signal
@@ -45,6 +54,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from load_client import LoadClient  # this folder (the script's): the load generator's process
 
 NO_EOS = tuple(range(10, 300))
 MAX_MODEL_LEN = 1024  # the chat prompt with the tool block is ~480 tokens of the tiny tokenizer
@@ -64,85 +75,34 @@ TOOLS = [
 ]
 ROLLART_TOOLS = "rollart HTTP chat+tools"
 VLLM_TOOLS = "vLLM server chat+tools"
+CHAT_TOOLS = "rollart Chat Completions+tools"  # the dialect block's baseline
 RESPONSES_TOOLS = "rollart Responses+tools"
 MESSAGES_TOOLS = "rollart Messages+tools"
-PATHS = {ROLLART_TOOLS: "/v1/chat/completions", VLLM_TOOLS: "/v1/chat/completions"}
+DIALECTS = (CHAT_TOOLS, RESPONSES_TOOLS, MESSAGES_TOOLS)
+PATHS = dict.fromkeys((ROLLART_TOOLS, VLLM_TOOLS, CHAT_TOOLS), "/v1/chat/completions")
 PATHS |= {RESPONSES_TOOLS: "/v1/responses", MESSAGES_TOOLS: "/v1/messages"}
 
 
-def _client_main(conn: Any) -> None:
-    """The load generator, in a process of its own: for each ``(url, path, bodies, headers)`` it receives,
-    posts every body at once and answers ``(wall s, per-request latencies, completion tokens)``."""
-    import httpx
-
-    async def serve() -> None:
-        clients: dict[str, httpx.AsyncClient] = {}
-        while True:
-            job = await asyncio.to_thread(conn.recv)
-            if job is None:
-                break
-            url, path, bodies, headers = job
-            if url not in clients:
-                clients[url] = httpx.AsyncClient(
-                    base_url=url,
-                    trust_env=False,
-                    timeout=600,
-                    # idle connections dropped before the server's keep-alive timeout (5 s) closes them under us
-                    limits=httpx.Limits(max_connections=len(bodies) + 8, keepalive_expiry=1.0),
-                )
-            client = clients[url]
-
-            async def one(
-                client: httpx.AsyncClient, url: str, path: str, body: dict[str, Any], h: dict[str, str]
-            ) -> tuple[float, int]:
-                t0 = time.perf_counter()
-                r = await client.post(path, json=body, headers=h)
-                if r.status_code != 200:
-                    raise RuntimeError(f"{url}{path}: {r.status_code} {r.text[:500]}")
-                usage = r.json()["usage"]  # Chat Completions' names, or the dialects' (output_tokens)
-                return time.perf_counter() - t0, usage.get("completion_tokens", usage.get("output_tokens"))
-
-            t0 = time.perf_counter()
-            try:
-                res = await asyncio.gather(
-                    *(one(client, url, path, b, h) for b, h in zip(bodies, headers, strict=True))
-                )
-            except Exception as e:
-                conn.send(("error", repr(e)))
-                continue
-            conn.send(("ok", (time.perf_counter() - t0, [r[0] for r in res], sum(r[1] for r in res))))
-        for c in clients.values():
-            await c.aclose()
-
-    asyncio.run(serve())
-
-
-class LoadClient:
-    """Handle of the load-generating process."""
+class GcPauses:
+    """The garbage collector's pauses in this process, counted against the variant running."""
 
     def __init__(self) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_client_main, args=(child,), daemon=True)
-        self.proc.start()
+        self.current: str | None = None
+        self.pause_s: dict[str, float] = {}
+        self.full: dict[str, int] = {}
+        self._t0 = 0.0
+        gc.callbacks.append(self._callback)
 
-    async def round(
-        self, url: str, path: str, bodies: list[dict[str, Any]], headers: list[dict[str, str]]
-    ) -> Any:
-        self.conn.send((url, path, bodies, headers))
-        status, value = await asyncio.to_thread(self.conn.recv)
-        if status != "ok":
-            raise RuntimeError(f"load client: {value}")
-        return value
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self.current is not None:
+            name = self.current
+            self.pause_s[name] = self.pause_s.get(name, 0.0) + time.perf_counter() - self._t0
+            self.full[name] = self.full.get(name, 0) + (info["generation"] == 2)
 
     def close(self) -> None:
-        try:
-            self.conn.send(None)
-        except OSError:
-            pass
-        self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
+        gc.callbacks.remove(self._callback)
 
 
 def _free_port() -> int:
@@ -282,6 +242,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         return sum(r.json()["usage"]["completion_tokens"] for r in rs)
 
     latencies: dict[str, list[list[float]]] = {k: [] for k in PATHS}
+    prompt_tokens: dict[str, int] = {}
     chat_bodies = [
         {
             "model": "tiny",
@@ -302,6 +263,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     bodies = {
         ROLLART_TOOLS: chat_bodies,
         VLLM_TOOLS: chat_bodies,
+        CHAT_TOOLS: chat_bodies,
         RESPONSES_TOOLS: [
             {
                 "model": "tiny",
@@ -331,14 +293,21 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             for b in chat_bodies
         ],
     }
+    if args.stream:  # the dialect block streams
+        bodies[CHAT_TOOLS] = [
+            {**b, "stream": True, "stream_options": {"include_usage": True}} for b in chat_bodies
+        ]
+        for name in (RESPONSES_TOOLS, MESSAGES_TOOLS):
+            bodies[name] = [{**b, "stream": True} for b in bodies[name]]
 
     def chat_tools(name: str, url: str) -> Any:
         async def variant() -> int:
             n = next(counter)  # one session per request, as an agent's trajectory has
             headers = [{"X-Session-Id": f"c{n}-{i}"} for i in range(args.requests)]
-            _, lat, toks = await load.round(url, PATHS[name], bodies[name], headers)
+            _, lat, prompt, completion = await load.round(url, PATHS[name], bodies[name], headers)
             latencies[name].append(lat)
-            return int(toks)
+            prompt_tokens[name] = int(prompt)
+            return int(completion)
 
         return variant
 
@@ -347,24 +316,37 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         await wait_ready(vllm_server, vllm_url, vllm_log)
         variants[ROLLART_TOOLS] = chat_tools(ROLLART_TOOLS, rollart_url)
         variants[VLLM_TOOLS] = chat_tools(VLLM_TOOLS, vllm_url)
-    if args.dialects:
-        for name in (ROLLART_TOOLS, RESPONSES_TOOLS, MESSAGES_TOOLS):
-            variants[name] = chat_tools(name, rollart_url)
-    for fn in variants.values():  # warm-up (prefix cache, compiled paths, connections)
-        await fn()
-    for lat in latencies.values():
-        lat.clear()
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    tokens: dict[str, int] = {}
+    gc_pauses = GcPauses()
+
+    async def interleaved(
+        variants: dict[str, Any], rounds: int, label: str
+    ) -> tuple[dict[str, list[float]], dict[str, int]]:
+        """Each variant once to warm up (prefix cache, compiled paths, connections), then ``rounds``
+        rounds of all of them back to back, the order rotated every round."""
+        for fn in variants.values():
+            await fn()
+        for name in variants:
+            latencies.get(name, []).clear()
+        times: dict[str, list[float]] = {k: [] for k in variants}
+        tokens: dict[str, int] = {}
+        names = list(variants)
+        for r in range(rounds):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                gc_pauses.current = name
+                t0 = time.perf_counter()
+                tokens[name] = await variants[name]()
+                times[name].append(time.perf_counter() - t0)
+                gc_pauses.current = None
+            print(f"{label} round {r + 1}/{rounds}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items()),
+                  file=sys.stderr, flush=True)  # fmt: skip
+        return times, tokens
+
+    times, tokens = await interleaved(variants, args.rounds, "engine/proxy")
     names = list(variants)
-    for r in range(args.rounds):
-        order = names[r % len(names) :] + names[: r % len(names)]
-        for name in order:
-            t0 = time.perf_counter()
-            tokens[name] = await variants[name]()
-            times[name].append(time.perf_counter() - t0)
-        print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items()),
-              file=sys.stderr, flush=True)  # fmt: skip
+    if args.dialects:
+        dialect_variants = {name: chat_tools(name, rollart_url) for name in DIALECTS}
+        dialect_times, dialect_tokens = await interleaved(dialect_variants, args.dialect_rounds, "dialects")
+    gc_pauses.close()
     await client.aclose()
     await server.stop()
     await engine.shutdown()
@@ -390,6 +372,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "tokens_per_s": tokens[name] / med,
             "ratio_to_direct": statistics.median(ratios),
             "ratio_of_medians": med / statistics.median(base),
+            "gc_pause_s": gc_pauses.pause_s.get(name, 0.0),
+            "gc_full_collections": gc_pauses.full.get(name, 0),
         }
     for name in names:
         if latencies.get(name):
@@ -397,14 +381,30 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             result["variants"][name]["latency_median_s"] = statistics.median(flat)
             result["variants"][name]["latency_p90_s"] = flat[int(0.9 * (len(flat) - 1))]
     if args.dialects:
-        ct, cl = times[ROLLART_TOOLS], [statistics.median(x) for x in latencies[ROLLART_TOOLS]]
+        result["dialects"] = {"rounds": args.dialect_rounds, "stream": args.stream, "variants": {}}
+        for name in DIALECTS:
+            flat = sorted(x for lat in latencies[name] for x in lat)
+            result["dialects"]["variants"][name] = {
+                "median_s": statistics.median(dialect_times[name]),
+                "times_s": dialect_times[name],
+                "latency_median_s": statistics.median(flat),
+                "latency_p90_s": flat[int(0.9 * (len(flat) - 1))],
+                "prompt_tokens": prompt_tokens[name],
+                "completion_tokens": dialect_tokens[name],
+                "gc_pause_s": gc_pauses.pause_s.get(name, 0.0),
+                "gc_full_collections": gc_pauses.full.get(name, 0),
+            }
+        ct, cl = dialect_times[CHAT_TOOLS], [statistics.median(x) for x in latencies[CHAT_TOOLS]]
         result["dialects_vs_chat"] = {}
         for name in (RESPONSES_TOOLS, MESSAGES_TOOLS):
             dl = [statistics.median(x) for x in latencies[name]]
             d = {
-                "round_time_ratio": statistics.median(a / b for a, b in zip(times[name], ct, strict=True)),
+                "round_time_ratio": statistics.median(
+                    a / b for a, b in zip(dialect_times[name], ct, strict=True)
+                ),
                 "latency_ratio": statistics.median(a / b for a, b in zip(dl, cl, strict=True)),
-                "same_tokens": tokens[name] == tokens[ROLLART_TOOLS],
+                "same_tokens": dialect_tokens[name] == dialect_tokens[CHAT_TOOLS]
+                and prompt_tokens[name] == prompt_tokens[CHAT_TOOLS],
             }
             d["goal_met"] = d["round_time_ratio"] <= 1.1 and d["latency_ratio"] <= 1.1
             result["dialects_vs_chat"][name] = d
@@ -435,6 +435,13 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--out", type=Path, default=Path("runs/bench/proxy_overhead.json"))
     p.add_argument(
+        "--dialect-rounds",
+        type=int,
+        default=12,
+        help="rounds of the dialect block (a multiple of 3: each dialect in each place equally often)",
+    )
+    p.add_argument("--stream", action="store_true", help="the dialect block streams its requests")
+    p.add_argument(
         "--no-vllm-server",
         dest="vllm_server",
         action="store_false",
@@ -449,6 +456,10 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         args.rounds, args.requests, args.max_tokens = 11, 32, 32
+    if args.dialect_rounds < 3 or args.dialect_rounds % 3:
+        p.error(f"--dialect-rounds must be a positive multiple of 3, got {args.dialect_rounds}")
+    if args.rounds < 1 or args.requests < 1 or args.max_tokens < 1:
+        p.error("--rounds, --requests and --max-tokens must be >= 1")
     res = asyncio.run(run(args))
     print(
         f"\nproxy overhead — {res['requests']} concurrent requests × {res['max_tokens']} tokens, "
@@ -456,11 +467,12 @@ def main() -> None:
     )
     print(
         f"{'variant':<22}{'median s':>10}{'tokens/s':>11}{'× direct (paired)':>19}{'× direct (medians)':>20}"
+        f"{'GC pauses s':>13}"
     )
     for name, v in res["variants"].items():
         print(
             f"{name:<22}{v['median_s']:>10.3f}{v['tokens_per_s']:>11.0f}{v['ratio_to_direct']:>19.3f}"
-            f"{v['ratio_of_medians']:>20.3f}"
+            f"{v['ratio_of_medians']:>20.3f}{v['gc_pause_s']:>13.2f}"
         )
     print(
         f"LLMProxy overhead: {res['proxy_overhead_pct']:+.1f}% (goal ≤ 5%: {'met' if res['goal_met'] else 'NOT met'}); "
@@ -484,16 +496,18 @@ def main() -> None:
             f"{'met' if r['goal_met'] else 'NOT met'}; same tokens: {r['same_tokens']}"
         )
     if "dialects_vs_chat" in res:
-        vs = res["variants"]
+        vs = res["dialects"]["variants"]
         print(
-            f"\nrollart's dialects vs its Chat Completions, the same requests with tools:\n"
-            f"{'variant':<26}{'median s':>10}{'latency p50':>13}{'× chat round':>14}{'× chat latency':>16}"
+            f"\nrollart's dialects vs its Chat Completions, the same requests with tools "
+            f"({res['dialects']['rounds']} rounds of their own{', streamed' if res['dialects']['stream'] else ''}):\n"
+            f"{'variant':<32}{'median s':>10}{'latency p50':>13}{'× chat round':>14}{'× chat latency':>16}"
+            f"{'GC pauses s':>13}"
         )
-        for name in (ROLLART_TOOLS, RESPONSES_TOOLS, MESSAGES_TOOLS):
+        for name in DIALECTS:
             d = res["dialects_vs_chat"].get(name, {"round_time_ratio": 1.0, "latency_ratio": 1.0})
             print(
-                f"{name:<26}{vs[name]['median_s']:>10.3f}{vs[name]['latency_median_s']:>13.3f}"
-                f"{d['round_time_ratio']:>14.3f}{d['latency_ratio']:>16.3f}"
+                f"{name:<32}{vs[name]['median_s']:>10.3f}{vs[name]['latency_median_s']:>13.3f}"
+                f"{d['round_time_ratio']:>14.3f}{d['latency_ratio']:>16.3f}{vs[name]['gc_pause_s']:>13.2f}"
             )
         met = all(d["goal_met"] for d in res["dialects_vs_chat"].values())
         same = all(d["same_tokens"] for d in res["dialects_vs_chat"].values())
