@@ -163,7 +163,8 @@ class WorkerFleet:
     async def prefetch_weights(self, version: int) -> None:
         """Every healthy worker that can prepares ``version`` while it keeps generating; returns when all
         are ready to swap it in (:meth:`update_weights` then pauses only for the swap). A worker that
-        fails or takes over ``update_timeout_s`` is taken out as in :meth:`update_weights`."""
+        fails or takes over ``update_timeout_s`` is taken out as in :meth:`update_weights`, without a
+        restart (what it serves is untouched): recovery updates it."""
         await self._weights_fan_out(self._engines_with("prefetch_weights"), "prefetch_weights", version)
 
     async def _weights_fan_out(
@@ -194,11 +195,11 @@ class WorkerFleet:
                     str(e) if isinstance(e, WeightSyncError) else f"{w.name}: {e!r}" for w, e in broken
                 )
             ) from broken[0][1]
-        for w, exc in broken:  # the others have it: take this one out, restart it where it can be
+        for w, exc in broken:  # the others have it: take this one out (recovery updates it again)
             self._mark_down(w, f"{stage} to version {version} failed: {exc!r}")
             w.metrics.update_failures += 1
             restart = getattr(w.engine, "restart", None)
-            if restart is not None:
+            if restart is not None and stage == "update":  # its weights may be half-loaded: a fresh start
                 try:
                     await restart()
                 except Exception as rexc:
