@@ -61,7 +61,7 @@ def cluster_without_h20() -> ClusterView:
 async def test_adding_to_an_unknown_group_or_a_missing_pool_is_refused_naming_what_exists(
     tmp_path: Path,
 ) -> None:
-    p = SimpleNamespace(config=config(tmp_path, pool="H20"), proxy=ElasticProxy(), actors=[])
+    p = SimpleNamespace(config=config(tmp_path, pool="H20"), proxy=ElasticProxy(), actors=[], tag="t0")
     elastic = ElasticEngines(p, {"gen": None}, cluster=cluster_without_h20)  # type: ignore[arg-type]
     with pytest.raises(ElasticError, match="no engine group 'big' \\(groups: gen\\)") as e:
         await elastic.add("big")

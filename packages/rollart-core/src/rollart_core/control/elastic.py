@@ -62,7 +62,7 @@ def engine_actor(
         ray.remote(cls)
         .options(
             **options,
-            name=f"rollart-{name}",
+            name=f"rollart-{pipeline.tag}-{name}",
             max_concurrency=1024,
             runtime_env={"env_vars": ENGINE_ENV},
             max_restarts=group.max_restarts,
@@ -225,7 +225,9 @@ class ElasticEngines:
         decl = WorkerDecl(name, spec, "engine")
         try:
             cluster = await asyncio.to_thread(self.cluster or ClusterView.from_ray)  # joined nodes count
-            placement = await asyncio.to_thread(place, [decl], cluster, timeout_s=timeout_s)
+            placement = await asyncio.to_thread(
+                place, [decl], cluster, timeout_s=timeout_s, name_prefix=f"rollart-{self.pipeline.tag}"
+            )
         except ConfigError as exc:  # the pool or a resource the group needs is missing
             raise ElasticError(f"engine group {g.name!r}: {exc}", 409) from exc
         except RollartError as exc:  # no room for it within the timeout

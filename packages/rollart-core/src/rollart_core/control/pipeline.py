@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import shutil
 import time
 from collections.abc import Awaitable
@@ -231,6 +232,8 @@ class Pipeline:
 
     def __init__(self, config: RunConfig) -> None:
         self.config = config
+        self.tag = secrets.token_hex(3)
+        """In the names of its Ray actors and placement groups: two pipelines may share a Ray job."""
         self._stack = AsyncExitStack()
         self.actors: list[Any] = []  # engine actors, in start order
         self.timings: dict[str, float] = {}  # start-up phases (the run summary)
@@ -426,7 +429,9 @@ class Pipeline:
         proxy_cls = resolve("proxy", "default")
         classes = [resolve("engine", g.impl) for g in self.config.engines]
         self.resources = resources = ResourceManager.from_ray()
-        self.placement = placement = await asyncio.to_thread(resources.place, self._engine_decls())
+        self.placement = placement = await asyncio.to_thread(
+            resources.place, self._engine_decls(), name_prefix=f"rollart-{self.tag}"
+        )
         members: list[tuple[str, Any, str]] = []
         self.elastic = elastic = ElasticEngines(
             self, {g.name: c for g, c in zip(self.config.engines, engine_cfgs, strict=True)}

@@ -453,10 +453,11 @@ def place(
     *,
     timeout_s: float = 120.0,
     strategy: str = "PACK",
+    name_prefix: str = "rollart",
 ) -> Placement:
     """Validate the plan, then reserve one placement group per worker (``strategy`` for its
-    replicas; colocated workers join their root's group under ``STRICT_PACK``), waiting until all
-    are ready. Serverless workers get no group. Call :meth:`Placement.remove` when done."""
+    replicas; colocated workers join their root's group under ``STRICT_PACK``; named
+    ``<name_prefix>-<worker>``, unique within the Ray job), waiting until all are ready. Serverless workers get no group. Call :meth:`Placement.remove` when done."""
     import ray
     from ray.util.placement_group import placement_group
 
@@ -477,7 +478,7 @@ def place(
                 selectors += [pool.label_selector(w.spec)] * w.spec.count
             kwargs: dict[str, Any] = {
                 "strategy": "STRICT_PACK" if len(group) > 1 else strategy,
-                "name": f"rollart-{root.name}",
+                "name": f"{name_prefix}-{root.name}",
             }
             if any(selectors):
                 kwargs["bundle_label_selector"] = selectors
