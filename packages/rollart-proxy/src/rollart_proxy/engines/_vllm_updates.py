@@ -129,14 +129,13 @@ class VllmWeightUpdates:
         from rollart_proxy.engines.vllm_worker import pack_tensors
 
         self.prefetch(version)
+        pulled = asyncio.wrap_future(self._prefetch[version])
         try:
-            tensors = await self._within(
-                asyncio.shield(asyncio.wrap_future(self._prefetch[version])), "pulling", version
-            )
+            tensors = await self._within(asyncio.shield(pulled), "pulling", version)
         except WeightSyncError:
-            self._prefetch.pop(
-                version, None
-            )  # a stuck pull is not waited for again: the next one starts anew
+            # a stuck pull is not waited for again: the next one starts anew
+            self._prefetch.pop(version, None)
+            pulled.add_done_callback(_dropped)
             raise
         if self.config.lora is not None or is_adapter(tensors):
             return [await self._prepare_adapter(version, tensors)], True
@@ -251,3 +250,10 @@ class VllmWeightUpdates:
                 if own_pause:
                     await self._unfreeze()
             return count_update(self.stats, self._metrics, t0, own_pause)
+
+
+def _dropped(pulled: asyncio.Future[Any]) -> None:
+    """The outcome of a pull given up on (it ended after its stage's bound): read, so that asyncio
+    does not report it as never retrieved; the update it was for failed already."""
+    if not pulled.cancelled() and pulled.exception() is not None:
+        log.debug("a pull given up on ended with %r", pulled.exception())
