@@ -99,7 +99,7 @@ class ElasticEngines:
     """Engine group → bundles reserved for it that no engine uses (left by removed engines)."""
     next_index: dict[str, int] = field(default_factory=dict)
     changes: list[dict[str, Any]] = field(default_factory=list)
-    """Every add and remove: what, when, how long, the outcome."""
+    """Every add and remove, in order: what, why, how long, the outcome."""
     cluster: Callable[[], Any] | None = None
     """The cluster as it is now (a :class:`~rollart_core.resources.ClusterView`); None: from Ray."""
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -131,8 +131,16 @@ class ElasticEngines:
 
     # add / remove ------------------------------------------------------------------------------
 
-    async def add(self, group: str, *, place_timeout_s: float = 120.0, why: str = "asked") -> dict[str, Any]:
-        """Start one more engine of ``group`` and route to it once it serves the served version."""
+    async def add(
+        self,
+        group: str,
+        *,
+        place_timeout_s: float = 120.0,
+        start_timeout_s: float = 600.0,
+        why: str = "asked",
+    ) -> dict[str, Any]:
+        """Start one more engine of ``group`` and route to it once it serves the served version; each
+        stage (placement, the engine's start, the proxy's bring-up) is bounded."""
         g = self._group(group)
         proxy = self._proxy()
         async with self._lock:
@@ -152,7 +160,12 @@ class ElasticEngines:
                     placement.actor_options(decl, bundle),
                     self.pipeline,
                 )
-                await actor.start.remote()
+                try:
+                    await asyncio.wait_for(actor.start.remote(), start_timeout_s)
+                except TimeoutError:
+                    raise ElasticError(
+                        f"engine {name} of group {group!r} did not start within {start_timeout_s:g}s", 503
+                    ) from None
                 version = await proxy.add_actor_worker(name, actor, group)
             except BaseException as exc:
                 if actor is not None:
@@ -185,7 +198,8 @@ class ElasticEngines:
         self, name: str, *, drain_timeout_s: float = 60.0, why: str = "asked", stop_timeout_s: float = 30.0
     ) -> dict[str, Any]:
         """Drain engine ``name`` (its requests finish, or continue on another engine after
-        ``drain_timeout_s``), then stop its actor; its bundle stays reserved for its group."""
+        ``drain_timeout_s``), then stop its actor. A bundle of the run's first placement stays reserved
+        for the group (the next add reuses it); an added engine's own placement is released."""
         proxy = self._proxy()
         async with self._lock:
             e = self.engines.get(name)
