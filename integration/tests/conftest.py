@@ -3,7 +3,9 @@ actor, a torch trainer, a filesystem weight store), started once and always torn
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -65,6 +67,15 @@ async def rollout_step(
             rollout.launch_group(ti, tag=f"{launch_tag}{step}-g")
     await rollout.wait_all()
     return rollout.drain_finished()
+
+
+async def until(cond: Callable[[], bool], timeout: float, what: str, poll_s: float = 0.05) -> None:
+    """Wait for ``cond()`` to hold, or raise naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(poll_s)
 
 
 @pytest.fixture(scope="session")

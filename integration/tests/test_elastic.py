@@ -11,8 +11,6 @@ import contextlib
 import json
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,17 +23,9 @@ from rollart_core.control.train import train
 from rollart_core.metrics import MemorySink
 from rollart_core.types import GenerateRequest, SamplingParams
 
-from .conftest import slice_config
+from .conftest import slice_config, until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ray]
-
-
-async def until(cond: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 async def call(run_dir: Path, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ from rollart_core.control.pipeline import Pipeline
 from rollart_core.resources import LOOPBACK_ENV
 from rollart_core.types import GenerateRequest, SamplingParams
 
-from .conftest import slice_config
+from .conftest import slice_config, until
 from .test_multinode import LocalCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.ray]
@@ -51,14 +50,6 @@ def nodes() -> Iterator[LocalCluster]:
         ray.shutdown()
         left = c.stop()
     assert not left, f"processes of our Ray nodes still alive: {left}"
-
-
-async def until(cond: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
-        await asyncio.sleep(0.1)
 
 
 async def test_an_elastic_group_grows_on_a_joined_node_and_shrinks_when_it_leaves(

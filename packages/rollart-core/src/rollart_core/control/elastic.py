@@ -84,7 +84,8 @@ class _Engine:
     own_placement: bool
     """Whether ``slot``'s placement was made for this engine alone (removed with it)."""
     node: str = ""
-    """The Ray node it runs on (known once the node watch runs)."""
+    """The Ray node it runs on (known while the node watch runs: it looks up the first engines' when it
+    starts, an add the new engine's)."""
 
 
 @dataclass
@@ -108,8 +109,6 @@ class ElasticEngines:
     def started(self, name: str, group: str, actor: Any, slot: tuple[Any, str, int]) -> None:
         """Record an engine the pipeline started with the run."""
         self.engines[name] = _Engine(name, group, actor, slot, own_placement=False)
-        index = int(name.rsplit("-", 1)[1]) if name.rsplit("-", 1)[-1].isdigit() else 0
-        self.next_index[group] = max(self.next_index.get(group, 0), index + 1)
 
     def count(self, group: str) -> int:
         return sum(e.group == group for e in self.engines.values())
@@ -177,7 +176,8 @@ class ElasticEngines:
                 if isinstance(exc, Exception) and not isinstance(exc, RollartError):
                     raise ElasticError(f"adding an engine to group {group!r}: {exc!r}") from exc
                 raise
-            self.engines[name] = _Engine(name, group, actor, slot, own)
+            node = await _node_of(actor, name) if self._watch is not None else ""
+            self.engines[name] = _Engine(name, group, actor, slot, own, node)
             self.pipeline.actors.append(actor)
             seconds = time.perf_counter() - t0
             out = {
@@ -317,13 +317,10 @@ class ElasticEngines:
         assert g.elastic is not None  # only elastic groups are watched
         while self.count(g.name) < up_to:
             try:
-                added = await self.add(g.name, place_timeout_s=g.elastic.place_timeout_s, why="node joined")
+                await self.add(g.name, place_timeout_s=g.elastic.place_timeout_s, why="node joined")
             except ElasticError as exc:  # the pool is full (or gone): until the next change
                 log.info("engine group %s not grown: %s", g.name, exc)
                 return
-            self.engines[added["name"]].node = await _node_of(
-                self.engines[added["name"]].actor, added["name"]
-            )
 
     async def stop_watch(self) -> None:
         task, self._watch = self._watch, None
