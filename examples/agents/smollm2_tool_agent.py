@@ -15,6 +15,9 @@ parsed by vLLM's ``hermes`` parser):
 - ``calculator(expression)``: an arithmetic expression's value (``rollart_env.calculator``: exact,
   bounded, never raises).
 
+Real tools are remote calls: ``task_data: {tool_latency_s: M, tool_latency_sigma: S}`` in the env's
+options makes every call wait a log-normal delay (median M seconds), drawn from the episode's seed.
+
 No tool choice is enforced and the arguments are free-form JSON: the agent runs each call the model
 writes and sends the result back, for at most ``MAX_ROUNDS`` model calls. The reward is 1 when the
 final reply's last number is the answer. A malformed or unknown call is the model's mistake: the
@@ -31,8 +34,10 @@ Held-out questions share no numbers with training ones (``make_train_task`` /
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
+import math
 import random
 import re
 from typing import Any
@@ -189,6 +194,18 @@ def run_tool(name: str, arguments: str, shop: dict[str, int]) -> str:
     return f"error: no tool {name!r}"
 
 
+def tool_delay(task: AgentTask, call: int) -> float:
+    """Seconds the ``call``-th tool call of this episode takes: log-normal with median
+    ``task_data.tool_latency_s`` (0, the default: instant) and spread ``tool_latency_sigma`` (1.0), drawn
+    from the episode's seed, so runs that launch the same episodes wait on the same delays."""
+    median = float(task.data.get("tool_latency_s", 0.0))
+    if median <= 0:
+        return 0.0
+    sigma = float(task.data.get("tool_latency_sigma", 1.0))
+    rng = random.Random(f"tool-latency/{task.seed}/{call}")
+    return median * math.exp(sigma * rng.gauss(0.0, 1.0))
+
+
 async def solve(client: Any, task: AgentTask) -> AgentResult:
     shop: dict[str, int] = task.data["shop"]
     messages: list[Any] = [*EXAMPLES, {"role": "user", "content": task.data["question"]}]
@@ -208,6 +225,7 @@ async def solve(client: Any, task: AgentTask) -> AgentResult:
             break
         messages.append(msg)
         for call in msg.tool_calls:
+            await asyncio.sleep(tool_delay(task, calls))  # a real tool is a remote call
             result = run_tool(call.function.name, call.function.arguments, shop)
             calls += 1
             errors += result.startswith("error:")

@@ -98,7 +98,9 @@ def with_env_latency(
     cfg: RunConfig, median_s: float, sigma: float, seed: int, paired_scope: str | None = None
 ) -> RunConfig:
     """Every task's training env wrapped in the ``straggler`` fault injector (log-normal delay on each
-    reset/step); held-out evaluation keeps the plain env. ``paired_scope`` (one per run): the n-th
+    reset/step); an ``agent`` env (whose episode is one call) gets ``task_data.tool_latency_s`` /
+    ``tool_latency_sigma`` instead, for agents whose tools wait that long (drawn from the episode seed,
+    e.g. ``examples/agents/smollm2_tool_agent.py``); held-out evaluation keeps the plain env. ``paired_scope`` (one per run): the n-th
     episode on a seed draws the same delays in every run, and runs of one seed launch the same episode
     seeds in every mode, so Sync+ and async of a seed wait on the same tails (common random numbers)."""
     if median_s <= 0:
@@ -106,6 +108,11 @@ def with_env_latency(
     cfg = cfg.model_copy(deep=True)
     for task in cfg.tasks:
         task.eval_env = task.eval_env or task.env
+        if task.env.impl == "agent":  # its latency is in the agent's tool calls (the episode is one call)
+            data = {**task.env.options.get("task_data", {}), "tool_latency_s": median_s}
+            data["tool_latency_sigma"] = sigma
+            task.env = task.env.model_copy(update={"options": {**task.env.options, "task_data": data}})
+            continue
         task.env = ComponentConfig(
             impl="straggler",
             options={

@@ -198,3 +198,27 @@ def test_tool_agent_examples_tools_answer_bad_calls_and_its_split_is_disjoint() 
         else:
             item = words[4].removesuffix("s")
             assert task["shop"][item] * int(words[3]) == task["value"] == numbers[0] * numbers[1]
+
+
+def test_tool_agent_examples_tool_latency_is_paired_by_episode_seed() -> None:
+    """``task_data.tool_latency_s``: every tool call waits a log-normal delay drawn from the episode's
+    seed and the call's number (so two runs launching the same episodes wait alike); none by default."""
+    from rollart_env.agent import AgentTask, load_callable
+
+    delay = load_callable(f"{ROOT / 'examples' / 'agents' / 'smollm2_tool_agent.py'}:tool_delay", "test")
+
+    def task(seed: int, **data: float) -> AgentTask:
+        return AgentTask(seed, "shop", dict(data), "m", 48, 0.7)
+
+    assert delay(task(3), 0) == 0.0
+    draws = [
+        delay(task(s, tool_latency_s=2.0, tool_latency_sigma=1.0), c) for s in range(400) for c in (0, 1)
+    ]
+    assert draws == [
+        delay(task(s, tool_latency_s=2.0, tool_latency_sigma=1.0), c) for s in range(400) for c in (0, 1)
+    ]
+    assert len(set(draws)) == len(draws) and min(draws) > 0
+    assert 1.6 < sorted(draws)[len(draws) // 2] < 2.5  # the median is the configured one
+    assert max(draws) > 10 * 2.0  # sigma 1: a heavy tail
+    tight = [delay(task(s, tool_latency_s=2.0, tool_latency_sigma=0.1), 0) for s in range(50)]
+    assert all(1.4 < d < 2.8 for d in tight)

@@ -9,7 +9,7 @@ from types import ModuleType
 
 import pytest
 
-from rollart_core.config import RunConfig
+from rollart_core.config import ComponentConfig, RunConfig
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "learning.py"
 
@@ -103,6 +103,16 @@ def test_env_latency_wraps_training_envs_and_keeps_evaluation_plain(learning: Mo
     assert learning.with_env_latency(cfg, 0.0, 1.0, seed=7) is cfg
     paired = learning.with_env_latency(cfg, 0.3, 1.0, seed=7, paired_scope="sync/seed7")
     assert paired.tasks[0].env.options["paired_scope"] == "sync/seed7"
+
+    agent = cfg.model_copy(deep=True)
+    agent.tasks[0].env = ComponentConfig(impl="agent", options={"entry": "a.py:solve", "task_data": {"k": 1}})
+    slow = learning.with_env_latency(agent, 2.0, 0.5, seed=7, paired_scope="sync/seed7")
+    env = slow.tasks[0].env  # an agent's episode is one call: the latency goes to its tools
+    assert env.impl == "agent" and env.options["entry"] == "a.py:solve"
+    assert env.options["task_data"] == {"k": 1, "tool_latency_s": 2.0, "tool_latency_sigma": 0.5}
+    assert slow.tasks[0].eval_env is not None and "task_data" in slow.tasks[0].eval_env.options
+    assert slow.tasks[0].eval_env.options["task_data"] == {"k": 1}  # held-out evaluation is not slowed
+    assert agent.tasks[0].env.options["task_data"] == {"k": 1}
 
 
 def test_task_options_set_every_task_and_bad_ones_are_refused(learning: ModuleType) -> None:
