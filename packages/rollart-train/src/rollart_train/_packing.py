@@ -1,4 +1,7 @@
-"""Token-level packing of variable-length trajectories into fixed-token-budget micro-batches.
+"""Batch preparation for every trainer: trajectories into sequences, sequences into micro-batches,
+and the model's logits back into each selected target's log-probability.
+
+Token-level packing of variable-length trajectories into fixed-token-budget micro-batches:
 
 A packed micro-batch is one row ``[1, T]`` holding several sequences back to back; position ids restart
 at 0 for every sequence and the attention is block-diagonal causal (no token attends across a sequence
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rollart_core.errors import TrainerError
 from rollart_core.types import Trajectory
 from rollart_train._attention import SEGMENT_ATTENTION
 from rollart_train.losses import trajectory_mean_weights
@@ -30,6 +34,8 @@ __all__ = [
     "pack_bins",
     "seq_data",
     "split_sequences",
+    "target_logits",
+    "target_logprobs",
     "trajectory_weights",
 ]
 
@@ -189,10 +195,13 @@ def build_micro_batch(
     pad_id: int,
     attn_impl: str,
     mask_dtype: torch.dtype,
+    width: int | None = None,
 ) -> MicroBatch:
-    """Lay out ``seqs[indices]`` as one packed row (or a padded batch) and collect the selected targets."""
+    """Lay out ``seqs[indices]`` as one packed row (or a padded batch) and collect the selected targets.
+    ``width``: the padded layout's row length when every micro-batch must have one shape (pipeline
+    parallelism's point-to-point sends need it); at least the longest sequence's."""
     lengths = [len(seqs[i].ids) for i in indices]
-    width = sum(lengths) if packed else max(lengths)
+    width = sum(lengths) if packed else max(max(lengths), width or 0)
     rows = 1 if packed else len(indices)
     input_ids = torch.full((rows, width), pad_id, dtype=torch.long)
     position_ids = torch.zeros((rows, width), dtype=torch.long)
@@ -255,3 +264,37 @@ def build_micro_batch(
         packed=packed,
         cu_seqlens=cu_seqlens,
     )
+
+
+def target_logits(logits: torch.Tensor, mb: MicroBatch, vocab_size: int | None = None) -> torch.Tensor:
+    """float32 logits ``[n, V]`` of the selected targets from the model's output: ``[1, n, V]`` for a
+    packed micro-batch (the model kept only those positions), else ``[B, T, V]`` (gathered at
+    ``pred_index``), cut to
+    ``vocab_size`` (a padded vocabulary), under each target's sampling temperature and allowed-token
+    restriction when present (greedy, temperature 0, was sampled as the argmax: logits as they are)."""
+    if mb.packed:
+        flat = logits[0]
+    else:
+        flat = logits.reshape(-1, logits.shape[-1])[mb.pred_index]
+    flat = flat[:, :vocab_size].float()
+    if mb.temperature is not None:
+        flat = flat / mb.temperature.unsqueeze(-1)
+    if mb.allowed_id is not None:
+        v = flat.shape[-1]
+        allow = torch.ones(flat.shape, dtype=torch.bool, device=flat.device)
+        for k, ids in enumerate(mb.allowed_sets):
+            if not ids or max(ids) >= v or min(ids) < 0:
+                raise TrainerError(
+                    f"allowed_token_ids {list(ids[:8])} (of {len(ids)}): empty or outside the "
+                    f"vocabulary (0..{v - 1})"
+                )
+            row = torch.zeros(v, dtype=torch.bool, device=flat.device)
+            row[list(ids)] = True
+            allow[mb.allowed_id == k] = row
+        flat = flat.masked_fill(~allow, float("-inf"))
+    return flat
+
+
+def target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(logits)[targets]``: each selected target's log-probability, ``[n]``."""
+    return torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)

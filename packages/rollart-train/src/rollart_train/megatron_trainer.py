@@ -42,7 +42,16 @@ from rollart_train._megatron_cpu import (
     forward_backward_cpu,
     init_cpu_rng,
 )
-from rollart_train._packing import SeqData, seq_data, split_sequences, trajectory_weights
+from rollart_train._packing import (
+    MicroBatch,
+    SeqData,
+    build_micro_batch,
+    seq_data,
+    split_sequences,
+    target_logits,
+    target_logprobs,
+    trajectory_weights,
+)
 from rollart_train.losses import (
     batch_advantages,
     policy_loss,
@@ -170,62 +179,33 @@ class MegatronTrainer:
 
     # training --------------------------------------------------------------------------------
 
-    def _micro_batches(self, seqs: Sequence[SeqData]) -> tuple[list[dict[str, torch.Tensor]], int]:
-        """This data-parallel rank's share of the batch's sequences, right-padded; the loss mask
-        carries each sequence's token weight (``loss_agg``), ``adv`` its per-token advantages. With
-        sampling specs (``match_sampling``): ``temp`` each target's temperature and ``allow`` the
-        index of its allowed-token set (-1: any) in ``allow_sets`` (one vocabulary mask per set)."""
+    def _micro_batches(self, seqs: Sequence[SeqData]) -> tuple[list[MicroBatch], int]:
+        """This data-parallel rank's share of the batch's sequences as padded micro-batches of
+        ``micro_batch_size`` rows (``_packing.build_micro_batch``, as the torch trainer's), all of one
+        width (pipeline p2p needs one shape); a rank with no sequence gets one zero-weight dummy."""
         mine = list(range(self.dp_rank, len(seqs), self.dp_size))
-        sets: dict[tuple[int, ...], int] = {}
-        any_spec = any(sq.spec is not None for sq in seqs)
         width = max(len(s.ids) for s in seqs)
-        width = (width + 7) // 8 * 8  # one shape for every micro-batch (pipeline p2p needs it)
-        micros = []
+        width = (width + 7) // 8 * 8
         mbs = self.config.micro_batch_size
-        for s in range(0, max(len(mine), 1), mbs):
-            idx = mine[s : s + mbs]
-            n = max(len(idx), 1)
-            ids = torch.full((n, width), self.pad_id, dtype=torch.long)
-            mask = torch.zeros((n, width))
-            beh = torch.zeros((n, width))
-            ver = torch.full((n, width), -1, dtype=torch.long)
-            a = torch.zeros((n, width))
-            if any_spec:  # only with match_sampling: no [n, width] tensors for nothing
-                temp = torch.ones((n, width))
-                allow = torch.full((n, width), -1, dtype=torch.long)
-            for r, i in enumerate(idx):
-                sq = seqs[i]
-                n_tok = len(sq.ids)
-                ids[r, :n_tok] = torch.tensor(sq.ids)
-                mask[r, :n_tok] = torch.tensor(sq.mask, dtype=torch.float32) * sq.weight
-                beh[r, :n_tok] = torch.tensor(sq.behaviour)
-                ver[r, :n_tok] = torch.tensor(sq.versions)
-                if isinstance(sq.advantage, float):
-                    a[r, :] = sq.advantage
-                else:
-                    a[r, :n_tok] = torch.tensor(sq.advantage)
-                for j, (allowed, t) in (sq.spec or {}).items():
-                    temp[r, j] = t if t > 0 else 1.0  # greedy (0) was sampled as the argmax: logits as is
-                    if allowed is not None:
-                        allow[r, j] = sets.setdefault(tuple(allowed), len(sets))
-            micros.append({"ids": ids, "mask": mask, "beh": beh, "ver": ver, "adv": a})
-            if any_spec:
-                micros[-1].update(temp=temp, allow=allow)
-        if sets:
-            vocab = torch.zeros((len(sets), self.shape.vocab_size), dtype=torch.bool)
-            for allowed, k in sets.items():
-                if not allowed or max(allowed) >= self.shape.vocab_size or min(allowed) < 0:
-                    raise TrainerError(
-                        f"allowed_token_ids {list(allowed[:8])} (of {len(allowed)}): empty or outside "
-                        f"the vocabulary (0..{self.shape.vocab_size - 1})"
-                    )
-                vocab[k, list(allowed)] = True
-            for mb in micros:
-                mb["allow_sets"] = vocab
-        return micros, width
+        parts = [mine[s : s + mbs] for s in range(0, len(mine), mbs)]
+        if not parts:  # keeps this rank's collectives in step with the others
+            seqs, parts = [SeqData([self.pad_id] * 2, [0, 0], [0.0, 0.0], [-1, -1], 0.0)], [[0]]
+        return [
+            build_micro_batch(
+                seqs,
+                part,
+                select="loss",
+                packed=False,
+                pad_id=self.pad_id,
+                attn_impl="eager",
+                mask_dtype=torch.float32,
+                width=width,
+            )
+            for part in parts
+        ], width
 
-    def _forward(self, mb: dict[str, torch.Tensor]) -> torch.Tensor:
-        ids = mb["ids"].to(self.device)
+    def _forward(self, mb: MicroBatch) -> torch.Tensor:
+        ids = mb.input_ids.to(self.device)
         pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
         with self._on_device():
             return self.model(
@@ -234,20 +214,10 @@ class MegatronTrainer:
                 attention_mask=causal_mask(ids.shape[0], ids.shape[1], ids.device),
             )
 
-    def _token_logprobs(
-        self, logits: torch.Tensor, mb: dict[str, torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = logits[:, :-1, : self.shape.vocab_size].float()
-        if "temp" in mb:  # logits[:, j - 1] predict token j: its spec sits at j
-            logits = logits / mb["temp"][:, 1:].to(self.device).unsqueeze(-1)
-        if "allow_sets" in mb:
-            aid = mb["allow"][:, 1:].to(self.device)
-            restricted = aid >= 0  # only those rows get a [V] mask: not a [B, T, V] one
-            rows = mb["allow_sets"].to(self.device)[aid[restricted]]
-            logits = logits.index_put((restricted,), logits[restricted].masked_fill(~rows, float("-inf")))
-        logp_all = torch.log_softmax(logits, -1)
-        tgt = mb["ids"][:, 1:].to(self.device)
-        return logp_all.gather(-1, tgt.unsqueeze(-1)).squeeze(-1), logits
+    def _token_logprobs(self, logits: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The selected targets' log-probabilities ``[n]`` and logits ``[n, V]`` (``_packing``)."""
+        flat = target_logits(logits, mb.to(self.device), self.shape.vocab_size)
+        return target_logprobs(flat, mb.targets), flat
 
     def train_step(self, batch: Sequence[Trajectory]) -> dict[str, float]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -272,7 +242,7 @@ class MegatronTrainer:
         prox: list[torch.Tensor] = []
         if c.loss == "decoupled_ppo" and stale:  # proximal logprobs: the weights before this update
 
-            def prox_step(it: Iterator[dict[str, torch.Tensor]], model: Any) -> tuple[torch.Tensor, Any]:
+            def prox_step(it: Iterator[MicroBatch], model: Any) -> tuple[torch.Tensor, Any]:
                 mb = next(it)
                 out = self._forward(mb)
 
@@ -295,26 +265,24 @@ class MegatronTrainer:
         stats: dict[str, float] = {}
         counter = iter(range(len(micros)))
 
-        def step(it: Iterator[dict[str, torch.Tensor]], model: Any) -> tuple[torch.Tensor, Any]:
+        def step(it: Iterator[MicroBatch], model: Any) -> tuple[torch.Tensor, Any]:
             mb = next(it)
             k = next(counter)
             out = self._forward(mb)
 
             def loss_fn(o: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
                 logp, logits = self._token_logprobs(o, mb)
-                mask, beh = (mb[k][:, 1:].to(self.device) for k in ("mask", "beh"))
-                ver, a = (mb[k][:, 1:].to(self.device) for k in ("ver", "adv"))
                 loss, st = policy_loss(
                     logp,
                     logits,
-                    beh,
-                    a,
-                    mask,
+                    mb.behaviour,
+                    mb.advantages,
+                    mb.mask,
                     c,
                     n=n_tokens,
                     entropy_coef=c.entropy_coef,
                     proximal_logp=prox[k] if prox else None,
-                    versions=ver,
+                    versions=mb.versions,
                     version=self.version,
                     entropy_stats=False,  # as before: no [tokens, vocab] float32 copy without a bonus
                 )
@@ -401,9 +369,21 @@ class MegatronTrainer:
         """Logprobs under the current weights (no pipeline parallelism: one stage holds the whole model)."""
         if self.config.pipeline_parallel > 1:
             raise TrainerError("logprobs() needs pipeline_parallel = 1")
+        ids = list(token_ids)
+        if len(ids) < 2:
+            return []
+        seq = SeqData(ids, [1] * len(ids), [0.0] * len(ids), [-1] * len(ids), 0.0)
+        mb = build_micro_batch(
+            [seq],
+            [0],
+            select="all",
+            packed=False,
+            pad_id=self.pad_id,
+            attn_impl="eager",
+            mask_dtype=torch.float32,
+        )
         with torch.no_grad():
-            mb = {"ids": torch.tensor([list(token_ids)])}
-            return self._token_logprobs(self._forward(mb), mb)[0][0].tolist()
+            return self._token_logprobs(self._forward(mb), mb)[0].tolist()
 
     # checkpoints -----------------------------------------------------------------------------
 

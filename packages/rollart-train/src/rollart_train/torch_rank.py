@@ -45,6 +45,8 @@ from rollart_train._packing import (
     pack_bins,
     seq_data,
     split_sequences,
+    target_logits,
+    target_logprobs,
     trajectory_weights,
 )
 from rollart_train.losses import (
@@ -187,19 +189,7 @@ class TorchRankWorker:
                 logits_to_keep=mb.pred_index if mb.packed else 0,
                 **segments,
             )
-        logits = out.logits
-        logits = logits[0] if mb.packed else logits.reshape(-1, logits.shape[-1])[mb.pred_index]
-        logits = logits.float()
-        if mb.temperature is not None:
-            logits = logits / mb.temperature.unsqueeze(-1)
-        if mb.allowed_id is not None:
-            allow = torch.ones(logits.shape, dtype=torch.bool, device=logits.device)
-            for k, ids in enumerate(mb.allowed_sets):
-                row = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
-                row[list(ids)] = True
-                allow[mb.allowed_id == k] = row
-            logits = logits.masked_fill(~allow, float("-inf"))
-        return logits
+        return target_logits(out.logits, mb)
 
     def _micro(self, seqs: Sequence[SeqData], idx: Sequence[int], select: str) -> MicroBatch:
         mask_dtype = self.compute_dtype if self.param_dtype == self.compute_dtype else torch.float32
@@ -229,8 +219,7 @@ class TorchRankWorker:
         try:
             s = SeqData(ids, [1] * len(ids), [0.0] * len(ids), [-1] * len(ids), 0.0)
             mb = self._micro([s], [0], "all")
-            logits = self._logits(self.model, mb)
-            lp = torch.log_softmax(logits, -1).gather(-1, mb.targets.unsqueeze(-1)).squeeze(-1)
+            lp = target_logprobs(self._logits(self.model, mb), mb.targets)
         finally:
             self.model.train(was_training)
         return lp.tolist()
@@ -369,8 +358,7 @@ class TorchRankWorker:
         for micros in plan:
             row = []
             for mb in micros:
-                logits = self._logits(model, mb)
-                row.append(torch.log_softmax(logits, -1).gather(-1, mb.targets.unsqueeze(-1)).squeeze(-1))
+                row.append(target_logprobs(self._logits(model, mb), mb.targets))
             out.append(row)
         return out
 
@@ -383,7 +371,7 @@ class TorchRankWorker:
         entropy_coef: float,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         logits = self._logits(self.model, mb)
-        logp = torch.log_softmax(logits, -1).gather(-1, mb.targets.unsqueeze(-1)).squeeze(-1)
+        logp = target_logprobs(logits, mb.targets)
         return policy_loss(
             logp,
             logits,
