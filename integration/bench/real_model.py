@@ -47,23 +47,22 @@ Prints a table and writes JSON. The machine is shared: ratios within one run are
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import gc
 import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
+if str(Path(__file__).parent) not in sys.path:  # its parts beside it, also when loaded by path (tests)
+    sys.path.insert(0, str(Path(__file__).parent))
 STEP_S = 37.0
 """A step of examples/smollm2_math.yaml on the 2-core machine (docs/benchmarks.md): pause shares are of it."""
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -211,121 +210,6 @@ def step_flops(n: dict[str, int], tokens: int, loss_tokens: int, lora: bool) -> 
 # --- trainer ----------------------------------------------------------------------------------------
 
 
-class PhaseTimer:
-    """Splits train steps into phases with public torch hooks only: model forward (pre/post forward
-    hooks), loss (forward end → the gradient of the logits arrives), backward through the model (→ the
-    last parameter gradient accumulated), optimiser step (step pre/post hooks)."""
-
-    def __init__(self, model: Any) -> None:
-        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-
-        self.on = False
-        self.t: dict[str, float] = {}
-        self.sums = dict.fromkeys(("forward", "loss", "backward", "optimizer"), 0.0)
-        self._last_grad = 0.0
-        self._handles = [
-            model.register_forward_pre_hook(self._fwd_pre),
-            model.register_forward_hook(self._fwd_post),
-            register_optimizer_step_pre_hook(lambda *a: self._mark("opt0")),
-            register_optimizer_step_post_hook(self._opt_post),
-        ]
-        for p in model.parameters():
-            if p.requires_grad:
-                self._handles.append(p.register_post_accumulate_grad_hook(self._grad_done))
-
-    def _mark(self, key: str) -> None:
-        if self.on:
-            self.t[key] = time.perf_counter()
-
-    def _fwd_pre(self, *args: Any) -> None:
-        self._close_backward()
-        self._mark("fwd0")
-
-    def _fwd_post(self, module: Any, args: Any, out: Any) -> None:
-        if not self.on:
-            return
-        now = time.perf_counter()
-        self.sums["forward"] += now - self.t["fwd0"]
-        self.t["fwd1"] = now
-        logits = getattr(out, "logits", None)
-        if logits is not None and logits.requires_grad:
-            logits.register_hook(self._logits_grad)
-
-    def _logits_grad(self, grad: Any) -> None:
-        now = time.perf_counter()
-        self.sums["loss"] += now - self.t["fwd1"]
-        self.t["bwd0"] = now
-
-    def _grad_done(self, p: Any) -> None:
-        if self.on:
-            self._last_grad = time.perf_counter()
-
-    def _close_backward(self) -> None:
-        if "bwd0" in self.t and self._last_grad > self.t["bwd0"]:
-            self.sums["backward"] += self._last_grad - self.t.pop("bwd0")
-
-    def _opt_post(self, *args: Any) -> None:
-        if self.on and "opt0" in self.t:
-            self._close_backward()
-            self.sums["optimizer"] += time.perf_counter() - self.t.pop("opt0")
-
-    @contextlib.contextmanager
-    def step(self) -> Iterator[dict[str, float]]:
-        self.sums = dict.fromkeys(self.sums, 0.0)
-        self.t, self._last_grad, self.on = {}, 0.0, True
-        out: dict[str, float] = {}
-        t0 = time.perf_counter()
-        try:
-            yield out
-        finally:
-            self.on = False
-            wall = time.perf_counter() - t0
-            out.update(self.sums)
-            out["other"] = max(wall - sum(self.sums.values()), 0.0)
-            out["wall"] = wall
-
-    def close(self) -> None:
-        for h in self._handles:
-            h.remove()
-
-
-OP_GROUPS = (
-    ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul", "mkldnn")),
-    ("attention", ("scaled_dot_product", "attention", "flash")),
-    ("softmax/loss", ("softmax", "logsumexp", "gather", "nll", "entropy")),
-    ("dtype casts/copies", ("aten::copy_", "aten::_to_copy", "aten::to", "clone", "contiguous")),
-    ("optimizer", ("_foreach", "adam", "Optimizer")),
-)
-
-
-def op_profile(run_step: Callable[[], Any], top: int = 10) -> tuple[dict[str, Any], Any]:
-    """One step under torch.profiler: the ops with the most self CPU time, time by op group, and the
-    step's own return value."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        t0 = time.perf_counter()
-        value = run_step()
-        wall = time.perf_counter() - t0
-    rows = [(e.key, e.self_cpu_time_total / 1e6, e.count) for e in prof.key_averages()]
-    rows.sort(key=lambda r: -r[1])
-    total = sum(r[1] for r in rows) or 1.0
-    groups = dict.fromkeys([g for g, _ in OP_GROUPS] + ["elementwise/other"], 0.0)
-    for key, s, _ in rows:
-        if key.startswith(("autograd::engine", "Optimizer.step", "Optimizer.zero_grad")):
-            continue  # wrappers; their ops are counted themselves
-        g = next(
-            (g for g, pats in OP_GROUPS if any(p.lower() in key.lower() for p in pats)), "elementwise/other"
-        )
-        groups[g] += s
-    return {
-        "wall_s": wall,
-        "self_cpu_s": total,
-        "top_ops": [{"op": k, "self_s": s, "share": s / total, "calls": c} for k, s, c in rows[:top]],
-        "groups": {g: {"self_s": s, "share": s / total} for g, s in groups.items()},
-    }, value
-
-
 def trainer_config(spec: dict[str, Any], lr: float) -> Any:
     from rollart_train import TorchTrainerConfig
     from rollart_train.torch_config import LoraConfig
@@ -354,6 +238,7 @@ def bench_trainer(
     """Parts 1 and 2 (see the module docstring). ``bf16_steps``: measured steps of the bf16 configs
     (default ``steps``; torch's bf16 matmul is ~30x slower than fp32 on a CPU without bf16 instructions).
     The last measured step of the configs in ``PROFILED`` runs under torch.profiler."""
+    from real_model_profile import PhaseTimer, op_profile
 
     from rollart_train import TorchTrainer
 
@@ -501,8 +386,6 @@ def bench_stores(
     payloads: dict[str, dict[str, Any]], repeats: int, warmup: int, with_ray: bool
 ) -> list[dict[str, Any]]:
     """Push and pull of every payload through the filesystem, Mooncake and Ray stores."""
-    if str(Path(__file__).parent) not in sys.path:
-        sys.path.insert(0, str(Path(__file__).parent))
     from weightsync_bench import store_bandwidth
 
     from rollart_weightsync import (
@@ -552,314 +435,7 @@ def bench_stores(
     return rows
 
 
-# --- generation (each side in a child process of its own) --------------------------------------------
-
-
-def gen_prompts(model_dir: Path, n: int) -> list[list[int]]:
-    return [p for p, _ in encode_chats(model_dir, n, 1, seed=1)]
-
-
-def _child_llm(args: dict[str, Any]) -> dict[str, Any]:
-    from vllm import LLM, SamplingParams
-
-    prompts: list[list[int]] = args["prompts"]
-    t0 = time.perf_counter()
-    llm = LLM(
-        model=args["model"],
-        dtype="float32",
-        max_model_len=args["max_model_len"],
-        max_num_seqs=args["max_num_seqs"],
-        enforce_eager=True,
-        seed=0,
-    )
-    start_s = time.perf_counter() - t0
-
-    def params(i: int, max_tokens: int) -> Any:
-        return SamplingParams(
-            max_tokens=max_tokens, temperature=1.0, seed=i, ignore_eos=True, logprobs=0, detokenize=False
-        )
-
-    def run(max_tokens: int) -> tuple[float, int]:
-        t0 = time.perf_counter()
-        outs = llm.generate(
-            [{"prompt_token_ids": p} for p in prompts],
-            [params(i, max_tokens) for i in range(len(prompts))],
-            use_tqdm=False,
-        )
-        return time.perf_counter() - t0, sum(len(o.outputs[0].token_ids) for o in outs)
-
-    run(4)  # warm-up
-    timed = [run(args["max_tokens"]) for _ in range(args["repeats"])]
-    return {"start_s": start_s, "runs": [{"s": s, "tokens": n} for s, n in timed]}
-
-
-async def _engine_updates(
-    engine: Any, store: Any, state: dict[str, Any], updates: int, prompts: list[list[int]]
-) -> dict[str, Any]:
-    """``updates`` weight versions pushed to ``store`` and loaded by ``engine`` while 8 requests generate."""
-    from rollart_core.types import GenerateRequest, SamplingParams
-
-    stop = asyncio.Event()
-
-    async def rollout(i: int) -> None:
-        n = 0
-        while not stop.is_set():
-            await engine.generate(
-                GenerateRequest(f"u{i}-{n}", prompts[i % len(prompts)], SamplingParams(max_tokens=32, seed=n))
-            )
-            n += 1
-
-    workers = [asyncio.create_task(rollout(i)) for i in range(8)]
-    push, prepare, pause = [], [], []
-    try:
-        await asyncio.sleep(1.0)
-        base = await engine.weight_version()
-        for v in range(base + 1, base + updates + 1):
-            t0 = time.perf_counter()
-            await asyncio.to_thread(lambda v=v: store.push(v, state).result(600))
-            push.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            await engine.prefetch_weights(v)  # pull (+ stage / write the adapter), hidden behind generation
-            prepare.append(time.perf_counter() - t0)
-            pause.append(await engine.update_weights(v))
-    finally:
-        stop.set()
-        await asyncio.gather(*workers, return_exceptions=True)
-    return {
-        "bytes": nbytes(state),
-        "updates": updates,
-        "push_s": statistics.median(push),
-        "prepare_s_hidden": statistics.median(prepare),
-        "pause_s": statistics.median(pause),
-        "pause_s_all": pause,
-        "pause_share_of_step": statistics.median(pause) / STEP_S,
-    }
-
-
-async def _child_engine_async(args: dict[str, Any]) -> dict[str, Any]:
-    from rollart_core.types import GenerateRequest, SamplingParams
-    from rollart_proxy.engines.vllm_engine import VllmEngine, VllmEngineConfig
-    from rollart_proxy.engines.vllm_lora import VllmLoraConfig
-    from rollart_weightsync import FilesystemWeightStore, FilesystemWeightStoreConfig
-
-    class IgnoreEosEngine(VllmEngine):
-        def _sampling(self, request: GenerateRequest) -> Any:
-            sp = super()._sampling(request)
-            sp.ignore_eos = True  # rollart's SamplingParams has no ignore_eos; vLLM applies it per request
-            return sp
-
-    prompts: list[list[int]] = args["prompts"]
-    lora = args.get("lora_adapter")
-    with tempfile.TemporaryDirectory() as d:
-        store = FilesystemWeightStore(FilesystemWeightStoreConfig(root=Path(d), keep_last=1))
-        engine = IgnoreEosEngine(
-            VllmEngineConfig(
-                dtype="float32",
-                max_model_len=args["max_model_len"],
-                max_num_seqs=args["max_num_seqs"],
-                lora=VllmLoraConfig(max_lora_rank=LORA_RANK) if lora else None,
-            ),
-            model_path=args["model"],
-            weight_store=store,
-            name="bench",
-        )
-        t0 = time.perf_counter()
-        await engine.start()
-        start_s = time.perf_counter() - t0
-        out: dict[str, Any] = {"start_s": start_s}
-        try:
-
-            async def run(max_tokens: int, tag: str) -> tuple[float, int]:
-                t0 = time.perf_counter()
-                outs = await asyncio.gather(
-                    *(
-                        engine.generate(
-                            GenerateRequest(
-                                f"{tag}-{i}",
-                                p,
-                                SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i),
-                            )
-                        )
-                        for i, p in enumerate(prompts)
-                    )
-                )
-                return time.perf_counter() - t0, sum(len(o.token_ids) for o in outs)
-
-            if not lora:
-                await run(4, "warm")
-                timed = [await run(args["max_tokens"], f"r{k}") for k in range(args["repeats"])]
-                out["runs"] = [{"s": s, "tokens": n} for s, n in timed]
-            if args.get("updates"):
-                from safetensors.torch import load_file
-
-                if lora:
-                    state = load_file(lora)
-                else:
-                    state = {
-                        k: t.float()
-                        for k, t in load_file(str(Path(args["model"]) / "model.safetensors")).items()
-                    }
-                out["update"] = await _engine_updates(engine, store, state, args["updates"], prompts)
-                # a new adapter only changes what new requests carry: vLLM's scheduler never pauses
-                out["update"]["generation_paused"] = not lora
-        finally:
-            await engine.shutdown()
-            store.close()
-    return out
-
-
-def run_child(kind: str, args: dict[str, Any], timeout: float = 1800) -> dict[str, Any]:
-    """This script in a child process (vLLM engines never share a process here); its result as JSON."""
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(args, f)
-    result = Path(f.name + ".out")
-    try:
-        proc = subprocess.Popen([sys.executable, __file__, "--child", kind, f.name, str(result)], env=env)
-        try:
-            rc = proc.wait(timeout)
-        except BaseException:
-            proc.kill()
-            proc.wait()
-            raise
-        if rc != 0 or not result.exists():
-            raise RuntimeError(f"child {kind} failed with exit code {rc}")
-        return dict(json.loads(result.read_text()))
-    finally:
-        Path(f.name).unlink(missing_ok=True)
-        result.unlink(missing_ok=True)
-
-
-def bench_generation(
-    model_dir: Path,
-    prompts: int,
-    max_tokens: int,
-    repeats: int,
-    order: str,
-    updates: int,
-    lora_adapter: str | None,
-) -> dict[str, Any]:
-    ids = gen_prompts(model_dir, prompts)
-    common = {
-        "model": str(model_dir),
-        "prompts": ids,
-        "max_tokens": max_tokens,
-        "repeats": repeats,
-        "max_model_len": 512,
-        "max_num_seqs": 64,
-    }
-    rounds: dict[str, list[dict[str, Any]]] = {"vllm_llm": [], "rollart_engine": []}
-    update = None
-    for k, side in enumerate(order):
-        if side == "A":
-            res = run_child("llm", common)
-            rounds["vllm_llm"].append(res)
-        else:
-            last_engine = k == max(i for i, s in enumerate(order) if s == "B")
-            res = run_child("engine", {**common, "updates": updates if last_engine else 0})
-            update = res.pop("update", update)
-            rounds["rollart_engine"].append(res)
-        print(
-            f"  {'vLLM LLM.generate' if side == 'A' else 'rollart VllmEngine'}: "
-            + ", ".join(f"{r['tokens'] / r['s']:.1f} tok/s" for r in res["runs"]),
-            flush=True,
-        )
-    best = {side: max(r["tokens"] / r["s"] for rr in rs for r in rr["runs"]) for side, rs in rounds.items()}
-    out: dict[str, Any] = {
-        "prompts": prompts,
-        "max_tokens": max_tokens,
-        "prompt_tokens_mean": statistics.mean(len(p) for p in ids),
-        "order": order,
-        "rounds": rounds,
-        "vllm_llm_tokens_per_s": best["vllm_llm"],
-        "rollart_engine_tokens_per_s": best["rollart_engine"],
-        "ratio": best["rollart_engine"] / best["vllm_llm"],
-        "per_round_ratios": [
-            max(r["tokens"] / r["s"] for r in b["runs"]) / max(r["tokens"] / r["s"] for r in a["runs"])
-            for a, b in zip(rounds["vllm_llm"], rounds["rollart_engine"], strict=False)
-        ],
-    }
-    if update is not None:
-        out["engine_update_full_fp32"] = update
-    if lora_adapter and updates:
-        res = run_child("engine", {**common, "updates": updates, "lora_adapter": lora_adapter})
-        out["engine_update_lora"] = res["update"]
-        out["engine_update_lora"]["start_s"] = res["start_s"]
-    return out
-
-
 # --- main -------------------------------------------------------------------------------------------
-
-
-def print_tables(result: dict[str, Any]) -> None:
-    tr = result.get("trainer")
-    if tr:
-        b = tr["batch"]
-        pk = tr["peak_gflops"]
-        print(
-            f"\n1. Trainer: {b['sequences']} sequences, {b['tokens']} tokens ({b['loss_tokens']} reply tokens) a step; "
-            f"median of {tr['steps']} steps after {tr['warmup_steps']} warm-up; matmul peak fp32 {pk['float32']:.1f}, "
-            f"bf16 {pk['bfloat16']:.1f} GFLOP/s"
-        )
-        print(
-            f"{'config':<18}{'step s':>9}{'tokens/s':>10}{'TFLOP/step':>11}{'GFLOP/s':>9}{'MFU':>7}   fwd / loss / bwd / optim / other"
-        )
-        for name, r in tr["runs"].items():
-            sh = r["phase_share"]
-            print(
-                f"{name:<18}{r['step_s']:>9.2f}{r['tokens_per_s']:>10.1f}{r['flops_per_step'] / 1e12:>11.3f}"
-                f"{r['model_tflops'] * 1e3:>9.1f}{100 * r['mfu']:>6.1f}%   "
-                + " / ".join(
-                    f"{100 * sh[k]:.0f}%" for k in ("forward", "loss", "backward", "optimizer", "other")
-                )
-            )
-        for name, r in tr["runs"].items():
-            if "profile" in r and r["mfu"] < 0.40:
-                p = r["profile"]
-                groups = ", ".join(
-                    f"{g} {100 * v['share']:.0f}%"
-                    for g, v in sorted(p["groups"].items(), key=lambda x: -x[1]["share"])
-                )
-                top = ", ".join(f"{o['op']} {100 * o['share']:.0f}%" for o in p["top_ops"][:5])
-                print(f"  profile {name} (MFU {100 * r['mfu']:.1f}%): {groups}; top ops: {top}")
-        print("\n2. Loss on the same batch, step by step (behaviour logprobs from the fp32 model):")
-        for c in tr["loss_compare"]:
-            print(f"  {c['reference']:<10}: " + " ".join(f"{x:+.6f}" for x in c["reference_losses"]))
-            print(f"  {c['other']:<10}: " + " ".join(f"{x:+.6f}" for x in c["other_losses"]))
-            print(
-                f"  max |diff| {c['max_abs_diff']:.2e}; change over the run {c['reference_change']:+.2e} vs {c['other_change']:+.2e}"
-            )
-    g = result.get("generation")
-    if g:
-        print(
-            f"\n3. Generation, float32, {g['prompts']} prompts x {g['max_tokens']} tokens (ignore_eos, T=1), order {g['order']}: "
-            f"vLLM LLM.generate {g['vllm_llm_tokens_per_s']:.1f} tok/s, rollart VllmEngine {g['rollart_engine_tokens_per_s']:.1f} "
-            f"tok/s: ratio {g['ratio']:.3f} (per round: "
-            + ", ".join(f"{x:.3f}" for x in g["per_round_ratios"])
-            + ")"
-        )
-    w = result.get("weights")
-    if w:
-        print(
-            f"\n4. Weight update: best of {w['repeats']} push/pull rounds after {w['warmup']} warm-up rounds"
-        )
-        print(f"{'store':<12}{'payload':<12}{'MB':>8}{'push s':>9}{'pull s':>9}{'push+pull s':>13}")
-        for r in w["stores"]:
-            print(
-                f"{r['store']:<12}{r['payload']:<12}{r['bytes'] / 1e6:>8.1f}{r['push_s']:>9.3f}{r['pull_s']:>9.3f}{r['push_s'] + r['pull_s']:>13.3f}"
-            )
-    if g:
-        for key, label, what in (
-            ("engine_update_full_fp32", "full fp32, staged", "pause"),
-            ("engine_update_lora", "LoRA adapter", "switch (generation not paused)"),
-        ):
-            if key in g:
-                u = g[key]
-                print(
-                    f"  engine update ({label}, filesystem store, {u['bytes'] / 1e6:.1f} MB, 8 requests generating): "
-                    f"push {u['push_s']:.3f} s, pull+prepare {u['prepare_s_hidden']:.3f} s (hidden), {what} {u['pause_s']:.4f} s "
-                    f"= {100 * u['pause_share_of_step']:.3f}% of a {STEP_S:.0f} s step"
-                )
 
 
 def main() -> None:
@@ -874,14 +450,7 @@ def main() -> None:
     )
     ap.add_argument("--model", default=None, help="an HF model directory instead of the SmolLM2 preset")
     ap.add_argument("--no-ray", action="store_true", help="skip the Ray store")
-    ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.child:
-        kind, arg_file, out_file = args.child
-        child_args = json.loads(Path(arg_file).read_text())
-        res = _child_llm(child_args) if kind == "llm" else asyncio.run(_child_engine_async(child_args))
-        Path(out_file).write_text(json.dumps(res))
-        return
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     parts = set(args.parts.split(","))
@@ -929,6 +498,8 @@ def main() -> None:
             gc.collect()
         if "generation" in parts:
             print("part 3: generation", flush=True)
+            from real_model_gen import bench_generation
+
             result["generation"] = bench_generation(
                 model_dir,
                 prompts=4 if q else 32,
@@ -940,6 +511,8 @@ def main() -> None:
             )
     result["machine"]["loadavg_end"] = os.getloadavg()
     result["wall_s"] = time.perf_counter() - t_start
+    from real_model_report import print_tables
+
     print_tables(result)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"\nwrote {args.out} ({result['wall_s']:.0f} s)")

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from rollart_core.config import RunConfig
+from rollart_core.config import ModelConfig, RunConfig
 
 if TYPE_CHECKING:
     from rollart_core.control.pipeline import Pipeline
@@ -92,3 +92,16 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from rollart_train.tiny import create_tiny_model
 
     return create_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> ModelConfig:
+    """The preset's model config, resolved and converted (once per clone)."""
+    from rollart_train.gguf import convert_gguf
+
+    m = ModelConfig(preset="smollm2-135m-instruct", dtype="bfloat16").resolved(
+        Path(__file__).resolve().parents[2]
+    )
+    assert m.gguf is not None and m.path is not None
+    convert_gguf(m.gguf, m.path, dtype=m.dtype)
+    return m
