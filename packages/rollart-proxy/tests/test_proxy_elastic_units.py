@@ -127,7 +127,7 @@ async def test_an_add_during_a_weight_update_ends_on_the_new_version() -> None:
     proxy = LLMProxy([WorkerHandle("a", a)])
     a.update_gate = asyncio.Event()
     update = asyncio.create_task(proxy.update_weights(4))
-    await until(lambda: proxy._update_lock.locked())
+    await until(lambda: proxy.fleet._update_lock.locked())
     b = HeldEngine("b")
     add = asyncio.create_task(proxy.add_worker(WorkerHandle("b", b)))
     await asyncio.sleep(0.05)
@@ -261,7 +261,7 @@ async def test_an_engine_that_fails_an_update_is_taken_out_and_restarted_while_t
     proxy = LLMProxy([WorkerHandle("a", a), WorkerHandle("b", b), WorkerHandle("c", c)])
     b.update_error = WeightSyncError("b: pulling version 2 took over update_stage_timeout_s=300")
     c.update_gate = asyncio.Event()  # hangs
-    proxy.update_timeout_s = 0.2
+    proxy.fleet.update_timeout_s = 0.2
     assert await proxy.update_weights(2) == {"a": 0.0}
     assert proxy.version == 2 and a.version == 2
     assert not proxy.workers["b"].healthy and not proxy.workers["c"].healthy
@@ -278,7 +278,7 @@ async def test_an_update_no_engine_could_make_names_each_one() -> None:
     proxy = LLMProxy([WorkerHandle("a", a), WorkerHandle("b", b)])
     a.update_error = WeightSyncError("a: loading version 3 took over update_stage_timeout_s=1")
     b.update_gate = asyncio.Event()
-    proxy.update_timeout_s = 0.1
+    proxy.fleet.update_timeout_s = 0.1
     with pytest.raises(
         WeightSyncError,
         match=r"no engine could update to version 3: a: loading .*; b: update to version 3 took over update_timeout_s=0.1",

@@ -1,20 +1,21 @@
-"""The proxy's workers (:class:`WorkerHandle`) and what it does to all of them at once
+"""The proxy's workers (:class:`WorkerHandle`) and what is done to all of them at once
 (:class:`WorkerFleet`): pause/resume and weight updates fanned out, health probes and recovery, and
-workers added and removed while it serves.
+workers added while the proxy serves. :class:`~rollart_proxy.proxy.LLMProxy` owns one fleet and
+routes requests over its workers; how recovery works: :mod:`rollart_proxy.proxy`.
 
 Elastic workers. :meth:`WorkerFleet.add_worker` brings a new engine up the way recovery brings back a
 restarted one (started if it is not, updated to the served version, paused if the proxy is suspended)
 and only then lets it take requests; it joins a weight update before or after, never halfway.
-:meth:`WorkerFleet.remove_worker` stops routing to a worker, waits up to ``drain_timeout_s`` for its
-requests to finish, then hands the rest back: each is aborted there and continues on another worker of
-its pool from the tokens it already has (prompt + those tokens, the rest of its ``max_tokens``; the
-logprobs and per-token versions of both parts are kept). The last worker of a pool is never removed."""
+:meth:`LLMProxy.remove_worker <rollart_proxy.proxy.LLMProxy.remove_worker>` stops routing to a worker,
+waits up to ``drain_timeout_s`` for its requests to finish, then hands the rest back: each is aborted
+there and continues on another worker of its pool from the tokens it already has (prompt + those tokens,
+the rest of its ``max_tokens``; the logprobs and per-token versions of both parts are kept). The last
+worker of a pool is never removed."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,7 +43,7 @@ class WorkerHandle:
     healthy: bool = True
     served: int = 0
     draining: bool = False
-    """Being removed (:meth:`WorkerFleet.remove_worker`): it takes no new request."""
+    """Being removed (``LLMProxy.remove_worker``): it takes no new request."""
     metrics: WorkerMetrics = field(default_factory=WorkerMetrics)
     _slots: asyncio.Semaphore = field(init=False)
     _idle: asyncio.Event = field(init=False, default_factory=asyncio.Event)
@@ -66,36 +67,56 @@ class WorkerHandle:
 
 
 class WorkerFleet:
-    """Fan-out and recovery over the workers of :class:`~rollart_proxy.proxy.LLMProxy`, which
-    inherits it and sets these attributes. How recovery works: :mod:`rollart_proxy.proxy`."""
+    """The workers of one proxy and their shared state: the served version, the suspension, the update
+    lock, recoveries in progress, the health loop. ``owner``: a fleet over a subset of another fleet's
+    handles (the PD router's per-pool views) recovers its workers through that one, which knows the
+    served version."""
 
-    workers: dict[str, WorkerHandle]
-    suspended: bool
-    version: int | None
-    health_period_s: float
-    probe_timeout_s: float
-    start_timeout_s: float
-    update_timeout_s: float
-    _update_lock: asyncio.Lock
-    _recoveries: dict[str, asyncio.Future[bool]]
-    _request_worker: dict[str, str]
-    _session: OrderedDict[str, str]
-    _handed_back: set[str]
-    elastic: dict[str, int]
-    _health_task: asyncio.Task[None] | None
-    _health_owner: WorkerFleet | None
+    def __init__(
+        self,
+        handles: list[WorkerHandle],
+        *,
+        health_period_s: float = 5.0,
+        probe_timeout_s: float = 10.0,
+        start_timeout_s: float = 600.0,
+        update_timeout_s: float = 600.0,
+    ) -> None:
+        if not handles:
+            raise EngineError("LLMProxy needs at least one worker")
+        self.workers = {w.name: w for w in handles}
+        if len(self.workers) != len(handles):
+            raise EngineError("worker names must be unique")
+        self.health_period_s = health_period_s
+        self.probe_timeout_s = probe_timeout_s
+        self.start_timeout_s = start_timeout_s
+        self.update_timeout_s = update_timeout_s
+        self.suspended = False
+        self.version: int | None = None
+        """The weight version served: the last :meth:`update_weights` (None: never updated)."""
+        self.elastic = {"added": 0, "removed": 0, "handed_back": 0}
+        self.owner: WorkerFleet | None = None
+        self._update_lock = asyncio.Lock()
+        self._recoveries: dict[str, asyncio.Future[bool]] = {}
+        """Worker → its recovery in progress: one at a time per worker, joined by every caller."""
+        self._health_task: asyncio.Task[None] | None = None
 
-    async def _abort_on(self, w: WorkerHandle, request_id: str) -> None:
-        try:
-            await w.engine.abort(request_id)
-        except Exception as exc:  # it may have finished meanwhile, or the worker is gone
-            log.debug("abort of %s on %s failed: %r", request_id, w.name, exc)
-
-    def _mark_down(self, w: WorkerHandle, why: str) -> None:
+    def mark_down(self, w: WorkerHandle, why: str) -> None:
         w.metrics.failures += 1
         if w.healthy:
             log.warning("worker %s marked unhealthy: %s", w.name, why)
         w.healthy = False
+
+    def cancel_recovery(self, name: str) -> None:
+        run = self._recoveries.pop(name, None)
+        if run is not None:
+            run.cancel()
+
+    def forget(self, name: str) -> WorkerHandle:
+        """Take worker ``name`` out of the fleet (its recovery, if one runs, is cancelled)."""
+        self.cancel_recovery(name)
+        w = self.workers.pop(name)
+        self.elastic["removed"] += 1
+        return w
 
     # fan-out ---------------------------------------------------------------------------------
 
@@ -112,7 +133,7 @@ class WorkerFleet:
         first: BaseException | None = None
         for w, r in zip(ws, results, strict=True):
             if isinstance(r, WorkerUnavailableError):
-                self._mark_down(w, repr(r))
+                self.mark_down(w, repr(r))
             elif isinstance(r, BaseException):
                 first = first or r
             else:
@@ -186,7 +207,7 @@ class WorkerFleet:
         failed = [(w, r) for w, r in zip(ws, results, strict=True) if isinstance(r, BaseException)]
         for w, exc in failed:
             if isinstance(exc, WorkerUnavailableError):
-                self._mark_down(w, repr(exc))  # dead: recovery brings it back on the served version
+                self.mark_down(w, repr(exc))  # dead: recovery brings it back on the served version
         broken = [(w, e) for w, e in failed if not isinstance(e, WorkerUnavailableError)]
         if broken and not done:
             raise WeightSyncError(
@@ -196,7 +217,7 @@ class WorkerFleet:
                 )
             ) from broken[0][1]
         for w, exc in broken:  # the others have it: take this one out (recovery updates it again)
-            self._mark_down(w, f"{stage} to version {version} failed: {exc!r}")
+            self.mark_down(w, f"{stage} to version {version} failed: {exc!r}")
             w.metrics.update_failures += 1
             restart = getattr(w.engine, "restart", None)
             if restart is not None and stage == "update":  # its weights may be half-loaded: a fresh start
@@ -216,8 +237,8 @@ class WorkerFleet:
     async def check_health(self, timeout: float = 10.0) -> int:
         """Probe unhealthy workers; bring back those that answer (see :mod:`rollart_proxy.proxy`: a
         restarted engine is started and updated to the served version first). Returns how many came back."""
-        if self._health_owner is not None:
-            return await self._health_owner.check_health(timeout)
+        if self.owner is not None:
+            return await self.owner.check_health(timeout)
         runs = []
         for w in [w for w in self.workers.values() if not w.healthy]:
             run = self._recoveries.get(w.name)
@@ -298,56 +319,6 @@ class WorkerFleet:
         log.warning("worker %s added to pool %r (version %s)", worker.name, worker.pool, have)
         return have
 
-    async def remove_worker(self, name: str, drain_timeout_s: float = 60.0) -> dict[str, int]:
-        """Stop routing to worker ``name``; wait up to ``drain_timeout_s`` for its requests, hand the
-        rest back (they continue elsewhere, see the module doc); then forget it. Returns
-        ``{"drained": finished there meanwhile, "handed_back": continued elsewhere}``."""
-        if drain_timeout_s < 0:
-            raise EngineError(f"drain_timeout_s must be >= 0, got {drain_timeout_s}")
-        w = self.workers.get(name)
-        if w is None:
-            raise EngineError(f"no worker {name!r} (workers: {', '.join(sorted(self.workers))})")
-        if w.draining:
-            raise EngineError(f"worker {name!r} is being removed already")
-        if w.healthy and not [
-            x
-            for x in self.workers.values()
-            if x.pool == w.pool and x.healthy and x is not w and not x.draining
-        ]:
-            raise EngineError(
-                f"worker {name!r} is the last healthy worker of pool {w.pool!r}: add another one first"
-            )
-        w.draining = True
-        served0, handed0 = w.served, self.elastic["handed_back"]
-        run = self._recoveries.pop(name, None)
-        if run is not None:
-            run.cancel()
-        if w.outstanding:
-            w._idle.clear()
-            try:
-                await asyncio.wait_for(w._idle.wait(), drain_timeout_s)
-            except TimeoutError:
-                ids = [rid for rid, n in self._request_worker.items() if n == name]
-                log.warning(
-                    "worker %s: %d requests left after %gs: handing them back",
-                    name,
-                    len(ids),
-                    drain_timeout_s,
-                )
-                self._handed_back.update(ids)
-                await asyncio.gather(*(self._abort_on(w, rid) for rid in ids))
-                try:  # their abort returns the tokens so far, which continue elsewhere
-                    await asyncio.wait_for(w._idle.wait(), self.probe_timeout_s)
-                except TimeoutError:
-                    log.warning("worker %s: %d requests still running after their abort", name, w.outstanding)
-        del self.workers[name]
-        for sid in [s for s, n in self._session.items() if n == name]:
-            del self._session[sid]
-        self.elastic["removed"] += 1
-        out = {"drained": w.served - served0, "handed_back": self.elastic["handed_back"] - handed0}
-        log.warning("worker %s removed from pool %r (%s)", name, w.pool, out)
-        return out
-
     async def _served_version(self, exclude: WorkerHandle, timeout: float) -> int | None:
         """What a recovering worker must serve: the proxy's version, or the newest a healthy worker reports."""
         others = [w for w in self.workers.values() if w.healthy and w is not exclude]
@@ -370,7 +341,7 @@ class WorkerFleet:
         n = 0
         for w, r in zip(ws, rs, strict=True):
             if isinstance(r, WorkerUnavailableError):
-                self._mark_down(w, f"health probe: {r!r}")
+                self.mark_down(w, f"health probe: {r!r}")
                 n += 1
             elif isinstance(r, BaseException):
                 log.warning("health probe of %s: %r", w.name, r)

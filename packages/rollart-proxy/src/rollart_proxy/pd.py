@@ -236,7 +236,7 @@ class PDRouter:
             for p, ws in by_pool.items()
         }
         for view in self._views.values():
-            view._health_owner = proxy  # recovery needs the served version, which the proxy holds
+            view.fleet.owner = proxy.fleet  # recovery needs the served version, which the proxy holds
         self._policy = {
             t: resolve_policy(p, (profiles or {}).get(t), cfg.auto_min_ratio)
             for t, p in cfg.task_policy.items()

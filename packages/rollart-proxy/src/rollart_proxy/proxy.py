@@ -46,7 +46,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from rollart_core.errors import EngineError
-from rollart_core.protocols import InferenceEngine, SupportsStream
+from rollart_core.protocols import InferenceEngine, PauseMode, SupportsStream
 from rollart_core.types import GenerateOutput, GenerateRequest
 from rollart_proxy._fleet import WorkerFleet, WorkerHandle
 from rollart_proxy.errors import ProxyOverloadedError, WorkerUnavailableError
@@ -56,7 +56,7 @@ __all__ = ["LLMProxy", "WorkerHandle"]
 log = logging.getLogger(__name__)
 
 
-class LLMProxy(WorkerFleet):
+class LLMProxy:
     """Routes :class:`GenerateRequest` s to workers; also fans out pause/resume/weight updates."""
 
     def __init__(
@@ -88,11 +88,14 @@ class LLMProxy(WorkerFleet):
             handles = [WorkerHandle(n, e) for n, e in workers.items()]
         else:
             handles = list(workers)
-        if not handles:
-            raise EngineError("LLMProxy needs at least one worker")
-        self.workers = {w.name: w for w in handles}
-        if len(self.workers) != len(handles):
-            raise EngineError("worker names must be unique")
+        self.fleet = WorkerFleet(
+            handles,
+            health_period_s=health_period_s,
+            probe_timeout_s=probe_timeout_s,
+            start_timeout_s=start_timeout_s,
+            update_timeout_s=update_timeout_s,
+        )
+        """The workers and what is done to all of them at once (fan-out, health, recovery)."""
         self.task_pools = dict(task_pools or {})
         pools = {w.pool for w in handles}
         unknown = {t: p for t, p in self.task_pools.items() if p not in pools}
@@ -100,10 +103,6 @@ class LLMProxy(WorkerFleet):
             raise EngineError(f"tasks routed to pools without workers: {unknown} (pools: {sorted(pools)})")
         self.max_retries = max_retries
         self.max_sessions = max_sessions
-        self.health_period_s = health_period_s
-        self.probe_timeout_s = probe_timeout_s
-        self.start_timeout_s = start_timeout_s
-        self.update_timeout_s = update_timeout_s
         self.recover_wait_s = recover_wait_s
         self.recover_poll_s = recover_poll_s
         self._wait_logged: dict[str | None, float] = {}
@@ -116,17 +115,63 @@ class LLMProxy(WorkerFleet):
         self._aborted: set[str] = set()
         self._handed_back: set[str] = set()
         """Requests a removed worker hands back: they continue on another worker."""
-        self.elastic = {"added": 0, "removed": 0, "handed_back": 0}
-        self.suspended = False
-        self.version: int | None = None
-        """The weight version the proxy serves: the last :meth:`update_weights` (None: never updated)."""
-        self._update_lock = asyncio.Lock()
-        self._recoveries: dict[str, asyncio.Future[bool]] = {}
-        """Worker → its recovery in progress: one at a time per worker, joined by every caller."""
-        self._health_task: asyncio.Task[None] | None = None
-        self._health_owner: LLMProxy | None = None
-        """A routing view over another proxy's worker handles (the PD router's pools) recovers
-        workers through that proxy, which knows the served version."""
+
+    # the fleet's state and operations, as the proxy's (rollart_core's proxy protocols) -------------
+
+    @property
+    def workers(self) -> dict[str, WorkerHandle]:
+        return self.fleet.workers
+
+    @property
+    def version(self) -> int | None:
+        """The weight version served: the last :meth:`update_weights` (None: never updated)."""
+        return self.fleet.version
+
+    @property
+    def suspended(self) -> bool:
+        return self.fleet.suspended
+
+    @property
+    def elastic(self) -> dict[str, int]:
+        """Workers added, removed and requests handed back (elastic pool)."""
+        return self.fleet.elastic
+
+    async def pause(self, mode: PauseMode = "keep") -> None:
+        await self.fleet.pause(mode)
+
+    async def suspend(self) -> None:
+        """Pause every worker, keeping in-flight requests (they continue after :meth:`resume`)."""
+        await self.fleet.pause("keep")
+
+    async def resume(self) -> None:
+        await self.fleet.resume()
+
+    async def update_weights(self, version: int) -> dict[str, float]:
+        """:meth:`WorkerFleet.update_weights`: each worker's generation pause in seconds."""
+        return await self.fleet.update_weights(version)
+
+    async def prefetch_weights(self, version: int) -> None:
+        await self.fleet.prefetch_weights(version)
+
+    async def weight_versions(self) -> dict[str, int]:
+        return await self.fleet.weight_versions()
+
+    async def check_health(self, timeout: float = 10.0) -> int:
+        """Probe unhealthy workers and bring back those that answer; how many came back."""
+        return await self.fleet.check_health(timeout)
+
+    async def probe(self, timeout: float | None = None) -> int:
+        return await self.fleet.probe(timeout)
+
+    def start_health_loop(self, period_s: float | None = None) -> None:
+        self.fleet.start_health_loop(period_s)
+
+    async def stop_health_loop(self) -> None:
+        await self.fleet.stop_health_loop()
+
+    async def add_worker(self, worker: WorkerHandle, timeout: float | None = None) -> int:
+        """:meth:`WorkerFleet.add_worker`: the version the new worker serves."""
+        return await self.fleet.add_worker(worker, timeout)
 
     @classmethod
     def from_ray_actors(
@@ -339,7 +384,7 @@ class LLMProxy(WorkerFleet):
                 except asyncio.CancelledError:
                     # The caller gave up (redundant or stale trajectory). Cancelling our await does not
                     # stop a remote engine (e.g. a Ray actor call): abort it there to free its slot.
-                    await asyncio.shield(self._abort_on(w, request.request_id))
+                    await asyncio.shield(_abort_on(w, request.request_id))
                     raise
             w.metrics.record(len(request.prompt_ids), len(out.token_ids), out.finish_reason)
             return out
@@ -371,7 +416,7 @@ class LLMProxy(WorkerFleet):
     def _worker_failed(self, w: WorkerHandle, request: GenerateRequest, exc: BaseException) -> None:
         if request.session_id and self._session.get(request.session_id) == w.name:
             self._session.pop(request.session_id)
-        self._mark_down(w, f"request {request.request_id}: {exc!r}")
+        self.fleet.mark_down(w, f"request {request.request_id}: {exc!r}")
 
     async def abort(self, request_id: str) -> int:
         """Abort a request by its id, or every in-flight request of a trajectory by its session id.
@@ -416,6 +461,53 @@ class LLMProxy(WorkerFleet):
         limits = (peer.max_inflight, peer.max_queued) if peer is not None else (64, 4096)
         return await self.add_worker(WorkerHandle(name, RayActorEngine(actor, name), pool, *limits))
 
+    async def remove_worker(self, name: str, drain_timeout_s: float = 60.0) -> dict[str, int]:
+        """Stop routing to worker ``name``; wait up to ``drain_timeout_s`` for its requests, hand the
+        rest back (they continue elsewhere, see the module doc); then forget it. Returns
+        ``{"drained": finished there meanwhile, "handed_back": continued elsewhere}``."""
+        if drain_timeout_s < 0:
+            raise EngineError(f"drain_timeout_s must be >= 0, got {drain_timeout_s}")
+        w = self.workers.get(name)
+        if w is None:
+            raise EngineError(f"no worker {name!r} (workers: {', '.join(sorted(self.workers))})")
+        if w.draining:
+            raise EngineError(f"worker {name!r} is being removed already")
+        if w.healthy and not [
+            x
+            for x in self.workers.values()
+            if x.pool == w.pool and x.healthy and x is not w and not x.draining
+        ]:
+            raise EngineError(
+                f"worker {name!r} is the last healthy worker of pool {w.pool!r}: add another one first"
+            )
+        w.draining = True
+        self.fleet.cancel_recovery(name)  # a draining worker is not brought back
+        served0, handed0 = w.served, self.elastic["handed_back"]
+        if w.outstanding:
+            w._idle.clear()
+            try:
+                await asyncio.wait_for(w._idle.wait(), drain_timeout_s)
+            except TimeoutError:
+                ids = [rid for rid, n in self._request_worker.items() if n == name]
+                log.warning(
+                    "worker %s: %d requests left after %gs: handing them back",
+                    name,
+                    len(ids),
+                    drain_timeout_s,
+                )
+                self._handed_back.update(ids)
+                await asyncio.gather(*(_abort_on(w, rid) for rid in ids))
+                try:  # their abort returns the tokens so far, which continue elsewhere
+                    await asyncio.wait_for(w._idle.wait(), self.fleet.probe_timeout_s)
+                except TimeoutError:
+                    log.warning("worker %s: %d requests still running after their abort", name, w.outstanding)
+        self.fleet.forget(name)
+        for sid in [s for s, n in self._session.items() if n == name]:
+            del self._session[sid]
+        out = {"drained": w.served - served0, "handed_back": self.elastic["handed_back"] - handed0}
+        log.warning("worker %s removed from pool %r (%s)", name, w.pool, out)
+        return out
+
     async def metrics(self, engine_stats: bool = True, timeout: float = 5.0) -> dict[str, dict[str, Any]]:
         """Per worker: pool, health, queue depth, tokens/s, prefill/decode tokens, time suspended."""
         out: dict[str, dict[str, Any]] = {}
@@ -439,6 +531,13 @@ class LLMProxy(WorkerFleet):
         for m in out.values():
             m["at"] = out_time
         return out
+
+
+async def _abort_on(w: WorkerHandle, request_id: str) -> None:
+    try:
+        await w.engine.abort(request_id)
+    except Exception as exc:  # it may have finished meanwhile, or the worker is gone
+        log.debug("abort of %s on %s failed: %r", request_id, w.name, exc)
 
 
 def _note_idle(w: WorkerHandle) -> None:
