@@ -241,6 +241,19 @@ def tojson(_: Any, value: Any, indent: int | None = None, **__: Any) -> str:
     return json.dumps(value, ensure_ascii=False, indent=indent)
 
 
+class _ParseErrorFilter(logging.Filter):
+    """Drops a vLLM parser's traceback for a malformed call: the model's mistake, which :meth:`ToolCallParser.parse`
+    returns as its ``error`` (a run of a small model writes hundreds of them a step)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Error in extracting tool call")
+
+
+def quiet_parse_errors(logger: logging.Logger) -> None:
+    if not any(isinstance(f, _ParseErrorFilter) for f in logger.filters):
+        logger.addFilter(_ParseErrorFilter())
+
+
 class ToolCallParser:
     """One of vLLM's tool-call parsers, by name, over the model's tokenizer (loaded on first use)."""
 
@@ -291,6 +304,7 @@ class ToolCallParser:
             self._tokenizer = tokenizer
             self._request_cls = ChatCompletionRequest
             self._cls = cls
+            quiet_parse_errors(logging.getLogger(cls.__module__))
 
     def _request(self, tools: list[dict[str, Any]], choice: Any, key: str | None) -> Any:
         key = key if key is not None else tools_key(tools, choice)
