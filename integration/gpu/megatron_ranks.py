@@ -39,18 +39,16 @@ class SpawnedGroup:
         self.resumed_state: dict[str, Any] = self.ranks.initial_state
 
     def train_step(self, batch: list[Any]) -> dict[str, float]:
-        out: dict[str, float] = self.ranks.call("train_step", batch)
-        return out
+        return self.ranks.train_step(batch)
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return iter(self.ranks.call("full_weights").items())
+        return iter((self.ranks.full_weights() or {}).items())
 
     def logprobs(self, ids: list[int]) -> list[float]:
-        out: list[float] = self.ranks.call("logprobs", list(ids))
-        return out
+        return self.ranks.logprobs(list(ids))
 
     def save(self, path: Path) -> None:
-        self.ranks.call("save", str(path), None)
+        self.ranks.save(str(path), None)
 
     def load(self, path: Path) -> None:
         self.ranks.close()

@@ -20,13 +20,18 @@ import signal
 import time
 import traceback
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rollart_core.errors import TrainerError
 from rollart_core.malloc import limit_arenas
+from rollart_core.types import Trajectory
 from rollart_train._rendezvous import free_port, start_rank_worker
 from rollart_train.torch_config import TorchTrainerConfig
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["TORCH_WORKER", "SpawnedRanks", "free_port"]
 
@@ -94,7 +99,8 @@ def _shutdown(procs: list[Any], conns: list[Any]) -> None:
 
 
 class SpawnedRanks:
-    """``config.world_size`` trainer ranks in child processes; :meth:`call` runs one collective command.
+    """``config.world_size`` trainer ranks in child processes, driven as one :class:`RankWorker
+    <rollart_train._rendezvous.RankWorker>`: each call goes to every rank, rank 0 answers.
     ``worker``: the rank class as ``"module:Class"`` (its config has ``world_size`` and
     ``rank_timeout_s``)."""
 
@@ -127,7 +133,32 @@ class SpawnedRanks:
             self.close()
             raise
 
-    def call(self, method: str, *args: Any) -> Any:
+    # the rank worker's calls (RankWorker), each sent to every rank; rank 0 answers
+
+    def train_step(self, batch: Sequence[Trajectory], config: Any = None) -> dict[str, float]:
+        return dict(self._collective("train_step", list(batch), config))
+
+    def full_weights(self) -> dict[str, torch.Tensor] | None:
+        weights: dict[str, torch.Tensor] | None = self._collective("full_weights")
+        return weights
+
+    def logprobs(self, token_ids: Sequence[int]) -> list[float]:
+        return list(self._collective("logprobs", list(token_ids)))
+
+    def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
+        self._collective("save", str(path), extra)
+
+    def set_version(self, version: int) -> None:
+        self._collective("set_version", version)
+
+    def set_num_threads(self, n: int) -> None:
+        self._collective("set_num_threads", n)
+
+    def state(self) -> dict[str, Any]:
+        return dict(self._collective("state"))
+
+    def _collective(self, method: str, *args: Any) -> Any:
+        """``method(*args)`` on every rank (the rank processes dispatch it by name, ``_rank_main``)."""
         if not self._finalizer.alive:
             raise TrainerError("the trainer's ranks are closed")
         for rank, (c, p) in enumerate(zip(self.conns, self.procs, strict=True)):

@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from rollart_core.malloc import limit_arenas
-from rollart_train._rendezvous import free_port, start_rank_worker
+from rollart_train._rendezvous import RankWorker, free_port, start_rank_worker
 
 
 class _RankActor:
@@ -17,7 +17,7 @@ class _RankActor:
     def __init__(self, rank: int) -> None:
         limit_arenas()  # before the rank's threads start (rollart_core.malloc says why)
         self.rank = rank
-        self.worker: Any = None
+        self._worker: RankWorker | None = None
         self.store: Any = None
 
     def identity(self) -> tuple[int, str]:
@@ -43,7 +43,7 @@ class _RankActor:
         version: int | None,
         num_threads: int,
     ) -> dict[str, Any]:
-        self.worker = start_rank_worker(
+        self._worker = start_rank_worker(
             worker_path,
             config,
             model_path,
@@ -54,7 +54,13 @@ class _RankActor:
             num_threads=num_threads,
         )
         self.store = store
-        return self.worker.state()
+        return self._worker.state()
+
+    @property
+    def worker(self) -> RankWorker:
+        if self._worker is None:
+            raise RuntimeError(f"rank {self.rank}: setup() was not called")
+        return self._worker
 
     # The rank worker's collective methods: every rank runs each, rank 0 answers for the group.
 
@@ -70,8 +76,8 @@ class _RankActor:
     def set_num_threads(self, n: int) -> None:
         self.worker.set_num_threads(n)
 
-    def save(self, path: str, extra: Any) -> Any:
-        return self._answer(self.worker.save(path, extra))
+    def save(self, path: str, extra: Any) -> None:
+        self.worker.save(path, extra)
 
     def _answer(self, result: Any) -> Any:
         return result if self.rank == 0 else None
@@ -79,7 +85,7 @@ class _RankActor:
     def push_weights(self, version: int) -> dict[str, float] | None:
         t0 = time.perf_counter()
         weights = self.worker.full_weights()  # collective; the full dict on rank 0 only
-        if self.rank != 0:
+        if self.rank != 0 or weights is None:
             return None
         gathered = time.perf_counter()
         self.store.push(version, weights).result()

@@ -7,9 +7,11 @@ Every way rollart starts ranks goes through :func:`start_rank_worker`: the rank 
 GPU check runs is the code the group runs. The rendezvous is torchrun's: ``MASTER_ADDR``,
 ``MASTER_PORT``, ``RANK`` and ``WORLD_SIZE`` in the environment and ``init_method="env://"``.
 
-A rank worker is any class built as ``cls(config, model_path, rank=r, world_size=n)`` whose methods
-are collective (every rank calls them with the same arguments); the group calls ``train_step``,
-``full_weights``, ``logprobs``, ``save``, ``set_version``, ``set_num_threads`` and ``state``.
+A rank worker (:class:`RankWorker`) is any class built as ``cls(config, model_path, rank=r,
+world_size=n)`` whose methods are collective (every rank calls them with the same arguments). Three
+drivers call them: in process (one rank of a :class:`~rollart_train.TorchTrainer`), over pipes
+(:class:`~rollart_train._multirank.SpawnedRanks`, itself a :class:`RankWorker` for its caller) and as
+a Ray actor's methods (:class:`~rollart_train._rank_actor._RankActor`).
 """
 
 from __future__ import annotations
@@ -17,12 +19,42 @@ from __future__ import annotations
 import datetime
 import importlib
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rollart_core.serving import free_port
+from rollart_core.types import Trajectory
 
-__all__ = ["backend_for", "free_port", "join_process_group", "load", "start_rank_worker"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["RankWorker", "backend_for", "free_port", "join_process_group", "load", "start_rank_worker"]
+
+
+class RankWorker(Protocol):
+    """One trainer rank's collective calls; rank 0's answer is the group's (others may return None)."""
+
+    def train_step(self, batch: Sequence[Trajectory], config: Any = None) -> dict[str, float]:
+        """One optimizer step (or several: mini-batches, epochs) on ``batch``; ``config``: the trainer's
+        current config where the worker takes one (options changed since it started)."""
+        ...
+
+    def full_weights(self) -> dict[str, torch.Tensor] | None:
+        """Every full tensor in Hugging Face naming, on CPU, on rank 0 (None elsewhere)."""
+        ...
+
+    def logprobs(self, token_ids: Sequence[int]) -> list[float]: ...
+
+    def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> None: ...
+
+    def set_version(self, version: int) -> None: ...
+
+    def set_num_threads(self, n: int) -> None: ...
+
+    def state(self) -> dict[str, Any]:
+        """``version`` and counters (and what the worker adds, e.g. its parallel layout)."""
+        ...
 
 
 def load(path: str) -> Any:
@@ -68,7 +100,7 @@ def start_rank_worker(
     master: tuple[str, int],
     version: int | None = None,
     num_threads: int = 1,
-) -> Any:
+) -> RankWorker:
     """Set threads and device, join the process group (none for a world of one: the worker decides),
     build the rank worker ``worker_path`` names, and continue it under ``version`` if given."""
     import torch

@@ -69,7 +69,8 @@ class MegatronRankWorker:
             "dp": t.dp_size,
         }
 
-    def train_step(self, batch: Sequence[Trajectory]) -> dict[str, float]:
+    def train_step(self, batch: Sequence[Trajectory], config: Any = None) -> dict[str, float]:
+        """``config``: not taken (the Megatron trainer keeps the config it was built with)."""
         return self.trainer.train_step(batch)
 
     def full_weights(self) -> dict[str, torch.Tensor] | None:

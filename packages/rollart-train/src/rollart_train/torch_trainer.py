@@ -19,14 +19,18 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rollart_core.errors import TrainerError
 from rollart_core.types import Trajectory
+from rollart_train._rendezvous import RankWorker
 from rollart_train.torch_config import TorchTrainerConfig
 from rollart_train.torch_rank import TorchRankWorker, find_checkpoint
+
+if TYPE_CHECKING:
+    from rollart_train._multirank import SpawnedRanks
 
 __all__ = ["TorchTrainer", "TorchTrainerConfig"]
 
@@ -35,18 +39,23 @@ class TorchTrainer:
     Config = TorchTrainerConfig
 
     def __init__(self, config: TorchTrainerConfig | None = None, *, model_path: str | Path) -> None:
-        self.config = c = config or TorchTrainerConfig()
+        self.config = config or TorchTrainerConfig()
         self.model_path = Path(model_path)
+        self._start()
+
+    def _start(self) -> None:
+        """The ranks of ``self.config``: one in process, or spawned (:class:`RankWorker` either way)."""
+        c = self.config
         self._local: TorchRankWorker | None = None
-        self._ranks = None
+        self._spawned: SpawnedRanks | None = None
+        self._ranks: RankWorker
         if c.world_size == 1 and not c.spawn:
-            self._local = TorchRankWorker(c, self.model_path)
-            state = self._local.state()
+            self._ranks = self._local = TorchRankWorker(c, self.model_path)
         else:
             from rollart_train._multirank import SpawnedRanks
 
-            self._ranks = SpawnedRanks(c, self.model_path)
-            state = self._ranks.initial_state
+            self._ranks = self._spawned = SpawnedRanks(c, self.model_path)
+        state = self._ranks.state()
         self.version: int = int(state["version"])
         self.resumed_state: dict[str, Any] = state
         """Counters and the ``extra`` dict of the checkpoint resumed from (empty ``extra`` otherwise)."""
@@ -66,17 +75,11 @@ class TorchTrainer:
 
     def load(self, path: str | Path) -> None:
         """Continue from a checkpoint written by :meth:`save` (weights, optimizer, version, counters);
-        the control plane's ``SupportsResume``."""
-        fresh = TorchTrainer.resume(path, self.config, model_path=self.model_path)
+        the control plane's ``SupportsResume``. The ranks are started again from it."""
+        ckpt = find_checkpoint(path)
         self.close()
-        self.__dict__.update(fresh.__dict__)
-
-    def _call(self, method: str, *args: Any) -> Any:
-        if self._local is not None:
-            return getattr(self._local, method)(*args)
-        if self._ranks is None:
-            raise TrainerError("the trainer is not initialised")
-        return self._ranks.call(method, *args)
+        self.config = self.config.model_copy(update={"resume_from": str(ckpt)})
+        self._start()
 
     @property
     def model(self) -> torch.nn.Module:
@@ -88,16 +91,16 @@ class TorchTrainer:
     @property
     def pids(self) -> list[int]:
         """Process ids of the spawned ranks (empty for one in-process rank)."""
-        return self._ranks.pids if self._ranks is not None else []
+        return self._spawned.pids if self._spawned is not None else []
 
     def logprobs(self, token_ids: Sequence[int]) -> list[float]:
         """Logprob of each token given the previous ones under the current weights (first: none)."""
-        return self._call("logprobs", list(token_ids))
+        return self._ranks.logprobs(list(token_ids))
 
     def train_step(self, batch: Sequence[Trajectory]) -> dict[str, float]:
         if not batch:
             raise TrainerError("train_step called with an empty batch")
-        metrics = self._call("train_step", list(batch), self.config)
+        metrics = self._ranks.train_step(list(batch), self.config)
         self.version = int(metrics["version"])
         return metrics
 
@@ -107,22 +110,25 @@ class TorchTrainer:
         idle (Sync+) and half while both run (async) on a machine they share."""
         if n < 1:
             raise TrainerError(f"set_num_threads: need at least 1 thread, got {n}")
-        self._call("set_num_threads", n)
+        self._ranks.set_num_threads(n)
 
     def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
         if self._local is not None:
             return self._local.named_weights()
-        return iter(self._call("full_weights").items())
+        weights = self._ranks.full_weights()
+        if weights is None:
+            raise TrainerError("rank 0 returned no weights")
+        return iter(weights.items())
 
     def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
         """Checkpoint to ``path``; ``extra`` (JSON) is stored with it and comes back in
         :attr:`resumed_state` after a resume (e.g. the caller's data-loader position)."""
-        self._call("save", str(path), extra)
+        self._ranks.save(str(path), extra)
 
     def close(self) -> None:
         """Stop the spawned ranks (nothing to do in-process). Idempotent."""
-        if self._ranks is not None:
-            self._ranks.close()
+        if self._spawned is not None:
+            self._spawned.close()
 
     def __enter__(self) -> TorchTrainer:
         return self
