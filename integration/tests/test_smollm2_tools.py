@@ -1,4 +1,5 @@
-"""SmolLM2-135M-Instruct's tool calls through rollart's OpenAI endpoint: its template renders no tools, so
+"""SmolLM2-135M-Instruct served by vLLM: the engine's logprobs against the trainer's forward, and tool
+calls through rollart's OpenAI endpoint: its template renders no tools, so
 rollart writes them into the system prompt (the Hermes / Qwen2.5 form) and vLLM's ``hermes`` parser reads
 the model's calls; a 3-turn agent session with tool calls trains on exactly the engine's tokens."""
 
@@ -8,16 +9,65 @@ import asyncio
 import itertools
 import json
 import logging
+import os
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from rollart_core.config import ModelConfig
 from rollart_core.types import GenerateRequest, SamplingParams
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
+
+
+# the real engine on the converted model (one per module: the three-turn session below uses it too)
+
+
+@pytest.fixture(scope="module")
+async def engine(smollm2: ModelConfig) -> AsyncIterator[Any]:
+    from rollart_proxy.engines.vllm_engine import VllmEngine, VllmEngineConfig
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    e = VllmEngine(
+        VllmEngineConfig(max_model_len=512, dtype="float32"), model_path=str(smollm2.path), name="smol"
+    )
+    try:
+        await e.start()
+        yield e
+    finally:
+        await e.shutdown()
+
+
+@pytest.mark.vllm
+async def test_engine_logprobs_match_the_trainer_forward(smollm2: ModelConfig, engine: Any) -> None:
+    """The step-0 importance ratio: the engine's logprobs of the tokens it sampled against the
+    trainer's forward over the same ids (both in float32 over the converted bf16 weights, as
+    examples/smollm2_math.yaml runs on a CPU without bf16 arithmetic)."""
+    from rollart_proxy.chat import ChatMLFormat
+    from rollart_train import TorchTrainer, TorchTrainerConfig
+
+    chat = ChatMLFormat(str(smollm2.path))
+    prompt = chat.first_turn(None, "What is 7 + 8? Think step by step.")
+    sampling = SamplingParams(max_tokens=48, temperature=1.0, stop_token_ids=chat.stop_token_ids())
+    outs = await asyncio.gather(
+        *(engine.generate(GenerateRequest(f"lp-{i}", prompt, sampling)) for i in range(4))
+    )
+    trainer = TorchTrainer(TorchTrainerConfig(), model_path=smollm2.path)
+    diffs: list[float] = []
+    for out in outs:
+        assert len(out.token_ids) > 0 and len(out.logprobs) == len(out.token_ids)
+        ours = trainer.logprobs(prompt + list(out.token_ids))[-len(out.token_ids) :]
+        diffs += [a - b for a, b in zip(out.logprobs, ours, strict=True)]
+    d = torch.tensor(diffs)
+    # per token: two float32 implementations (vLLM's CPU kernels, transformers' SDPA) of one model
+    assert d.abs().mean().item() < 1e-3, d.abs().mean()
+    assert d.abs().max().item() < 2e-2, d.abs().max()
+    # the mean per-token importance ratio exp(ours - engine) is 1 within 0.1%
+    assert abs(torch.exp(-d).mean().item() - 1.0) < 1e-3
 
 
 # tool calls through the OpenAI endpoint: SmolLM2's template renders no tools, rollart writes them
