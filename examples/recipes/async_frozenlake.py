@@ -49,7 +49,7 @@ def config(steps: int, out: Path) -> RunConfig:
                 }
             ],
             "trainer": {"impl": "torch", "options": {"lr": 3e-4, "spawn": True, "num_threads": 1}},
-            "train": {"mode": "async", "alpha": 1, "steps": steps},
+            "loop": {"mode": "async", "alpha": 1, "steps": steps},
             "ray": {"num_cpus": 2},
         }
     ).resolve_paths(Path.cwd())

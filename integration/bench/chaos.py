@@ -2,10 +2,10 @@
 
     uv run --no-sync python integration/bench/chaos.py --quick [--seed 0] [--out runs/bench/chaos.json] [--driver-kill]
 
-The run: two built-in environments (FrozenLake and Sokoban), ``train.mode: async``, alpha 1; two vLLM
+The run: two built-in environments (FrozenLake and Sokoban), ``loop.mode: async``, alpha 1; two vLLM
 CPU engines as Ray actors (``engines[].max_restarts``; engine core in the actor's process,
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``); the trainer as a worker group (``trainer.ranks``,
-``train.save_every: 1``, ``max_trainer_restarts``); environments in the EnvManager (``--quick``: four
+``loop.save_every: 1``, ``max_trainer_restarts``); environments in the EnvManager (``--quick``: four
 Ray actors of four environments; else eight of four); rewards through ``reward_executor: serverless``
 (a ``rollart-reward serve`` runtime per task, which the pipeline starts). The pipeline starts the
 trainer group, the engines and the env actors side by side.
@@ -229,7 +229,7 @@ def chaos_config(root: Path, *, quick: bool, seed: int) -> Any:
                 "options": {"lr": 0.01, "num_threads": 1},
             },
             "weight_store": {"impl": "filesystem", "options": {"root": str(root / "weights")}},
-            "train": {
+            "loop": {
                 "mode": "async",
                 "alpha": 1,
                 "steps": steps,
@@ -340,7 +340,7 @@ async def chaos(quick: bool, seed: int, root: Path) -> dict[str, Any]:
         async with Pipeline(cfg) as p:
             t_built = time.perf_counter()
             n_env_actors = sum(a.alive for a in p.env_manager.actors)
-            plan = schedule(seed, cfg.train.steps, n_env_actors)
+            plan = schedule(seed, cfg.loop.steps, n_env_actors)
             t0 = time.perf_counter()
             run = asyncio.create_task(train(cfg, sink=MemorySink(), pipeline=p))
             pending = list(plan)
@@ -440,7 +440,7 @@ def report(
     elastic: dict[str, Any],
 ) -> dict[str, Any]:
     hist = summary.get("history", [])
-    alpha = cfg.train.alpha
+    alpha = cfg.loop.alpha
     trained = Counter(tid for h in hist for tid in h["batch_traj_ids"])
     lags = [h["version"] - 1 - v for h in hist for v in h["batch_start_versions"]]
     fates = summary.get("fates", {})
@@ -459,7 +459,7 @@ def report(
     return {
         "error": error,
         "steps": len(hist),
-        "steps_asked": cfg.train.steps,
+        "steps_asked": cfg.loop.steps,
         "launched": summary.get("launched"),
         "fates_total": sum(fates.values()),
         "fates": fates,

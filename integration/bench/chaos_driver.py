@@ -1,4 +1,4 @@
-"""Chaos, the driver's own death: ``kill -9`` of ``rollart train`` mid-run, then ``train.resume_from``.
+"""Chaos, the driver's own death: ``kill -9`` of ``rollart train`` mid-run, then ``loop.resume_from``.
 
     uv run --no-sync python integration/bench/chaos_driver.py [--seed 0] [--out runs/bench/chaos_driver.json]
     uv run --no-sync python integration/bench/chaos.py --quick --driver-kill    # after the chaos run
@@ -77,7 +77,7 @@ def _steps(metrics: Path) -> list[dict[str, Any]]:
 def driver_kill(seed: int, root: Path) -> dict[str, Any]:
     """One driver kill + resume; returns the figures and the broken promises (``violations``)."""
     base = chaos_config(root, quick=True, seed=seed).model_dump(mode="json", exclude_unset=True)
-    base["train"]["steps"] = 100_000
+    base["loop"]["steps"] = 100_000
     kill_after = random.Random(seed).randint(2, 4)
     run = Path(base["output_dir"])
     t0 = time.monotonic()
@@ -120,7 +120,7 @@ def driver_kill(seed: int, root: Path) -> dict[str, Any]:
         inflight = int(rows[-1].get("inflight_at_train", 0)) if rows else 0
         result["trajectories_lost"] = fated_after + inflight
         cfg = json.loads(json.dumps(base))
-        cfg["train"].update(steps=newest + 2, resume_from=str(run / f"checkpoint-{newest}"))
+        cfg["loop"].update(steps=newest + 2, resume_from=str(run / f"checkpoint-{newest}"))
         t_resume = time.monotonic()
         resumed = _start(cfg, root, "resumed")
         rc = resumed.wait(timeout=900)

@@ -144,7 +144,7 @@ def _run(args: argparse.Namespace, mode: str, seed: int, out: Path) -> dict[str,
     task_options = _task_options(args, recipe)
     cfg = with_task_options(load_config(Path(args.config)), task_options)
     cfg.seed = seed
-    cfg.train.mode, cfg.train.alpha = recipe, alpha  # type: ignore[assignment]
+    cfg.loop.mode, cfg.loop.alpha = recipe, alpha  # type: ignore[assignment]
     if not args.in_process_trainer:
         cfg.trainer.options.update(
             spawn=True, num_threads=train_threads("all" if recipe == "sync" else args.async_train_cores)
@@ -152,11 +152,11 @@ def _run(args: argparse.Namespace, mode: str, seed: int, out: Path) -> dict[str,
     cfg.trainer.options.update(args.trainer_options)
     if recipe == "async":
         cfg.trainer.options.update(args.async_trainer_options)
-    cfg.train.steps = 100_000
-    cfg.train.eval_every = args.eval_every
-    cfg.train.save_every = 0
+    cfg.loop.steps = 100_000
+    cfg.loop.eval_every = args.eval_every
+    cfg.loop.save_every = 0
     if args.eval_temperature is not None:
-        cfg.train.eval_temperature = args.eval_temperature
+        cfg.loop.eval_temperature = args.eval_temperature
     cfg = with_env_latency(cfg, args.env_latency, args.env_sigma, seed, paired_scope=f"{mode}/seed{seed}")
     cfg = cfg.model_copy(update={"output_dir": out / f"{mode}-s{seed}"})
     curve = _Curve(f"{mode} s{seed}")
@@ -464,7 +464,7 @@ def main() -> None:
     ap.add_argument(
         "--eval-temperature",
         type=float,
-        help="held-out evaluation temperature (0: greedy); default: the config's train.eval_temperature",
+        help="held-out evaluation temperature (0: greedy); default: the config's loop.eval_temperature",
     )
     ap.add_argument(
         "--trainer-option",

@@ -48,7 +48,7 @@ def slice_config(root: Path, *, model_path: Path | None = None, steps: int = 1) 
             ],
             "trainer": {"impl": "torch", "options": {"lr": 0.01}},
             "weight_store": {"impl": "filesystem", "options": {"root": str(root / "weights")}},
-            "train": {"mode": "sync", "alpha": 0, "steps": steps},
+            "loop": {"mode": "sync", "alpha": 0, "steps": steps},
             "ray": {"num_cpus": 2},
         }
     )

@@ -1,6 +1,6 @@
 """``kill -9`` of ``rollart train`` mid-run (a scheduler's preemption, the OOM killer): within 10 s no
 process of the run is left (Ray's GCS, raylet, monitors, dashboard, its dashboard and runtime-env
-agents, the workers, the engine's subprocesses), and ``train.resume_from`` the newest checkpoint then
+agents, the workers, the engine's subprocesses), and ``loop.resume_from`` the newest checkpoint then
 completes its steps. Before the driver's watchdog, the dashboard agent and the runtime-env agent of
 the killed run were alive more than 20 s after the kill. Slow (two runs of the tiny model: 65 s on a quiet 2-core machine, 300 s beside a training run)."""
 
@@ -57,9 +57,9 @@ def _config(tmp_path: Path, steps: int, resume_from: Path | None = None) -> Path
     cfg["model"]["path"] = str(tmp_path / "model")
     cfg["output_dir"] = str(tmp_path / "run")
     cfg["tasks"][0].update(group_size=4, groups_per_step=2)
-    cfg["train"].update(steps=steps, eval_every=0, save_every=1)
+    cfg["loop"].update(steps=steps, eval_every=0, save_every=1)
     if resume_from is not None:
-        cfg["train"]["resume_from"] = str(resume_from)
+        cfg["loop"]["resume_from"] = str(resume_from)
     path = tmp_path / f"cfg-{steps}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path

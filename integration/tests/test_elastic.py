@@ -34,7 +34,7 @@ async def call(run_dir: Path, method: str, path: str, body: dict[str, Any] | Non
 
 async def test_an_engine_added_and_one_removed_mid_run_lose_nothing(tmp_path: Path, tiny_model: Path) -> None:
     cfg = slice_config(tmp_path, model_path=tiny_model, steps=1000)  # stopped below, once checked
-    cfg.train.mode, cfg.train.alpha = "async", 1  # type: ignore[assignment]
+    cfg.loop.mode, cfg.loop.alpha = "async", 1  # type: ignore[assignment]
     cfg.ray.num_cpus = 4
     run_dir = cfg.output_dir
     sink, summary = MemorySink(), {}

@@ -128,7 +128,7 @@ async def test_dataset_task_trains_and_evaluates_on_heldout_rows_only(
     cfg = slice_config(tmp_path, model_path=tiny_model, steps=2)
     task = example.tasks[0].model_copy(update={"group_size": 4, "groups_per_step": 2})
     cfg.tasks = [task]
-    cfg.train.eval_every, cfg.train.eval_episodes, cfg.train.eval_temperature = 2, 8, 0.0
+    cfg.loop.eval_every, cfg.loop.eval_episodes, cfg.loop.eval_temperature = 2, 8, 0.0
     built: list = []
     async with Pipeline(cfg) as p:
         make_env = p.make_env

@@ -91,7 +91,7 @@ async def test_last_turn_through_the_training_loop(last_turn_pipeline) -> None:
     p = last_turn_pipeline
     start = p.trainer.version
     cfg = p.config.model_copy(deep=True)
-    cfg.train.steps, cfg.train.eval_every, cfg.train.eval_episodes = 2, 2, 4
+    cfg.loop.steps, cfg.loop.eval_every, cfg.loop.eval_episodes = 2, 2, 4
     summary = await train(cfg, sink=MemorySink(), pipeline=p)
     assert summary["final_version"] == start + 2
     assert sum(summary["fates"].values()) == summary["launched"] > 0

@@ -50,8 +50,8 @@ async def test_mode_invariants(
     mode: str, alpha: int, on_arrival: bool, tmp_path: Path, tiny_model: Path
 ) -> None:
     cfg = slice_config(tmp_path, model_path=tiny_model, steps=3)
-    cfg.train.mode, cfg.train.alpha = mode, alpha  # type: ignore[assignment]
-    cfg.train.update_on_arrival = on_arrival
+    cfg.loop.mode, cfg.loop.alpha = mode, alpha  # type: ignore[assignment]
+    cfg.loop.update_on_arrival = on_arrival
     sink = _Collect()
     async with Pipeline(cfg) as p:  # built here to read the proxy's tables once every trajectory ended
         summary = await train(cfg, sink=sink, pipeline=p)
@@ -99,8 +99,8 @@ async def test_resume_continues_steps_and_buffer_without_duplicates(tmp_path: Pa
     import json
 
     cfg = slice_config(tmp_path, model_path=tiny_model, steps=2)
-    cfg.train.mode, cfg.train.alpha, cfg.train.save_every = "async", 2, 2  # type: ignore[assignment]
-    cfg.train.max_pending_steps = 3
+    cfg.loop.mode, cfg.loop.alpha, cfg.loop.save_every = "async", 2, 2  # type: ignore[assignment]
+    cfg.loop.max_pending_steps = 3
     first = await train(cfg, sink=_Collect())
     ckpt = cfg.output_dir / "checkpoint-2"
     state = json.loads((ckpt / "rollart_state.json").read_text())
@@ -108,7 +108,7 @@ async def test_resume_continues_steps_and_buffer_without_duplicates(tmp_path: Pa
     saved_groups = {g["group_id"] for g in state["buffer"]["groups"]}
 
     cfg2 = cfg.model_copy(deep=True)
-    cfg2.train.steps, cfg2.train.resume_from = 4, ckpt
+    cfg2.loop.steps, cfg2.loop.resume_from = 4, ckpt
     second = await train(cfg2, sink=_Collect())  # a fresh pipeline, as a restarted job would build
     assert [h["version"] for h in second["history"]] == [3, 4]  # steps and versions continue
     trained_1 = [g for h in first["history"] for g in h["batch_groups"]]
@@ -130,7 +130,7 @@ async def test_async_loop_with_a_spawned_trainer_cancels_cleanly(tmp_path: Path,
     import os
 
     cfg = slice_config(tmp_path, model_path=tiny_model, steps=1000)
-    cfg.train.mode, cfg.train.alpha = "async", 1  # type: ignore[assignment]
+    cfg.loop.mode, cfg.loop.alpha = "async", 1  # type: ignore[assignment]
     cfg.trainer.options.update(spawn=True, num_threads=1)
     loop = asyncio.get_running_loop()
     unhandled: list[dict] = []

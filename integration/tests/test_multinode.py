@@ -433,7 +433,7 @@ async def test_async_training_run_places_every_stage_on_its_node(
         },
     }
     data["env_manager"] = {"num_envs": 4, "options": {"pool": "env_cpu", "envs_per_actor": 2}}
-    data["train"] = {"mode": "async", "alpha": 1, "steps": 3}
+    data["loop"] = {"mode": "async", "alpha": 1, "steps": 3}
     data["ray"] = {"address": cluster_address()}
 
     local = RunConfig.model_validate(data)  # the default filesystem store: a local directory

@@ -55,7 +55,7 @@ def pd_config(root: Path) -> RunConfig:
             ],
             "trainer": {"impl": "torch", "options": {"lr": 0.01}},
             "weight_store": {"impl": "filesystem", "options": {"root": str(root / "weights")}},
-            "train": {"mode": "sync", "alpha": 0, "steps": 1},
+            "loop": {"mode": "sync", "alpha": 0, "steps": 1},
             "ray": {"num_cpus": 2},
         }
     )
@@ -79,7 +79,7 @@ async def test_pipeline_runs_pd_tasks_through_both_pools(tmp_path: Path) -> None
         # FrozenLake turns generate one token: not worth a second hop, served by the decode pool
         workers = p.proxy.proxy.workers
         prefilled = workers["pre-0"].served
-        state = RunState(p.config.train.alpha, p.trainer.version)
+        state = RunState(p.config.loop.alpha, p.trainer.version)
         trajs = await rollout_step(p, step=1, state=state)
         assert {t.fate for t in trajs} == {Fate.FINISHED}
         assert workers["pre-0"].served == prefilled and workers["dec-0"].served > len(trajs)

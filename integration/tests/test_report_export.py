@@ -26,7 +26,7 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.
     cfg["model"]["path"] = str(tmp / "model")
     cfg["output_dir"] = str(tmp / "run")
     cfg["tasks"][0].update(group_size=4, groups_per_step=2)
-    cfg["train"].update(steps=2, eval_every=2, eval_episodes=8, eval_temperature=0.0, save_every=2)
+    cfg["loop"].update(steps=2, eval_every=2, eval_episodes=8, eval_temperature=0.0, save_every=2)
     path = tmp / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg))
     r = subprocess.run(

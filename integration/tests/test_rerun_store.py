@@ -19,10 +19,10 @@ from rollart_weightsync.filesystem import FilesystemWeightStore
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _config(tmp_path: Path, **train: object) -> RunConfig:
+def _config(tmp_path: Path, **loop: object) -> RunConfig:
     data = yaml.safe_load((ROOT / "examples" / "frozenlake_tiny.yaml").read_text())
     data["output_dir"] = str(tmp_path / "run")
-    data["train"].update(train)
+    data["loop"].update(loop)
     p = tmp_path / "cfg.yaml"
     p.write_text(yaml.safe_dump(data))
     return load_config(p)

@@ -49,7 +49,7 @@ def test_sigterm_stops_the_run_cleanly(tmp_path: Path) -> None:
     cfg["model"]["path"] = str(tmp_path / "model")
     cfg["output_dir"] = str(tmp_path / "run")
     cfg["tasks"][0].update(group_size=4, groups_per_step=2)
-    cfg["train"].update(steps=100_000, eval_every=0, save_every=0)
+    cfg["loop"].update(steps=100_000, eval_every=0, save_every=0)
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg))
     metrics = tmp_path / "run" / "metrics.jsonl"

@@ -30,7 +30,7 @@ def group_config(root: Path, model: Path, steps: int) -> RunConfig:
         "num_cpus": 0.25,
         "options": {"lr": 0.01, "num_threads": 1},
     }
-    data["train"] = {
+    data["loop"] = {
         "mode": "async",
         "alpha": 1,
         "steps": steps,

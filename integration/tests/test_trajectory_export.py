@@ -1,4 +1,4 @@
-"""A short real run (tiny model, vLLM CPU, Ray; async, alpha 1) with ``train.export_trajectories``,
+"""A short real run (tiny model, vLLM CPU, Ray; async, alpha 1) with ``loop.export_trajectories``,
 then ``rollart export --trajectories`` in both formats, read back without rollart's types: every
 trajectory the run ended is there once, with its fate, and the per-token versions of the trained
 ones agree with the run's metrics (start versions, policy lag)."""
@@ -22,7 +22,7 @@ async def test_a_run_exports_its_trajectories(tmp_path: Path, tiny_model: Path) 
     from .conftest import slice_config
 
     cfg = slice_config(tmp_path, model_path=tiny_model, steps=3)
-    cfg.train.mode, cfg.train.alpha, cfg.train.export_trajectories = "async", 1, True
+    cfg.loop.mode, cfg.loop.alpha, cfg.loop.export_trajectories = "async", 1, True
     summary = await train(cfg)
     run = cfg.output_dir
     assert summary["steps"] == 3 and sorted(p.name for p in (run / "trajectories").iterdir()) == [
@@ -51,7 +51,7 @@ async def test_a_run_exports_its_trajectories(tmp_path: Path, tiny_model: Path) 
             assert len(generated) == r["num_generated"] == len([x for x in r["response_mask"] if x])
             assert all(0 <= v <= m["version"] - 1 for v in generated)
         lags = [m["version"] - 1 - r["min_version"] for r in trained]
-        assert max(lags) == m["lag_max"] <= cfg.train.alpha
+        assert max(lags) == m["lag_max"] <= cfg.loop.alpha
         assert all(r["prompt_text"] and r["response_text"] is not None for r in trained)
     assert {r["trained_step"] for r in rows} - {None} == {1, 2, 3}
 

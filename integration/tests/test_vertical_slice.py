@@ -207,7 +207,7 @@ async def test_train_step_updates_engine_weights_and_versions(pipeline) -> None:
     for name in COMPARED:
         assert torch.equal(await _engine_tensor(p, name), _trainer_view(trainer_params, name))
 
-    state = RunState(p.config.train.alpha, p.trainer.version)
+    state = RunState(p.config.loop.alpha, p.trainer.version)
     trajs = await rollout_step(p, step=1, state=state)
     assert {t.fate for t in trajs} == {Fate.FINISHED}
     batch = await state.get_batch(p.config.tasks[0].groups_per_step, version=p.trainer.version)
@@ -257,7 +257,7 @@ async def test_redundant_rollouts_cancel_exactly_the_surplus(pipeline) -> None:
     old = task.redundancy, task.max_turns
     task.redundancy, task.max_turns = 3, 6
     try:
-        ro = Rollout(p, RunState(p.config.train.alpha, max((await p.proxy.weight_versions()).values())))
+        ro = Rollout(p, RunState(p.config.loop.alpha, max((await p.proxy.weight_versions()).values())))
         gid = ro.launch_group(0, tag="red")
         await ro.wait_all()
         mine = [t for t in ro.drain_finished() if t.group_id == gid]

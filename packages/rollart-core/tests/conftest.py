@@ -257,8 +257,8 @@ class FakePipeline:
         return self.make_env(task, index)
 
 
-def fake_config(tmp: Path, **train: Any) -> RunConfig:
-    tasks = train.pop("tasks", None) or [
+def fake_config(tmp: Path, **loop: Any) -> RunConfig:
+    tasks = loop.pop("tasks", None) or [
         {
             "name": "t",
             "env": {"impl": "fake"},
@@ -274,7 +274,7 @@ def fake_config(tmp: Path, **train: Any) -> RunConfig:
             "model": {"path": str(tmp / "model")},
             "engines": [{"name": "gen"}],
             "tasks": tasks,
-            "train": {"steps": 3, "stall_timeout_s": 30, **train},
+            "loop": {"steps": 3, "stall_timeout_s": 30, **loop},
         }
     )
 

@@ -184,9 +184,9 @@ def test_each_mode_warms_up_for_its_pipeline_depth_before_throughput_is_measured
     quick = SIZES["quick"]
     base = workload_config(quick, tmp_path, tmp_path / "model")
     for m in ("sync", "async_a2", "async_a4_r3"):
-        assert mode_config(base, MODES[m], quick).train.steps == quick.steps + MODES[m].warmup_steps()
+        assert mode_config(base, MODES[m], quick).loop.steps == quick.steps + MODES[m].warmup_steps()
     micro = SIZES["micro"]
-    assert not micro.warmup and mode_config(base, MODES["async_a2"], micro).train.steps == micro.steps
+    assert not micro.warmup and mode_config(base, MODES["async_a2"], micro).loop.steps == micro.steps
 
     rows = [
         {"elapsed": e, "batch_size": b} for e, b in [(3.0, 16), (4.0, 16), (5.0, 16), (7.0, 12), (9.0, 16)]

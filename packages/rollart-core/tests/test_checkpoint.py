@@ -73,7 +73,7 @@ async def test_a_save_that_dies_midway_leaves_the_previous_checkpoint_resumable(
 
     monkeypatch.undo()  # a new process: saves work again
     cfg2 = cfg.model_copy(deep=True)
-    cfg2.train.resume_from = run_dir / "checkpoint-1"
+    cfg2.loop.resume_from = run_dir / "checkpoint-1"
     p2 = fakes.FakePipeline(cfg2, fakes.Script())
     summary = await asyncio.wait_for(train(cfg2, sink=MemorySink(), pipeline=p2), 30)  # type: ignore[arg-type]
     assert [h["version"] for h in summary["history"]] == [2, 3, 4]  # steps and versions continue
@@ -134,7 +134,7 @@ async def test_resume_rewrites_metrics_jsonl_from_the_resumed_step(fakes: Module
         f.write('{"step": 4, "loss": 0.')  # a torn last line, as a crash mid-write leaves it
 
     cfg2 = cfg.model_copy(deep=True)
-    cfg2.train.steps, cfg2.train.resume_from = 5, cfg.output_dir / "checkpoint-2"
+    cfg2.loop.steps, cfg2.loop.resume_from = 5, cfg.output_dir / "checkpoint-2"
     second = await asyncio.wait_for(train(cfg2, pipeline=fakes.FakePipeline(cfg2, fakes.Script())), 30)  # type: ignore[arg-type]
     assert [h["version"] for h in second["history"]] == [3, 4, 5]
     rows = metrics.read_text().splitlines()

@@ -54,9 +54,9 @@ def test_yaml_error_names_the_file(tmp_path: Path, capsys: pytest.CaptureFixture
 
 def test_unknown_field_names_the_field(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cfg = _example(tmp_path)
-    cfg["train"]["stepz"] = 3
+    cfg["loop"]["stepz"] = 3
     line = _one_error_line(capsys, main(["train", _write(tmp_path, cfg)]))
-    assert "train.stepz" in line
+    assert "loop.stepz" in line
 
 
 def test_model_dir_without_weights(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

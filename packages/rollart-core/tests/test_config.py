@@ -33,12 +33,12 @@ def test_example_config_loads() -> None:
 
 def test_unknown_field_names_field_and_file(tmp_path: Path) -> None:
     data = _example()
-    data["train"]["stepz"] = 3
+    data["loop"]["stepz"] = 3
     p = _write(tmp_path, data)
     with pytest.raises(ConfigError) as ei:
         load_config(p)
     msg = str(ei.value)
-    assert str(p) in msg and "train.stepz" in msg
+    assert str(p) in msg and "loop.stepz" in msg
 
 
 def test_wrong_type_names_nested_field(tmp_path: Path) -> None:
@@ -66,6 +66,13 @@ def test_a_renamed_key_is_refused_with_its_new_name(tmp_path: Path) -> None:
     data = _example()
     data["tasks"][0]["pool"] = data["engines"][0]["name"]
     with pytest.raises(ConfigError, match=r"tasks\.0.*'pool' was renamed: write 'engine_group' instead"):
+        load_config(_write(tmp_path, data))
+
+
+def test_the_old_train_section_is_refused_with_loop(tmp_path: Path) -> None:
+    data = _example()
+    data["train"] = data.pop("loop")
+    with pytest.raises(ConfigError, match=r"'train' was renamed: write 'loop' instead"):
         load_config(_write(tmp_path, data))
 
 
@@ -134,7 +141,7 @@ def test_overlapping_mode_with_an_in_process_trainer_is_warned() -> None:
         ("async", {"spawn": True, "num_threads": 1}, False),
         ("async", {"world_size": 2}, False),
     ]:
-        data["train"] = {**data.get("train", {}), "mode": mode, "alpha": 0 if mode == "sync" else 1}
+        data["loop"] = {**data.get("loop", {}), "mode": mode, "alpha": 0 if mode == "sync" else 1}
         data["trainer"]["options"] = options
         msg = overlap_warning(RunConfig.model_validate(data))
         assert (msg is not None) == warned, (mode, options)
@@ -144,8 +151,8 @@ def test_overlapping_mode_with_an_in_process_trainer_is_warned() -> None:
 
 def test_async_alpha_0_with_the_update_after_get_batch_is_refused(tmp_path: Path) -> None:
     data = _example()
-    data["train"].update(mode="async", alpha=0, update_on_arrival=False)
-    with pytest.raises(ConfigError, match=r"update_on_arrival true or train\.async_weight_sync false"):
+    data["loop"].update(mode="async", alpha=0, update_on_arrival=False)
+    with pytest.raises(ConfigError, match=r"update_on_arrival true or loop\.async_weight_sync false"):
         load_config(_write(tmp_path, data))
     for fix in ({"update_on_arrival": True}, {"async_weight_sync": False}, {"alpha": 1}):
-        load_config(_write(tmp_path, {**data, "train": {**data["train"], **fix}}))
+        load_config(_write(tmp_path, {**data, "loop": {**data["loop"], **fix}}))

@@ -48,7 +48,7 @@ BASE: dict[str, Any] = {
     ],
     "trainer": {"impl": "torch", "ranks": 1, "pool": "H800", "options": {"lr": 0.01}},
     "weight_store": {"impl": "filesystem"},
-    "train": {"mode": "async", "alpha": 1, "steps": 3, "save_every": 1, "stall_timeout_s": 60},
+    "loop": {"mode": "async", "alpha": 1, "steps": 3, "save_every": 1, "stall_timeout_s": 60},
     "ray": {"num_cpus": 2, "resources": {"H800": 1}},
     "env_manager": {"num_envs": 4, "options": {}},
 }

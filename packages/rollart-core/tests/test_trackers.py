@@ -110,7 +110,7 @@ async def test_a_run_logs_to_wandb_offline_and_mlflow_at_once(
     [run] = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     assert run.display_name == "fake-run"
     config = {u.key: json.loads(u.value_json) for u in run.config.update}
-    assert config["train"]["steps"] == 3 and config["tasks"][0]["name"] == "t"
+    assert config["loop"]["steps"] == 3 and config["tasks"][0]["name"] == "t"
     summary_items = {
         u.key: json.loads(u.value_json)
         for r in records
@@ -133,7 +133,7 @@ async def test_a_run_logs_to_wandb_offline_and_mlflow_at_once(
     assert [m.value for m in client.get_metric_history(mrun.info.run_id, "fates/finished")] == [
         r["fates"]["finished"] for r in rows
     ]
-    assert mrun.data.params["train.steps"] == "3"
+    assert mrun.data.params["loop.steps"] == "3"
     assert mrun.data.metrics["summary/final_version"] == 3
     assert mrun.data.tags["rollart.outcome"] == "completed"
     files = {a.path for a in client.list_artifacts(mrun.info.run_id)}

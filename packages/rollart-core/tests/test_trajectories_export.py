@@ -1,4 +1,4 @@
-"""A run's trajectories on disk (``train.export_trajectories``) and their export as one table, on
+"""A run's trajectories on disk (``loop.export_trajectories``) and their export as one table, on
 hand-made trajectories: the rows, both formats, the readers that need no rollart, crash safety and
 resume, the error for a run without trajectories. A real run: integration/tests/test_trajectory_export.py."""
 
@@ -101,7 +101,7 @@ def test_a_run_without_trajectories_says_how_to_save_them(
 ) -> None:
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1}\n')
-    with pytest.raises(ConfigError, match=r"train: \{export_trajectories: true\}"):
+    with pytest.raises(ConfigError, match=r"loop: \{export_trajectories: true\}"):
         export_trajectories(tmp_path / "run")
     assert not (tmp_path / "run" / "trajectories.jsonl").exists()
     assert main(["export", "--trajectories", str(tmp_path / "run")]) == 2

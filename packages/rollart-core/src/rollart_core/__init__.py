@@ -20,11 +20,11 @@ Importing rollart_core never imports torch, vLLM, Ray or any member package.
 from rollart_core.config import (
     ComponentConfig,
     EngineGroupConfig,
+    LoopConfig,
     ModelConfig,
     RayConfig,
     RunConfig,
     TaskConfig,
-    TrainConfig,
     TrainerSection,
     load_config,
 )
@@ -99,7 +99,7 @@ __all__ = [
     "RayConfig",
     "RunConfig",
     "TaskConfig",
-    "TrainConfig",
+    "LoopConfig",
     "TrainerSection",
     "load_config",
     # errors

@@ -32,7 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command")
     t = sub.add_parser("train", help="run a training job from a YAML config")
     t.add_argument("config", help="path to the run config (YAML)")
-    t.add_argument("--steps", type=int, help="override train.steps")
+    t.add_argument("--steps", type=int, help="override loop.steps")
     t.add_argument("--output-dir", help="override output_dir")
     t.add_argument(
         "-v",
@@ -75,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--trajectories",
         metavar="RUN_DIR",
-        help="export the trajectories a run saved (train.export_trajectories) as one table",
+        help="export the trajectories a run saved (loop.export_trajectories) as one table",
     )
     e.add_argument(
         "--format",
@@ -132,7 +132,7 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument(
         "--mode",
         choices=["sync", "one_off", "async"],
-        help="the mode whose split sizes the pools (default: the config's train.mode)",
+        help="the mode whose split sizes the pools (default: the config's loop.mode)",
     )
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.add_argument(
@@ -239,7 +239,7 @@ def _run(args: argparse.Namespace) -> int:
         print(cfg.model_dump_json(indent=2))
         return 0
     if args.steps is not None:
-        cfg.train.steps = args.steps
+        cfg.loop.steps = args.steps
     if args.output_dir is not None:
         cfg = cfg.model_copy(update={"output_dir": Path(args.output_dir).resolve()})
     _preflight(cfg)
@@ -350,7 +350,7 @@ def _train(cfg: Any, *, verbose: bool) -> int:
     from rollart_core.trackers import tracking
 
     out: Path = cfg.output_dir
-    moved = set_aside_earlier_run(out, cfg.train.resume_from)  # before this run's log opens there
+    moved = set_aside_earlier_run(out, cfg.loop.resume_from)  # before this run's log opens there
     if moved is not None:
         print(f"rollart: the earlier run in {out} was moved to {moved}", flush=True)
     log_file = out / "logs" / "rollart.log"
@@ -364,7 +364,7 @@ def _train(cfg: Any, *, verbose: bool) -> int:
         logging.getLogger(__name__).info("rollart train %s -> %s", cfg.name, out)
         if not live:
             print(
-                f"rollart: starting {cfg.name} ({cfg.train.mode}, {cfg.train.steps} steps); logs: {log_file}",
+                f"rollart: starting {cfg.name} ({cfg.loop.mode}, {cfg.loop.steps} steps); logs: {log_file}",
                 flush=True,
             )
         try:

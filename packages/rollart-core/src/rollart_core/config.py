@@ -27,7 +27,7 @@ __all__ = [
     "RayConfig",
     "RunConfig",
     "TaskConfig",
-    "TrainConfig",
+    "LoopConfig",
     "TrainerSection",
     "WandbConfig",
     "file_sha256",
@@ -266,7 +266,10 @@ class TaskConfig(_Model):
     _renamed: ClassVar[dict[str, str]] = {"pool": "engine_group", "prefill_pool": "prefill_engine_group"}
 
 
-class TrainConfig(_Model):
+class LoopConfig(_Model):
+    """The training loop: its mode, staleness bound, steps, evaluation, checkpoints and the bounds
+    that stop a run which makes no progress (the ``loop:`` section; the trainer itself is ``trainer:``)."""
+
     mode: Literal["sync", "one_off", "async"] = "sync"
     """``sync`` (Sync+): rollout, then train, then update. ``one_off``: the next step's rollout
     overlaps training (batch-level). ``async``: continuous rollout under the staleness bound."""
@@ -309,9 +312,9 @@ class TrainConfig(_Model):
     max_pending_steps: int | None = Field(None, ge=1)
     """async: at most this many steps' worth of groups launched but not yet trained on. Default
     ``alpha + 1``, the deepest a group can be queued and still be trained within ``alpha``: within
-    that, each task's groups are admitted only while they can be on time (``loop.on_time``: the
-    version the engines serve, the task's queue), so a fast task does not fill the queue with work
-    that goes stale while a slow task's groups get the whole window."""
+    that, each task's groups are admitted only while they can be on time
+    (``control.admission.on_time``: the version the engines serve, the task's queue), so a fast task
+    does not fill the queue with work that goes stale while a slow task's groups get the whole window."""
     abort_stale: bool = True
     """one_off/async: cancel in-flight trajectories as soon as they can no longer meet ``alpha``.
     False finishes them and drops them at the buffer instead (an admission-only baseline)."""
@@ -400,7 +403,7 @@ class RunConfig(_Model):
     tasks: list[TaskConfig] = Field(min_length=1)
     trainer: TrainerSection = TrainerSection()
     weight_store: ComponentConfig = ComponentConfig(impl="filesystem")
-    train: TrainConfig = TrainConfig()
+    loop: LoopConfig = LoopConfig()
     ray: RayConfig = RayConfig()
     env_manager: EnvManagerSection | None = None
     """None: environments live in the driver's event loop."""
@@ -408,24 +411,26 @@ class RunConfig(_Model):
     """Metrics back-ends: TensorBoard, Weights & Biases, MLflow (docs/logging.md)."""
     admin: AdminConfig = AdminConfig()
 
+    _renamed: ClassVar[dict[str, str]] = {"train": "loop"}
+
     @model_validator(mode="after")
     def _cross_check(self) -> RunConfig:
-        if self.train.mode == "one_off" and self.train.alpha < 1:
+        if self.loop.mode == "one_off" and self.loop.alpha < 1:
             raise ValueError(
-                "train.mode one_off trains on trajectories one version old: needs train.alpha >= 1"
+                "loop.mode one_off trains on trajectories one version old: needs loop.alpha >= 1"
             )
-        tr = self.train
+        tr = self.loop
         if tr.max_trainer_restarts is None:
             tr.max_trainer_restarts = 2 if tr.save_every and self.trainer.group else 0
         if tr.max_trainer_restarts and not self.trainer.group:
             raise ValueError(
-                "train.max_trainer_restarts needs the trainer as a worker group (trainer.ranks / "
+                "loop.max_trainer_restarts needs the trainer as a worker group (trainer.ranks / "
                 "trainer.pool): an in-process trainer dies with the driver"
             )
         if tr.mode == "async" and tr.alpha == 0 and tr.async_weight_sync and not tr.update_on_arrival:
             raise ValueError(
-                "train.mode async with train.alpha 0 needs the engines on the newest weights before each "
-                "batch's rollout: set train.update_on_arrival true or train.async_weight_sync false (with "
+                "loop.mode async with loop.alpha 0 needs the engines on the newest weights before each "
+                "batch's rollout: set loop.update_on_arrival true or loop.async_weight_sync false (with "
                 "the update after Get Batch every trajectory would start one version old and go stale)"
             )
         names = [e.name for e in self.engines]

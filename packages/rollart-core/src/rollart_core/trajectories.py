@@ -1,6 +1,6 @@
 """A run's trajectories on disk: written per step during the run, exported as one table after it.
 
-- During a run with ``train.export_trajectories: true``, :class:`TrajectoryLog` writes, at the end
+- During a run with ``loop.export_trajectories: true``, :class:`TrajectoryLog` writes, at the end
   of every step, the trajectories that got their fate in that step (finished, aborted-stale, failed,
   ...) to ``RUN_DIR/trajectories/step-<step>.jsonl``: one :meth:`Trajectory.to_dict` a line with the
   step and the decoded text. Each file is written under a temporary name, fsynced and renamed: a
@@ -178,7 +178,7 @@ def _trained_steps(run_dir: Path) -> dict[str, int]:
 
 def trajectory_rows(run_dir: str | Path) -> Iterator[dict[str, Any]]:
     """The run's trajectories as flat rows (:data:`COLUMNS`), in step order. Raises ConfigError if
-    ``run_dir`` holds none (the run was made without ``train.export_trajectories``)."""
+    ``run_dir`` holds none (the run was made without ``loop.export_trajectories``)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ConfigError(f"{run_dir}: not a run directory (it does not exist)")
@@ -186,7 +186,7 @@ def trajectory_rows(run_dir: str | Path) -> Iterator[dict[str, Any]]:
     if not files:
         raise ConfigError(
             f"{run_dir}: no trajectories were saved in this run (no {TRAJECTORIES_DIR}/step-*.jsonl); "
-            "they are written during a run with `train: {export_trajectories: true}` in its config: "
+            "they are written during a run with `loop: {export_trajectories: true}` in its config: "
             "set it and run again"
         )
     trained = _trained_steps(run_dir)

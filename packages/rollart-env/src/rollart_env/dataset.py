@@ -89,7 +89,7 @@ class DatasetConfig(BaseModel):
     auto_eval_tasks: int = Field(8, ge=1, le=64)
     """``split: auto``: task positions whose held-out evaluation seeds are recognised."""
     auto_eval_episodes: int = Field(256, ge=1, le=8192)
-    """``split: auto``: evaluation episodes per task recognised (``train.eval_episodes`` must not exceed it)."""
+    """``split: auto``: evaluation episodes per task recognised (``loop.eval_episodes`` must not exceed it)."""
     system_prompt: str | None = None
     """System prompt of every episode (None: none)."""
     action_vocabulary: list[str] | None = None

@@ -157,7 +157,7 @@ async def run_segment(
     warmup: int | None,
     rewards: RewardExecutors,
 ) -> dict[str, Any]:
-    """One mode for ``cfg.train.steps`` steps on the shared pipeline (its trainer on ``threads``
+    """One mode for ``cfg.loop.steps`` steps on the shared pipeline (its trainer on ``threads``
     threads), with its busy intervals, its groups' lifetimes, its reward executor's counters and the
     latency samples of its stages; the steady state starts after ``warmup`` steps (None: no steady
     state, throughput over the whole segment)."""
@@ -321,7 +321,7 @@ async def run_bench(
     cfgs = {m: mode_config(base, MODES[m], size) for m in modes}
     num_groups = sum(t.groups_per_step for t in base.tasks)
     inflight = max(
-        (c.train.max_pending_steps or 1) * num_groups * (size.group_size + c.tasks[0].redundancy)
+        (c.loop.max_pending_steps or 1) * num_groups * (size.group_size + c.tasks[0].redundancy)
         for c in cfgs.values()
     )
     segments: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
@@ -338,7 +338,7 @@ async def run_bench(
             "capacity": cap,
             "idle_lifetimes": idle,
             "config": json.loads(base.model_dump_json()),
-            "mode_configs": {m: json.loads(c.train.model_dump_json()) for m, c in cfgs.items()},
+            "mode_configs": {m: json.loads(c.loop.model_dump_json()) for m, c in cfgs.items()},
             "segments": segments,
             "missing": missing_lines(segments, modes, rounds_done),
             "wall_s": time.perf_counter() - t_run,
@@ -458,7 +458,7 @@ async def measure_idle(
     out: dict[str, dict[str, Any]] = {}
     by_key: dict[str, dict[str, Any]] = {}
     for m, cfg in cfgs.items():
-        if cfg.train.mode != "async":
+        if cfg.loop.mode != "async":
             continue
         key = json.dumps(
             [t.model_dump(mode="json", exclude={"groups_per_step"}) for t in cfg.tasks], sort_keys=True
@@ -523,10 +523,10 @@ def write_partial(res: dict[str, Any], out_dir: Path) -> None:
 def window_spec(cfg: RunConfig) -> dict[str, Any] | None:
     """What the staleness window's bound needs from an async mode's config: admission's depth (steps
     of groups in flight, ``max_pending_steps``, default alpha + 1), the batch mix and group sizes."""
-    if cfg.train.mode != "async":
+    if cfg.loop.mode != "async":
         return None
     return {
-        "depth": cfg.train.max_pending_steps or cfg.train.alpha + 1,
+        "depth": cfg.loop.max_pending_steps or cfg.loop.alpha + 1,
         "mix": {t.name: t.groups_per_step for t in cfg.tasks},
         "group_size": {t.name: t.group_size for t in cfg.tasks},
     }

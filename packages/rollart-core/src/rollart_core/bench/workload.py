@@ -323,7 +323,7 @@ def workload_config(size: BenchSize, out_dir: Path, model_path: Path, *, faults:
             ],
             "trainer": {"impl": "torch", "options": {"lr": size.lr, "spawn": True}},
             "weight_store": {"impl": "filesystem", "options": {"root": str(out_dir / "weights")}},
-            "train": {"mode": "sync", "alpha": 0, "steps": size.steps},
+            "loop": {"mode": "sync", "alpha": 0, "steps": size.steps},
             "ray": {"num_cpus": 2},
         }
     )
@@ -331,11 +331,11 @@ def workload_config(size: BenchSize, out_dir: Path, model_path: Path, *, faults:
 
 def mode_config(base: RunConfig, spec: ModeSpec, size: BenchSize) -> RunConfig:
     cfg = base.model_copy(deep=True)
-    cfg.train.mode, cfg.train.alpha = spec.mode, spec.alpha
-    cfg.train.abort_stale, cfg.train.async_weight_sync = spec.abort_stale, spec.async_weight_sync
-    cfg.train.update_on_arrival = spec.update_on_arrival
-    cfg.train.max_pending_steps = spec.max_pending_steps
-    cfg.train.steps = size.steps + (spec.warmup_steps() if size.warmup else 0)
+    cfg.loop.mode, cfg.loop.alpha = spec.mode, spec.alpha
+    cfg.loop.abort_stale, cfg.loop.async_weight_sync = spec.abort_stale, spec.async_weight_sync
+    cfg.loop.update_on_arrival = spec.update_on_arrival
+    cfg.loop.max_pending_steps = spec.max_pending_steps
+    cfg.loop.steps = size.steps + (spec.warmup_steps() if size.warmup else 0)
     for t in cfg.tasks:
         t.redundancy = size.redundancy if spec.redundancy is None else spec.redundancy
         t.reward_executor = reward_executor(spec.reward, size)

@@ -1,6 +1,6 @@
 """The control plane: the training loop as short mode recipes over named primitives.
 
-- :mod:`.train` — ``train(cfg)`` picks the recipe of ``train.mode`` and runs it step by step;
+- :mod:`.train` — ``train(cfg)`` picks the recipe of ``loop.mode`` and runs it step by step;
 - :mod:`.sync`, :mod:`.one_off`, :mod:`.asynchronous` — one recipe per mode, each readable top to bottom;
 - :mod:`.steps` — the primitives: ``get_batch``, ``sync_weights``, ``train_step``, ``push``, ``abort_stale``;
 - :mod:`.admission` — async admission (``on_time``, ``next_task``, the producer);

@@ -1,15 +1,15 @@
-"""Async (``train.mode: async``, RollArt): rollout never stops; training runs beside it.
+"""Async (``loop.mode: async``, RollArt): rollout never stops; training runs beside it.
 
 A producer keeps launching groups under staleness-aware admission (:mod:`.admission`). Each step:
 
 1. **Get Batch** — wait for the step's groups within the staleness bound;
 2-5. **Suspend → Update → Resume → Recompute KV** — the engines move to the weights of the last
-   step (pushed and staged while rollout went on). With ``train.update_on_arrival`` (default) this
+   step (pushed and staged while rollout went on). With ``loop.update_on_arrival`` (default) this
    already ran as soon as they were staged, while this step's batch was awaited;
 6. **Train** on the batch while rollout continues, then **push** the new weights in the background
    and abort in-flight trajectories that can no longer meet ``alpha``.
 
-``train.async_weight_sync: false`` (an ablation) waits for the push and updates right after training.
+``loop.async_weight_sync: false`` (an ablation) waits for the push and updates right after training.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ __all__ = ["run_async"]
 
 
 async def run_async(run: Run) -> AsyncGenerator[StepRecord, None]:
-    tc = run.cfg.train
+    tc = run.cfg.loop
     on_arrival = tc.async_weight_sync and tc.update_on_arrival
     depth = tc.max_pending_steps or tc.alpha + 1  # steps' worth of groups launched ahead of training
     run.beside(produce(run.rollout, run.num_groups * depth, tc.alpha), "the async producer")

@@ -72,9 +72,9 @@ async def resume(p: Pipeline, run: Run, path: Path) -> int:
     next step number."""
     state_file = path / STATE_FILE
     if not state_file.is_file():
-        raise ConfigError(f"train.resume_from: {path} is not a rollart checkpoint (no {STATE_FILE})")
+        raise ConfigError(f"loop.resume_from: {path} is not a rollart checkpoint (no {STATE_FILE})")
     if not isinstance(p.trainer, SupportsResume):
-        raise ConfigError(f"train.resume_from: trainer {type(p.trainer).__name__} cannot resume")
+        raise ConfigError(f"loop.resume_from: trainer {type(p.trainer).__name__} cannot resume")
     state = json.loads(state_file.read_text())
     await asyncio.to_thread(p.trainer.load, str(path))
     if p.trainer.version != state["version"]:

@@ -125,7 +125,7 @@ def overlap_warning(cfg: RunConfig) -> str | None:
     runs beside it (one_off / async): the step and the asyncio loop then share one GIL."""
     opts = cfg.trainer.options
     if (
-        cfg.train.mode == "sync"
+        cfg.loop.mode == "sync"
         or cfg.trainer.impl != "torch"
         or cfg.trainer.group
         or opts.get("spawn")
@@ -133,7 +133,7 @@ def overlap_warning(cfg: RunConfig) -> str | None:
     ):
         return None
     return (
-        f"train.mode {cfg.train.mode!r} overlaps training with rollout, but the torch trainer runs in this "
+        f"loop.mode {cfg.loop.mode!r} overlaps training with rollout, but the torch trainer runs in this "
         "process: its step and the rollout's event loop share one GIL and slow each other down (measured on "
         "2 CPU cores: generation 24 ms per turn alone, 280 ms beside a step). Set trainer.options.spawn: true "
         "(and num_threads to the trainer's share of the cores)."
@@ -158,7 +158,7 @@ def trainer_group_config(cfg: RunConfig) -> Any:
         "num_cpus_per_rank": t.num_cpus,
         "num_gpus_per_rank": t.num_gpus,
         "options": t.options,
-        "max_restarts": cfg.train.max_trainer_restarts or 0,
+        "max_restarts": cfg.loop.max_trainer_restarts or 0,
         "checkpoint_dir": str(cfg.output_dir),
     }
     return validate_options(resolve("trainer", TRAINER_GROUP), options, "trainer")
@@ -174,14 +174,14 @@ def weight_store_options(cfg: RunConfig) -> dict[str, Any]:
         return opts
     if "root" in opts:
         root = Path(opts["root"])
-        if not cfg.train.resume_from and any(root.glob("v*/COMMITTED")):
+        if not cfg.loop.resume_from and any(root.glob("v*/COMMITTED")):
             raise ConfigError(
                 f"weight_store.options.root {root} holds weights of an earlier run; a new run starts "
-                "at version 1: empty the directory, choose another, or set train.resume_from"
+                "at version 1: empty the directory, choose another, or set loop.resume_from"
             )
         return opts
     root = cfg.output_dir / "weights"
-    if not cfg.train.resume_from and root.exists():
+    if not cfg.loop.resume_from and root.exists():
         log.info("a new run: removing the earlier run's weight versions in %s", root)
         shutil.rmtree(root)
     opts["root"] = str(root)

@@ -37,7 +37,7 @@ def derive_seed(*parts: object) -> int:
 class Rollout:
     def __init__(self, p: Pipeline, state: RunState | None = None) -> None:
         self.p = p
-        self.state = state or RunState(p.config.train.alpha, p.trainer.version)
+        self.state = state or RunState(p.config.loop.alpha, p.trainer.version)
         """The run's state: trajectories start on its served version (or ahead, on the coming one)
         and are settled there with their fates."""
         self.inflight: dict[str, tuple[Trajectory, asyncio.Task[None]]] = {}

@@ -79,7 +79,7 @@ class Run:
         self.p = p
         self.cfg: RunConfig = cfg or p.config
         """The run's config: ``train()``'s (a borrowed pipeline may have been built from another)."""
-        self.state = RunState(self.cfg.train.alpha, p.trainer.version)
+        self.state = RunState(self.cfg.loop.alpha, p.trainer.version)
         """The run's changing state: versions, groups, fates, its failure."""
         self.rollout = Rollout(p, self.state)
         self.mix = {t.name: t.groups_per_step for t in self.cfg.tasks}
@@ -97,7 +97,7 @@ class Run:
         return self.state.clock
 
     def steps(self) -> Iterator[StepRecord]:
-        for step in range(self.first_step, self.cfg.train.steps + 1):
+        for step in range(self.first_step, self.cfg.loop.steps + 1):
             yield StepRecord(step)
 
     def beside(self, coro: Awaitable[Any], name: str) -> asyncio.Task[Any]:
@@ -131,10 +131,10 @@ class Run:
 async def get_batch(run: Run, rec: StepRecord, *, relaunch: bool = False) -> list[Trajectory]:
     """The step's groups at the trainer's version, oldest first. ``relaunch`` (sync/one_off, where
     nothing else launches): a group that ended with nothing trainable is replaced by a fresh one of
-    its task, within ``train.max_group_relaunches``. Evaluated on every change of the run's state (and
+    its task, within ``loop.max_group_relaunches``. Evaluated on every change of the run's state (and
     at the stall deadline); raises the run's failure as soon as it is set."""
     t0 = time.perf_counter()
-    state, tc = run.state, run.cfg.train
+    state, tc = run.state, run.cfg.loop
 
     def ready() -> list[Trajectory] | None:
         for group, task in state.drop_untrainable():
@@ -158,29 +158,29 @@ async def get_batch(run: Run, rec: StepRecord, *, relaunch: bool = False) -> lis
 def _replace(run: Run, group: str, task: str | None, relaunch: bool) -> None:
     if not relaunch:
         return
-    if run.relaunches >= run.cfg.train.max_group_relaunches:
+    if run.relaunches >= run.cfg.loop.max_group_relaunches:
         raise RunStalled(
             f"{_failing_stage(run)}: group {group} of task {task!r} ended with nothing trainable "
-            f"and the relaunch budget (train.max_group_relaunches = "
-            f"{run.cfg.train.max_group_relaunches}) is spent; {_fates_report(run)}"
+            f"and the relaunch budget (loop.max_group_relaunches = "
+            f"{run.cfg.loop.max_group_relaunches}) is spent; {_fates_report(run)}"
         )
     run.relaunches += 1
     run.rollout.relaunch(task)
 
 
 def _check_progress(run: Run) -> None:
-    ledger, tc = run.state.ledger, run.cfg.train
+    ledger, tc = run.state.ledger, run.cfg.loop
     share, stage = ledger.failure_share()
     if len(ledger.recent) >= _MIN_FAILURE_SAMPLE and share >= tc.max_failure_share:
         raise RunStalled(
             f"{stage}: {share:.0%} of the last {len(ledger.recent)} trajectories failed "
-            f"(train.max_failure_share = {tc.max_failure_share}); {_fates_report(run)}"
+            f"(loop.max_failure_share = {tc.max_failure_share}); {_fates_report(run)}"
         )
     idle = time.monotonic() - ledger.last_finished_at
     if tc.stall_timeout_s is not None and idle >= tc.stall_timeout_s:
         raise RunStalled(
             f"{_failing_stage(run)}: no trajectory finished for {idle:.0f} s while waiting for a batch "
-            f"(train.stall_timeout_s = {tc.stall_timeout_s:g}); {len(run.rollout.inflight)} in flight; "
+            f"(loop.stall_timeout_s = {tc.stall_timeout_s:g}); {len(run.rollout.inflight)} in flight; "
             f"{_fates_report(run)}"
         )
 
@@ -253,13 +253,13 @@ def push(run: Run, *, update: bool) -> asyncio.Task[dict[str, float]]:
 
 async def _land(run: Run, version: int, commit: Awaitable[Any], update: bool) -> dict[str, float]:
     t0 = time.perf_counter()
-    limit = run.cfg.train.weight_push_timeout_s
+    limit = run.cfg.loop.weight_push_timeout_s
     try:
         await asyncio.wait_for(commit, limit)
     except TimeoutError:
         raise WeightSyncError(
             f"weight push of version {version}: writing it to the weight store "
-            f"({run.cfg.weight_store.impl}) took over train.weight_push_timeout_s={limit:g}"
+            f"({run.cfg.weight_store.impl}) took over loop.weight_push_timeout_s={limit:g}"
         ) from None
     release_free_memory()  # the driver's snapshot of the weights, freed once written
     if isinstance(run.p.proxy, SupportsWeightPrefetch):
@@ -270,7 +270,7 @@ async def _land(run: Run, version: int, commit: Awaitable[Any], update: bool) ->
 
 def abort_stale(run: Run, rec: StepRecord) -> int:
     """Cancel in-flight trajectories that can no longer be trained within alpha (fate ``aborted_stale``)."""
-    rec.aborted = run.rollout.abort_stale(run.clock.trained, run.cfg.train.alpha)
+    rec.aborted = run.rollout.abort_stale(run.clock.trained, run.cfg.loop.alpha)
     return rec.aborted
 
 

@@ -1,4 +1,4 @@
-"""Sync+ (``train.mode: sync``): launch a step's groups, wait for all of them, train, push, update.
+"""Sync+ (``loop.mode: sync``): launch a step's groups, wait for all of them, train, push, update.
 
 Rollout itself is trajectory-level parallel (every trajectory runs on its own and the engines batch
 continuously); only the step boundary is a barrier. With ``alpha = 0`` this is on-policy training.

@@ -63,13 +63,13 @@ async def train(
     summary: dict[str, Any] | None = None,
     set_aside_earlier: bool = True,
 ) -> dict[str, Any]:
-    """Run ``cfg.train.steps`` steps in ``cfg.train.mode``; returns a summary. ``pipeline``: run on
+    """Run ``cfg.loop.steps`` steps in ``cfg.loop.mode``; returns a summary. ``pipeline``: run on
     an already built one (its engines serving the trainer's version) instead of building one.
     ``summary``: a dict filled with the summary (and returned) however the run ends: a run stopped
     (Ctrl-C, SIGTERM) or failed after its loop began still records the steps it made and the fate of
     every trajectory it launched, with ``completed`` False. ``set_aside_earlier``: move an earlier
     run out of ``cfg.output_dir`` first (the CLI does it itself, before its log opens there)."""
-    tc = cfg.train
+    tc = cfg.loop
     summary = {} if summary is None else summary
     history: list[dict[str, Any]] = []
     if (
@@ -125,8 +125,8 @@ async def train(
 
 def _summary(p: Pipeline, run: Run, history: list[dict[str, Any]], completed: bool) -> dict[str, Any]:
     return {
-        "mode": run.cfg.train.mode,
-        "alpha": run.cfg.train.alpha,
+        "mode": run.cfg.loop.mode,
+        "alpha": run.cfg.loop.alpha,
         "completed": completed,
         "steps": len(history),
         "final_version": p.trainer.version,

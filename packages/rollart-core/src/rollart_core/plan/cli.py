@@ -141,7 +141,7 @@ def run_plan(cfg: RunConfig, args: argparse.Namespace) -> str:
         if not 0 < mfu <= 1:
             raise ConfigError(f"--train-mfu must be in (0, 1], got {mfu:g}")
         profile.train.mfu = mfu
-    mode = getattr(args, "mode", None) or cfg.train.mode
+    mode = getattr(args, "mode", None) or cfg.loop.mode
     plan = make_plan(
         profile,
         catalogue,
@@ -149,7 +149,7 @@ def run_plan(cfg: RunConfig, args: argparse.Namespace) -> str:
         classes=classes,
         simulate_steps=args.simulate,
         mode=mode,
-        alpha=cfg.train.alpha,
+        alpha=cfg.loop.alpha,
         train_class=getattr(args, "train_class", None),
     )
     plan.basis = basis_line(args, profile, model, source)
