@@ -47,7 +47,7 @@ from rollart_core.bench.harness import parse_overrides, run_bench, sized
 from rollart_core.bench.report import write_reports
 from rollart_core.bench.workload import MODES
 from rollart_core.plan.catalogue import DEFAULT_CATALOGUE
-from rollart_core.plan.planner import make_plan, plan_pools
+from rollart_core.plan.planner import make_plan, plan_pools, rollout_latency
 from rollart_core.plan.simulate import simulate
 from rollart_core.plan.trainer import TrainerSizing, best_split, step_seconds
 from rollart_core.plan.workload import LatencyDist, ModelProfile, TaskProfile, TrainProfile, WorkloadProfile
@@ -388,7 +388,9 @@ def cores_check(res: dict[str, Any], cores: int = 2) -> dict[str, Any]:
     the all-cores step scaled to the half share vs the measured half-core step; (b) each mode's
     throughput from the planner's closed form (:func:`~rollart_core.plan.trainer.step_seconds`) on
     the measured components — generation capacity and trainer step (all cores, scaled linearly to a
-    share), one trajectory's latency, the weight push and pause — with the cores split as the planner
+    share), the latency term the planner uses (:func:`~rollart_core.plan.planner.rollout_latency`: a
+    step's slowest group, drawn from the run's distributions), the weight push and pause — with the
+    cores split as the planner
     splits a budget (the overlapping modes: the best split of ``cores``; Sync+ on a shared machine
     gives every stage all cores in turn), vs the mode's measured throughput; (c) the trainer's MFU
     implied by 6 · N · tokens if the model's parameter count is known."""
@@ -399,12 +401,14 @@ def cores_check(res: dict[str, Any], cores: int = 2) -> dict[str, Any]:
     train_all = cap["train"]["seconds"] * n_step / cap["train"]["batch"]  # one step's batch, all cores
     gen_all = n_step / cap["generate"]["traj_per_s"]  # one step's batch, all cores, saturated
     env = env_latency(size).mean
-    latency = 0.0
+    mean_latency = 0.0
     for t in res["config"]["tasks"]:
         turns = _mean([float(x) for x in _samples(res, "sync", t["name"], "turns")], float(t["max_turns"]))
         gen_turn = _mean(_samples(res, "sync", t["name"], "generate"))
         reward = _mean(_samples(res, "sync", t["name"], "reward"))
-        latency = max(latency, turns * gen_turn + (turns + 1) * env + reward)
+        mean_latency = max(mean_latency, turns * gen_turn + (turns + 1) * env + reward)
+    # the planner's latency term (make_plan): a step's slowest group, drawn from the distributions
+    latency = rollout_latency(profile(res, "sync", "from_sync"))[1]
     sizing = TrainerSizing("core", 1, 0.0, 0.0, 1.0, 1.0, measured_s=train_all, measured_gpus=cores)
     scaling = {
         "all_cores_s": cap["train"]["seconds"],
@@ -446,7 +450,12 @@ def cores_check(res: dict[str, Any], cores: int = 2) -> dict[str, Any]:
             "measured": measured,
             "ratio": rate / measured if measured else None,
         }
-    out: dict[str, Any] = {"scaling": scaling, "latency_s": latency, "modes": modes}
+    out: dict[str, Any] = {
+        "scaling": scaling,
+        "latency_s": latency,
+        "mean_latency_s": mean_latency,
+        "modes": modes,
+    }
     params = _model_params(res)
     if params:
         tokens = cap["train"]["tok_per_s"] * cap["train"]["seconds"]

@@ -189,7 +189,7 @@ def _config(tmp_path: Path, model_dir: Path) -> Path:
                     "sampling": {"max_tokens": 512},
                 }
             ],
-            "train": {"mode": "async", "alpha": 1},
+            "loop": {"mode": "async", "alpha": 1},
         }
     )
     path = tmp_path / "run.yaml"
@@ -261,3 +261,8 @@ def test_rollout_latency_waits_for_the_slowest_group() -> None:
     capped = tail.model_copy(update={"env_timeout_s": 2.0})
     _, capped_s = rollout_latency(WorkloadProfile(model=MODEL, tasks=[capped]), plans, DEFAULT_CATALOGUE)
     assert capped_s < step_s and capped_s <= 5 * 2.0 + 4 * 0.5
+    # measured turns need no roofline; a task without them does
+    assert rollout_latency(prof) == rollout_latency(prof, plans, DEFAULT_CATALOGUE)
+    roofline = const.model_copy(update={"generate_s": None})
+    with pytest.raises(ValueError, match="'c' has no generate_s"):
+        rollout_latency(WorkloadProfile(model=MODEL, tasks=[roofline]))

@@ -238,18 +238,28 @@ LATENCY_SAMPLES = 200_000
 
 
 def rollout_latency(
-    profile: WorkloadProfile, tplans: list[TaskPlan], catalogue: dict[str, HardwareClass], *, seed: int = 0
+    profile: WorkloadProfile,
+    tplans: list[TaskPlan] | None = None,
+    catalogue: dict[str, HardwareClass] | None = None,
+    *,
+    seed: int = 0,
 ) -> tuple[float, float]:
     """(group, step): expected seconds until a group has ``group_size`` finished members, and until
     every group of a step has, on idle pools — no step's rollout is shorter, whatever its devices.
     Drawn from the profile: each trajectory's turns (measured, or the roofline's at full batch), its
     env calls (the reset and one per turn, capped at ``env_timeout_s``) and its reward; a group of
     ``group_size + redundancy`` is done at its ``group_size``-th finisher. Heavy tails make the
-    step's figure (the slowest group, what a batch barrier waits for) far above the mean."""
+    step's figure (the slowest group, what a batch barrier waits for) far above the mean.
+    ``tplans`` and ``catalogue`` give the roofline's turns of a task without measured ones."""
     rng = random.Random(seed)
     turn_s: dict[str, tuple[float, float]] = {}
-    for t, tp in zip(profile.tasks, tplans, strict=True):
+    for i, t in enumerate(profile.tasks):
         if t.generate_s is None:
+            if tplans is None or catalogue is None:
+                raise ValueError(
+                    f"task {t.name!r} has no generate_s: its turns need a TaskPlan and the catalogue"
+                )
+            tp = tplans[i]
             gen = roofline_gen_time(profile.model, catalogue[tp.prefill.hw], catalogue[tp.decode.hw])
             turn_s[t.name] = (gen(t, 0, rng), gen(t, 1, rng))  # (the roofline draws nothing)
     calls = sum(t.trajectories_per_step * (t.turns + 2) for t in profile.tasks)
