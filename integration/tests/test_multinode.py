@@ -440,6 +440,11 @@ async def test_async_training_run_places_every_stage_on_its_node(
     with pytest.raises(ConfigError, match=r"filesystem .* local directory, but the cluster has 3 nodes"):
         async with Pipeline(local):
             pass
+    wrapped = {"store": {"impl": "filesystem", "options": {"root": str(tmp_path / "w")}}}
+    data["weight_store"] = {"impl": "node_cache", "options": wrapped}  # the wrapper does not hide it
+    with pytest.raises(ConfigError, match=r"filesystem .* local directory, but the cluster has 3 nodes"):
+        async with Pipeline(RunConfig.model_validate(data)):
+            pass
     data["weight_store"] = {"impl": "ray", "options": {"name": f"mn-weights-{os.getpid()}"}}
     cfg = RunConfig.model_validate(data)
     async with Pipeline(cfg) as p:

@@ -340,10 +340,12 @@ class Pipeline:
         import ray
 
         nodes = [n for n in ray.nodes() if n.get("Alive")]
-        store = self.store
+        store: Any = self.store
+        while hasattr(store, "inner"):  # a wrapper (node_cache, faulty): what it wraps decides
+            store = store.inner
         store_cfg = getattr(store, "config", None)
         if (
-            cfg.weight_store.impl == "filesystem"
+            type(store).__name__ == "FilesystemWeightStore"
             and len(nodes) > 1
             and not getattr(store_cfg, "shared", False)
         ):
