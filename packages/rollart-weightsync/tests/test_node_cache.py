@@ -118,6 +118,21 @@ def test_a_failed_leader_leaves_the_pull_to_the_next_engine(tmp_path: Path) -> N
     store.close()
 
 
+def test_a_full_shared_memory_leaves_the_pull_to_each_engine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = NodeCacheWeightStore(NodeCacheWeightStoreConfig.model_validate(options(tmp_path)))
+    store.push(1, weights(1.0)).result(TIMEOUT)
+
+    def no_space(fd: int, offset: int, length: int) -> None:  # a fake: a full /dev/shm cannot be made here
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_space)
+    assert same(store.pull(1), weights(1.0)) and same(store.pull(1), weights(1.0))
+    assert store.stats["inner_pulls"] == 2 and list(store.dir.glob("v*")) == [store._paths(1)[2]]
+    store.close()
+
+
 def test_waiting_for_another_engines_pull_is_bounded(tmp_path: Path) -> None:
     store = NodeCacheWeightStore(
         NodeCacheWeightStoreConfig.model_validate(options(tmp_path, lock_timeout_s=0.2))

@@ -166,18 +166,17 @@ class NodeCacheWeightStore:
         tmp = self._paths(version)[0].with_suffix(f".tmp{os.getpid()}")
 
         def mapped(nbytes: int) -> torch.Tensor:
-            with open(tmp, "wb") as f:
-                f.truncate(nbytes)
+            with open(tmp, "wb") as f:  # reserved, not sparse: a full /dev/shm is an OSError here,
+                if nbytes:  # not a SIGBUS in the copy below
+                    os.posix_fallocate(f.fileno(), 0, nbytes)
             return torch.from_file(str(tmp), shared=True, size=nbytes, dtype=torch.uint8)
 
         try:
             flat, manifest = pack(tensors, version, self.config.bucket_mb << 20, "blake3", alloc=mapped)
             seal(flat, manifest)
             self._commit(version, tmp, manifest)
-        except (
-            OSError,
-            RuntimeError,
-        ) as exc:  # a full /dev/shm: each engine pulls on its own, nothing is wrong
+        # a full /dev/shm (or a mapping refused): each engine then pulls on its own, nothing is wrong
+        except (OSError, RuntimeError) as exc:
             log.warning("node cache: could not cache version %d: %s", version, exc)
         finally:
             tmp.unlink(missing_ok=True)
