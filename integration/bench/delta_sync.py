@@ -99,10 +99,17 @@ def store_factory(kind: str) -> Iterator[Any]:
         else:
             from rollart_weightsync import MooncakeServerConfig, MooncakeStoreServer, MooncakeWeightStore
 
-            server = stack.enter_context(MooncakeStoreServer(MooncakeServerConfig(segment_bytes=2 << 30)))
+            servers: list[Any] = []
+            stack.callback(lambda: [s.stop() for s in servers])
 
             def make(delta: bool, dtype: str) -> tuple[Any, Any]:
-                cfg = server.store_config(prefix=f"bench/{next(n)}", delta=delta, dtype=dtype)
+                # a fresh holder per store: an earlier store's versions stay in its holder's segment,
+                # and a real model's versions from several stores do not fit one
+                while servers:
+                    servers.pop().stop()
+                servers.append(MooncakeStoreServer(MooncakeServerConfig(segment_bytes=3 << 30)))
+                servers[-1].start()
+                cfg = servers[-1].store_config(prefix=f"bench/{next(n)}", delta=delta, dtype=dtype)
                 return MooncakeWeightStore(cfg), MooncakeWeightStore(cfg)
 
         yield make
