@@ -1,8 +1,9 @@
 """A weight update that fails on one engine inside a running pipeline (tiny model, two vLLM CPU engines in
-Ray actors, a torch trainer, the filesystem store wrapped by the ``faulty`` store): the first engine to
-pull version 2 gets an error. The proxy takes that engine out and has Ray restart it, the other serves
-version 2 and the run goes on; the restarted engine comes back on the served version, and every
-launched trajectory's fate is counted, none failed."""
+Ray actors, a torch trainer, the filesystem store wrapped by the ``faulty`` store, both behind the
+``node_cache`` store): the first engine to pull version 2 gets an error. The proxy takes that engine out
+and has Ray restart it, the other pulls version 2 itself and serves it, and the run goes on; the
+restarted engine comes back on the served version, and every launched trajectory's fate is counted,
+none failed. The engines shared each version through the node cache, which is gone after the run."""
 
 from __future__ import annotations
 
@@ -30,9 +31,12 @@ async def test_one_engine_failing_an_update_is_restarted_and_the_run_goes_on(
     cfg.engines[0].count = 2
     cfg.ray.num_cpus = 4
     claims = tmp_path / "claims"
+    faulty = {
+        "impl": "faulty",
+        "options": {"store": cfg.weight_store.model_dump(), "claim_dir": str(claims), "fail_pull": [2]},
+    }
     cfg.weight_store = ComponentConfig(
-        impl="faulty",
-        options={"store": cfg.weight_store.model_dump(), "claim_dir": str(claims), "fail_pull": [2]},
+        impl="node_cache", options={"store": faulty, "cache_dir": str(tmp_path / "shm")}
     )
     sink, summary = MemorySink(), {}
     async with Pipeline(cfg) as p:
@@ -53,6 +57,9 @@ async def test_one_engine_failing_an_update_is_restarted_and_the_run_goes_on(
             await asyncio.sleep(0.5)
         assert failed[0].metrics.recovered >= 1
         assert await proxy.weight_versions() == {name: 4 for name in proxy.workers}
+        cache = p.store.dir  # type: ignore[attr-defined]
+        assert [f.name for f in cache.glob("v*.json")] == ["v0000000004.json"]  # the newest, shared
+    assert not cache.exists()  # nothing left in node memory after the run
     fates = summary["fates"]
     assert sum(fates.values()) == summary["launched"] > 0
     assert set(fates) <= {"finished", "cancelled_at_stop"}, fates

@@ -71,9 +71,12 @@ def test_four_engines_pull_once_from_the_wrapped_store(tmp_path: Path) -> None:
     assert sum(o["stats"]["inner_pulls"] for o in outs) == 1  # the node's one pull
     assert sum(o["stats"]["cache_hits"] for o in outs) == 3
     assert same(store.pull(1), weights(1.0)) and store.stats["cache_hits"] == 1
-    # the last process of the node to use the cache removes it: not a copy while the builder uses it
-    pickle.loads(blob.read_bytes()).close()
-    assert store.dir.is_dir()
+    # an engine's copy that closes while another process uses the cache leaves it; the builder removes it
+    close = "import pickle, sys; s = pickle.load(open(sys.argv[1], 'rb')); s.close(); print(s.dir.is_dir())"
+    assert (
+        subprocess.run([sys.executable, "-c", close, str(blob)], capture_output=True, text=True).stdout
+        == "True\n"
+    )
     store.close()
     assert not store.dir.exists()
 

@@ -15,9 +15,10 @@ instead of pulling again. A node's network moves each version once, and the CPU 
 - **Never a silent wait.** Waiting for another engine's pull is bounded by ``lock_timeout_s``; a
   leader that fails or dies releases the lock (an ``flock``, released by the kernel with the process)
   and the next engine pulls from the wrapped store itself.
-- **Nothing left in shared memory.** Every process that uses a cache holds a shared lock on its
-  ``.users`` file; the last to close removes the directory, and a store built later on the node
-  removes the directories of stores whose builder died and which nobody uses.
+- **Nothing left in shared memory.** The process that built the store (a run's driver) removes its
+  directory when it closes; every other process that uses a cache holds a shared lock on its
+  ``.users`` file and the last to close removes it (on nodes without the driver, and for a shared
+  ``cache_key``); a store built later on the node removes directories whose builder died.
 - Pushes, ``latest_version``, ``wait_for`` and ``subscribe`` go to the wrapped store unchanged; the
   cache keeps the newest ``keep_last`` versions it wrote (each the model's size in node memory).
 """
@@ -93,6 +94,7 @@ class NodeCacheWeightStore:
         self.inner = inner
         self.dir = Path(config.cache_dir) / (config.cache_key or f"{os.getpid()}-{uuid.uuid4().hex[:12]}")
         self._users: int | None = None  # this process's shared lock on ``.users`` (never pickled)
+        self._builder = os.getpid()
         _sweep(Path(config.cache_dir))
         self.stats: dict[str, int] = {"inner_pulls": 0, "cache_hits": 0, "cache_rejected": 0}
         """This process's pulls: from the wrapped store, from the cache, cached copies refused."""
@@ -230,17 +232,24 @@ class NodeCacheWeightStore:
         return unsubscribe
 
     def close(self) -> None:
-        """Close the wrapped store; the last process of the node to use this cache removes it."""
+        """Close the wrapped store and leave nothing in node memory: the store's builder (the run's
+        driver, closing at the end of the run) removes its cache at once; any other process (an
+        engine, a store built from a shared ``cache_key``) removes it if it is the last user."""
         fd, self._users = self._users, None
-        if fd is None and (self.dir / ".users").is_file():
+        builder = self._builder == os.getpid() and self.config.cache_key is None
+        if fd is None and not builder and (self.dir / ".users").is_file():
             fd = os.open(self.dir / ".users", os.O_RDWR)
-        if fd is not None:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # nobody else holds it: the last one out
-                shutil.rmtree(self.dir, ignore_errors=True)  # mapped pages stay valid for their readers
-            except BlockingIOError:
-                pass  # another engine of the node still uses it; it removes it when it closes
-            finally:
+        try:
+            if builder:  # engines still mapping a version keep its pages; a later pull re-pulls
+                shutil.rmtree(self.dir, ignore_errors=True)
+            elif fd is not None:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # nobody else holds it
+                    shutil.rmtree(self.dir, ignore_errors=True)
+                except BlockingIOError:
+                    pass  # another process still uses it and removes it when it closes
+        finally:
+            if fd is not None:
                 os.close(fd)
         self.inner.close()
 
