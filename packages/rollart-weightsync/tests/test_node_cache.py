@@ -136,6 +136,17 @@ def test_a_full_shared_memory_leaves_the_pull_to_each_engine(
     store.close()
 
 
+def test_a_cache_dir_that_cannot_be_made_leaves_the_pull_to_the_engine(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("not a directory")
+    opts = {**options(tmp_path), "cache_dir": str(tmp_path / "file" / "shm")}
+    store = NodeCacheWeightStore(NodeCacheWeightStoreConfig.model_validate(opts))
+    store.push(1, weights(1.0)).result(TIMEOUT)
+    into = {"b": torch.zeros(3)}
+    got = store.pull(1, into=into)
+    assert got["b"] is into["b"] and same(got, weights(1.0)) and store.stats["inner_pulls"] == 1
+    store.close()
+
+
 def test_waiting_for_another_engines_pull_is_bounded(tmp_path: Path) -> None:
     store = NodeCacheWeightStore(
         NodeCacheWeightStoreConfig.model_validate(options(tmp_path, lock_timeout_s=0.2))

@@ -201,8 +201,13 @@ class NodeCacheWeightStore:
     # WeightStore ---------------------------------------------------------------------------------
 
     def pull(self, version: int, into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        self._use()
-        self.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self._use()
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # no node-local directory to share through: this engine pulls alone
+            log.warning("node cache %s unusable (%s): pulling version %d directly", self.dir, exc, version)
+            self.stats["inner_pulls"] += 1
+            return dict(self.inner.pull(version, into))
         cached = self._read_cached(version)  # the common case after the first engine: no lock needed
         if cached is None:
             fd = self._lock(self._paths(version)[2], version)
