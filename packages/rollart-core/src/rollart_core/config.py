@@ -419,15 +419,15 @@ class RunConfig(_Model):
             raise ValueError(
                 "loop.mode one_off trains on trajectories one version old: needs loop.alpha >= 1"
             )
-        tr = self.loop
-        if tr.max_trainer_restarts is None:
-            tr.max_trainer_restarts = 2 if tr.save_every and self.trainer.group else 0
-        if tr.max_trainer_restarts and not self.trainer.group:
+        loop = self.loop
+        if loop.max_trainer_restarts is None:
+            loop.max_trainer_restarts = 2 if loop.save_every and self.trainer.group else 0
+        if loop.max_trainer_restarts and not self.trainer.group:
             raise ValueError(
                 "loop.max_trainer_restarts needs the trainer as a worker group (trainer.ranks / "
                 "trainer.pool): an in-process trainer dies with the driver"
             )
-        if tr.mode == "async" and tr.alpha == 0 and tr.async_weight_sync and not tr.update_on_arrival:
+        if loop.mode == "async" and loop.alpha == 0 and loop.async_weight_sync and not loop.update_on_arrival:
             raise ValueError(
                 "loop.mode async with loop.alpha 0 needs the engines on the newest weights before each "
                 "batch's rollout: set loop.update_on_arrival true or loop.async_weight_sync false (with "

@@ -24,6 +24,7 @@ __all__ = [
     "full_tensor",
     "snapshot",
     "wait_until",
+    "wrapped_store",
 ]
 
 log = logging.getLogger(__name__)
@@ -239,3 +240,11 @@ class PushWatchMixin:
         if self._pusher is not None:
             self._pusher.close()
             self._pusher = None
+
+
+def wrapped_store(store: Any) -> Any:
+    """The store a wrapper (``faulty``, ``node_cache``) wraps, built from its ``store:`` section
+    (a :class:`~rollart_core.config.ComponentConfig`)."""
+    from rollart_core.registry import build
+
+    return build("weight_store", store.impl, store.options, "weight_store.options.store")

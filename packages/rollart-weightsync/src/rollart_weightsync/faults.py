@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rollart_core.config import ComponentConfig
 from rollart_core.errors import WeightSyncError
+from rollart_weightsync._common import wrapped_store
 
 __all__ = ["FaultyWeightStore", "FaultyWeightStoreConfig"]
 
@@ -58,14 +59,8 @@ class FaultyWeightStore:
     Config = FaultyWeightStoreConfig
 
     def __init__(self, config: FaultyWeightStoreConfig, *, inner: Any | None = None) -> None:
-        if inner is None:
-            from rollart_core.registry import build
-
-            inner = build(
-                "weight_store", config.store.impl, config.store.options, "weight_store.options.store"
-            )
         self.config = config
-        self.inner = inner
+        self.inner = wrapped_store(config.store) if inner is None else inner
         Path(config.claim_dir).mkdir(parents=True, exist_ok=True)
         self.injected: dict[str, int] = {"fail": 0, "hang": 0}
         """Faults this instance (one reader's process) took."""

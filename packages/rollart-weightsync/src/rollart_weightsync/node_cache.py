@@ -40,7 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rollart_core.config import ComponentConfig
 from rollart_core.errors import WeightSyncError
-from rollart_weightsync._common import fill_into
+from rollart_weightsync._common import fill_into, wrapped_store
 from rollart_weightsync._layout import Manifest, checksum, pack, seal, unpack
 
 if TYPE_CHECKING:
@@ -84,14 +84,8 @@ class NodeCacheWeightStore:
     Config = NodeCacheWeightStoreConfig
 
     def __init__(self, config: NodeCacheWeightStoreConfig, *, inner: Any | None = None) -> None:
-        if inner is None:
-            from rollart_core.registry import build
-
-            inner = build(
-                "weight_store", config.store.impl, config.store.options, "weight_store.options.store"
-            )
         self.config = config
-        self.inner = inner
+        self.inner = wrapped_store(config.store) if inner is None else inner
         self.dir = Path(config.cache_dir) / (config.cache_key or f"{os.getpid()}-{uuid.uuid4().hex[:12]}")
         self._users: int | None = None  # this process's shared lock on ``.users`` (never pickled)
         self._builder = os.getpid()
@@ -105,8 +99,9 @@ class NodeCacheWeightStore:
     # the cache -----------------------------------------------------------------------------------
 
     def _use(self) -> None:
+        """Make the directory (again, if the driver removed it) and hold this process's user lock."""
+        self.dir.mkdir(parents=True, exist_ok=True)
         if self._users is None:
-            self.dir.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.dir / ".users", os.O_CREAT | os.O_RDWR, 0o600)
             fcntl.flock(fd, fcntl.LOCK_SH)
             self._users = fd
@@ -203,7 +198,6 @@ class NodeCacheWeightStore:
     def pull(self, version: int, into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         try:
             self._use()
-            self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:  # no node-local directory to share through: this engine pulls alone
             log.warning("node cache %s unusable (%s): pulling version %d directly", self.dir, exc, version)
             self.stats["inner_pulls"] += 1

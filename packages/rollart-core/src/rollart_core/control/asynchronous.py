@@ -32,10 +32,10 @@ __all__ = ["run_async"]
 
 
 async def run_async(run: Run) -> AsyncGenerator[StepRecord, None]:
-    tc = run.cfg.loop
-    on_arrival = tc.async_weight_sync and tc.update_on_arrival
-    depth = tc.max_pending_steps or tc.alpha + 1  # steps' worth of groups launched ahead of training
-    run.beside(produce(run.rollout, run.num_groups * depth, tc.alpha), "the async producer")
+    loop = run.cfg.loop
+    on_arrival = loop.async_weight_sync and loop.update_on_arrival
+    depth = loop.max_pending_steps or loop.alpha + 1  # steps' worth of groups launched ahead of training
+    run.beside(produce(run.rollout, run.num_groups * depth, loop.alpha), "the async producer")
     pushed = None
     for rec in run.steps():
         batch = await get_batch(run, rec)  # 1. Get Batch
@@ -46,9 +46,9 @@ async def run_async(run: Run) -> AsyncGenerator[StepRecord, None]:
             run.state.will_serve(run.clock.trained + 1)
         await train_step(run, rec, batch)  # 6. Train, rollout goes on
         pushed = push(run, update=on_arrival)  # in the background
-        if tc.abort_stale:
+        if loop.abort_stale:
             abort_stale(run, rec)
-        if not tc.async_weight_sync:  # the synchronous ablation: update right after training
+        if not loop.async_weight_sync:  # the synchronous ablation: update right after training
             await landed(run, rec, pushed)
             await sync_weights(run, rec, run.clock.trained)
             pushed = None

@@ -134,7 +134,7 @@ async def get_batch(run: Run, rec: StepRecord, *, relaunch: bool = False) -> lis
     its task, within ``loop.max_group_relaunches``. Evaluated on every change of the run's state (and
     at the stall deadline); raises the run's failure as soon as it is set."""
     t0 = time.perf_counter()
-    state, tc = run.state, run.cfg.loop
+    state, loop = run.state, run.cfg.loop
 
     def ready() -> list[Trajectory] | None:
         for group, task in state.drop_untrainable():
@@ -145,9 +145,9 @@ async def get_batch(run: Run, rec: StepRecord, *, relaunch: bool = False) -> lis
         return batch
 
     def stall_deadline() -> float | None:
-        if tc.stall_timeout_s is None:
+        if loop.stall_timeout_s is None:
             return None
-        return state.ledger.last_finished_at + tc.stall_timeout_s
+        return state.ledger.last_finished_at + loop.stall_timeout_s
 
     batch = await state.wait_for(ready, wake_at=stall_deadline)
     rec.wait_s += time.perf_counter() - t0
@@ -169,18 +169,18 @@ def _replace(run: Run, group: str, task: str | None, relaunch: bool) -> None:
 
 
 def _check_progress(run: Run) -> None:
-    ledger, tc = run.state.ledger, run.cfg.loop
+    ledger, loop = run.state.ledger, run.cfg.loop
     share, stage = ledger.failure_share()
-    if len(ledger.recent) >= _MIN_FAILURE_SAMPLE and share >= tc.max_failure_share:
+    if len(ledger.recent) >= _MIN_FAILURE_SAMPLE and share >= loop.max_failure_share:
         raise RunStalled(
             f"{stage}: {share:.0%} of the last {len(ledger.recent)} trajectories failed "
-            f"(loop.max_failure_share = {tc.max_failure_share}); {_fates_report(run)}"
+            f"(loop.max_failure_share = {loop.max_failure_share}); {_fates_report(run)}"
         )
     idle = time.monotonic() - ledger.last_finished_at
-    if tc.stall_timeout_s is not None and idle >= tc.stall_timeout_s:
+    if loop.stall_timeout_s is not None and idle >= loop.stall_timeout_s:
         raise RunStalled(
             f"{_failing_stage(run)}: no trajectory finished for {idle:.0f} s while waiting for a batch "
-            f"(loop.stall_timeout_s = {tc.stall_timeout_s:g}); {len(run.rollout.inflight)} in flight; "
+            f"(loop.stall_timeout_s = {loop.stall_timeout_s:g}); {len(run.rollout.inflight)} in flight; "
             f"{_fates_report(run)}"
         )
 

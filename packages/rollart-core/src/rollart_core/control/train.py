@@ -69,44 +69,44 @@ async def train(
     (Ctrl-C, SIGTERM) or failed after its loop began still records the steps it made and the fate of
     every trajectory it launched, with ``completed`` False. ``set_aside_earlier``: move an earlier
     run out of ``cfg.output_dir`` first (the CLI does it itself, before its log opens there)."""
-    tc = cfg.loop
+    loop = cfg.loop
     summary = {} if summary is None else summary
     history: list[dict[str, Any]] = []
     if (
         set_aside_earlier
         and pipeline is None
-        and (moved := set_aside_earlier_run(cfg.output_dir, tc.resume_from))
+        and (moved := set_aside_earlier_run(cfg.output_dir, loop.resume_from))
     ):
         log.info("the earlier run in %s was moved to %s", cfg.output_dir, moved)
     async with contextlib.nullcontext(pipeline) if pipeline is not None else Pipeline(cfg) as p:
         run = Run(p, cfg)
-        if tc.resume_from:
-            run.first_step = await resume(p, run, tc.resume_from)
+        if loop.resume_from:
+            run.first_step = await resume(p, run, loop.resume_from)
         sink = sink or default_sinks(
             cfg.output_dir,
             CONSOLE_KEYS,
-            run.first_step if tc.resume_from else None,
-            total_steps=tc.steps,
+            run.first_step if loop.resume_from else None,
+            total_steps=loop.steps,
             config=cfg,
         )
         saved = (
-            TrajectoryLog(cfg.output_dir, p.chat.decode, run.first_step) if tc.export_trajectories else None
+            TrajectoryLog(cfg.output_dir, p.chat.decode, run.first_step) if loop.export_trajectories else None
         )
-        held_out = functools.partial(evaluate, p, tc.eval_episodes, temperature=tc.eval_temperature)
-        if tc.eval_every and run.first_step == 1:
+        held_out = functools.partial(evaluate, p, loop.eval_episodes, temperature=loop.eval_temperature)
+        if loop.eval_every and run.first_step == 1:
             t_eval = time.perf_counter()
             sink.log(0, {**await held_out(), "version": p.trainer.version})
             p.timings["eval0_s"] = time.perf_counter() - t_eval
-        recipe = RECIPES[tc.mode](run)
+        recipe = RECIPES[loop.mode](run)
         completed = False
         try:
             async for rec in recipe:
                 metrics = step_metrics(run, rec)
                 if saved is not None:
                     await saved.write(rec.step, rec.ended, rec.batch)
-                if tc.eval_every and rec.step % tc.eval_every == 0:
+                if loop.eval_every and rec.step % loop.eval_every == 0:
                     metrics.update(await held_out())
-                if tc.save_every and rec.step % tc.save_every == 0:
+                if loop.save_every and rec.step % loop.save_every == 0:
                     await save_checkpoint(p, run, rec.step, cfg.output_dir / f"checkpoint-{rec.step}")
                 sink.log(rec.step, metrics)
                 if "first_step_s" not in p.timings and (age := since_process_start()) is not None:
